@@ -1,0 +1,68 @@
+"""Public value types of the storage engine (what ``Store`` methods return).
+
+Kept apart from the engine so the FUSE layer, tools and tests can import them cheaply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Tunables of an opened volume. Every value has a default; profiles override them."""
+
+    hot_sessions: int = 100  # sessions kept decoded in the in-memory hot index (LRU)
+    checkpoint_interval_s: float = 600.0  # B+ tree checkpoint period (driven by the caller)
+    cleanup_threshold: float = 0.70  # ring usage that triggers retention cleanup
+    retention_s: float = 7 * 24 * 3600.0  # sessions idle longer than this may be dropped
+    evict_when_full: bool = False  # drop least recently used sessions whole instead of ENOSPC
+    compression: str = "auto"  # "auto" (zstd when it pays), "zstd" (always try), "none"
+    zstd_level: int = 1
+    min_ratio: float = 1.03  # store raw when compressed/raw is not at least this much smaller
+    plane_split: bool = True  # split 16-bit values into high/low byte planes before zstd
+    write_buffer: int = 4 << 20  # bytes of entries gathered before one pwrite
+    fadvise: bool = True  # POSIX_FADV_DONTNEED after cold reads
+
+
+@dataclass
+class FileStat:
+    name: str
+    size: int  # raw bytes (st_size)
+    stored: int  # bytes the file's live extents occupy on disk, headers included (st_blocks)
+    mode: int
+    uid: int
+    gid: int
+    ctime: float
+    mtime: float
+    atime: float
+
+
+@dataclass
+class SessionStat:
+    name: str
+    sno: int  # never-reused session number (slot in the live bitmap)
+    mode: int
+    uid: int
+    gid: int
+    ctime: float
+    mtime: float
+    atime: float
+    files: int
+    size: int  # raw bytes over all files
+    stored: int
+
+
+@dataclass
+class Usage:
+    capacity: int  # ring bytes
+    used: int  # head - tail: bytes the ring holds, dead or alive
+    live: int  # bytes of live entries (what would survive a full copy-forward)
+    sessions: int
+    head: int
+    tail: int
+    checkpoint_pos: int
+    checkpoint_age_s: float
+    raw_bytes_written: int = 0
+    stored_bytes_written: int = 0
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,49 @@
+"""Engine exceptions. Only ``kvfs.fs`` maps them to errno; the engine never knows errno."""
+
+
+class KVFSError(Exception):
+    """Base class of every error the storage engine raises on purpose."""
+
+
+class NotFound(KVFSError):
+    """Unknown session or file (ENOENT)."""
+
+
+class Exists(KVFSError):
+    """Session or file already exists (EEXIST)."""
+
+
+class BadName(KVFSError):
+    """Session or file name not allowed: '/', NUL, '.', '..', empty (EINVAL)."""
+
+
+class NameTooLong(BadName):
+    """Name over 255 bytes (ENAMETOOLONG)."""
+
+
+class NotAppend(KVFSError):
+    """A write that is not an append at the current end of file (EPERM); nothing changed."""
+
+
+class BadRange(KVFSError):
+    """Offset/length/size out of range, e.g. truncate beyond size (EINVAL)."""
+
+
+class NotEmpty(KVFSError):
+    """Directory not empty (ENOTEMPTY)."""
+
+
+class NoSpace(KVFSError):
+    """The ring is full of data that may not be dropped (ENOSPC); nothing else lost."""
+
+
+class Corrupt(KVFSError):
+    """A checksum or structure check failed for the bytes asked for (EIO)."""
+
+
+class FormatError(KVFSError):
+    """The file is not a kvfs volume, or one of an unsupported version/size; refuse to open."""
+
+
+class VolumeBusy(KVFSError):
+    """The volume is already opened (mounted) by another process."""

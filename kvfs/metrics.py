@@ -1,0 +1,105 @@
+"""One Prometheus registry for every tier of this process.
+
+Each process (the mount, an agent) has its own registry; the mount serves its text in
+``/.kvfs/metrics``, an agent can serve its own over HTTP (``serve(port)``). Metric names
+are the brief's; add new ones here so they stay in one list.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+_MS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500)
+
+# hot tier
+hot_hits = Counter("kv_hot_hits", "Attention steps served entirely from the hot window", registry=REGISTRY)
+hot_misses = Counter("kv_hot_misses", "Steps that needed a recall from warm/cold", registry=REGISTRY)
+hot_hit_rate = Gauge("kv_hot_hit_rate", "hits / (hits + misses) since start", registry=REGISTRY)
+hot_bytes = Gauge("kv_hot_bytes", "KV bytes held on the device", registry=REGISTRY)
+hot_sessions = Gauge("kv_hot_sessions", "Sessions with a hot window", registry=REGISTRY)
+hot_spills = Counter("kv_hot_spilled_bytes", "Bytes handed from hot to warm", registry=REGISTRY)
+hot_watermark_moves = Counter("kv_hot_watermark_migrations", "Rounds moved out by the device watermark", registry=REGISTRY)
+
+# warm tier
+warm_bytes = Gauge("kv_warm_bytes", "Bytes in warm .kvmap shards", registry=REGISTRY)
+warm_sessions = Gauge("kv_warm_sessions", "Sessions in the warm tier", registry=REGISTRY)
+warm_usage_ratio = Gauge("kv_warm_usage_ratio", "warm bytes / cap", registry=REGISTRY)
+warm_hits = Counter("kv_warm_hits", "Reads served from warm", registry=REGISTRY)
+warm_misses = Counter("kv_warm_misses", "Reads that went to cold", registry=REGISTRY)
+warm_migrations = Counter("kv_warm_migrations", "Sessions migrated warm -> cold", registry=REGISTRY)
+warm_promotions = Counter("kv_warm_promotions", "Sessions promoted cold -> warm", registry=REGISTRY)
+warm_evict_latency = Histogram("kv_warm_evict_latency_ms", "Latency of one group migration (ms)", buckets=_MS_BUCKETS, registry=REGISTRY)
+
+# cold tier (engine, as seen by the mount)
+cold_bytes = Gauge("kv_cold_bytes", "Ring bytes in use (head - tail)", registry=REGISTRY)
+cold_capacity = Gauge("kv_cold_capacity_bytes", "Ring capacity", registry=REGISTRY)
+cold_sessions = Gauge("kv_cold_sessions", "Live sessions on the volume", registry=REGISTRY)
+cold_read_ms = Histogram("kv_cold_read_ms", "Cold read latency (ms)", buckets=_MS_BUCKETS, registry=REGISTRY)
+cold_read_p99 = Gauge("kv_cold_read_p99_ms", "p99 of recent cold reads (ms)", registry=REGISTRY)
+cold_write_ms = Histogram("kv_cold_write_ms", "Cold write (flush) latency (ms)", buckets=_MS_BUCKETS, registry=REGISTRY)
+cold_compression = Gauge("kv_cold_compression_ratio", "raw / stored bytes written", registry=REGISTRY)
+cold_checkpoint_age = Gauge("kv_cold_checkpoint_age_s", "Seconds since the last checkpoint", registry=REGISTRY)
+cold_errors = Counter("kv_cold_errors", "Corrupt reads and internal errors answered with EIO", registry=REGISTRY)
+
+alerts_firing = Gauge("kv_alert_firing", "1 while an alert rule fires", ["rule"], registry=REGISTRY)
+alerts_fired = Counter("kv_alerts_fired", "Times an alert rule started firing", ["rule"], registry=REGISTRY)
+
+
+class Recent:
+    """A bounded window of recent samples with quantiles (for p99 gauges)."""
+
+    def __init__(self, n: int = 2048) -> None:
+        self._d: deque[float] = deque(maxlen=n)
+        self._lock = threading.Lock()
+
+    def add(self, v: float) -> None:
+        with self._lock:
+            self._d.append(v)
+
+    def quantile(self, q: float) -> float:
+        with self._lock:
+            if not self._d:
+                return 0.0
+            s = sorted(self._d)
+        return s[min(len(s) - 1, int(q * len(s)))]
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+cold_read_recent = Recent()
+cold_write_recent = Recent()
+
+
+def observe_cold_read(ms: float) -> None:
+    cold_read_ms.observe(ms)
+    cold_read_recent.add(ms)
+    cold_read_p99.set(cold_read_recent.quantile(0.99))
+
+
+def observe_cold_write(ms: float) -> None:
+    cold_write_ms.observe(ms)
+    cold_write_recent.add(ms)
+
+
+def update_hot_hit_rate() -> None:
+    h = hot_hits._value.get()
+    m = hot_misses._value.get()
+    hot_hit_rate.set(h / (h + m) if h + m else 1.0)
+
+
+def text() -> bytes:
+    """The registry in Prometheus text exposition format."""
+    return generate_latest(REGISTRY)
+
+
+def serve(port: int, addr: str = "127.0.0.1") -> None:
+    """Serve this process's metrics over HTTP on loopback (``--metrics-port``)."""
+    from prometheus_client import start_http_server
+
+    start_http_server(port, addr=addr, registry=REGISTRY)

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs everything kvfs needs on a fresh Debian machine: FUSE (apt, when root and
+# missing), a venv in .venv, torch pinned to the CPU build on local disk, the package.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+need_apt=()
+command -v fusermount3 >/dev/null 2>&1 || need_apt+=(fuse3)
+pkg-config --exists fuse3 2>/dev/null || need_apt+=(libfuse3-dev pkg-config)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse3 libfuse3-dev pkg-config
+  else
+    echo "kvfs: need apt packages: ${need_apt[*]} (run as root or install them)" >&2; exit 1
+  fi
+fi
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/pip install -q --upgrade pip
+.venv/bin/pip install -q torch==2.13.0
+.venv/bin/pip install -q -e '.[dev]'
+touch .venv/.installed
