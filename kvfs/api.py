@@ -57,7 +57,6 @@ class SessionStat:
 class Usage:
     capacity: int  # ring bytes
     used: int  # head - tail: bytes the ring holds, dead or alive
-    live: int  # bytes of live entries (what would survive a full copy-forward)
     sessions: int
     head: int
     tail: int

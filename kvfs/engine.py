@@ -1,8 +1,9 @@
 """The storage engine's public face: ``Store``.
 
-Owns one volume: sessions (directories) holding files (``layer_<n>``, ``meta.json``...).
-Never imports pyfuse3 or torch. Not thread-safe: callers serialise (the FUSE layer runs
-it on one worker thread at a time; tools call it directly).
+Owns one volume: sessions (directories) holding append-only files (``layer_<n>``,
+``meta.json``...). Every change is a ring entry first; the in-memory index follows; the B+
+tree checkpoint is a shortcut for recovery, never the only truth. Never imports pyfuse3 or
+torch. Not thread-safe: callers serialise (the FUSE layer runs it on one worker at a time).
 
 Contract (the FUSE layer, tools and tests rely on it):
   Store.create(path, size, config=None) -> Store     # FormatError if too small / exists as other
@@ -28,6 +29,534 @@ Contract (the FUSE layer, tools and tests rely on it):
   cleanup() -> int                         # drop sessions idle > retention; returns count
   usage() -> Usage
   stats() -> dict                          # JSON-able counters for /.kvfs/stats
+Times in the API are float seconds; on disk they are integer nanoseconds.
 """
 
 from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from . import metrics
+from .api import FileStat, SessionStat, StoreConfig, Usage
+from .btree import BTree, TreeFull, TreeRoot
+from .codec import Codec, decode
+from .errors import BadRange, Corrupt, Exists, NoSpace, NotAppend, NotFound
+from .layout import (
+    FMETA_FMT,
+    MAX_ENTRY_RAW,
+    SB_CLEAN,
+    SMETA_FMT,
+    T_DATA,
+    T_DELF,
+    T_DELS,
+    T_FMETA,
+    T_SMETA,
+    T_TRUNC,
+    Superblock,
+    entry_size,
+)
+from .model import FileRec, Session, check_name, chunk_key, name_hash, session_prefix, split_chunks
+from .ring import Ring, ScanReport
+from .volume import VolumeFile, geometry
+
+log = logging.getLogger(__name__)
+
+BITMAP_CHUNK = 1000  # bytes of the live-session bitmap per B+ tree value (8000 sessions)
+DECODED_CACHE = 32 << 20  # bytes of decoded entries kept for sequential small reads
+
+
+def _ns(t: float | None) -> int | None:
+    return None if t is None else int(t * 1e9)
+
+
+class Store:
+    def __init__(self, vol: VolumeFile, sb: Superblock, config: StoreConfig,
+                 clock: Callable[[], float]) -> None:
+        self.vol, self.sb, self.cfg, self.clock = vol, sb, config, clock
+        vol.fadvise = config.fadvise
+        self.ring = Ring(vol, sb.ring_offset, sb.ring_size, sb.head, sb.tail, config.write_buffer)
+        self.tree = BTree(vol.fd, sb.tree_offset, sb.tree_pages, TreeRoot.unpack(sb.tree_root))
+        self.codec = Codec(config.compression, config.zstd_level, config.min_ratio, config.plane_split)
+        self.next_sno = sb.next_sno
+        self.bitmap = bytearray()
+        self.bitmap_dirty: set[int] = set()
+        self.n_sessions = 0
+        self.hot: OrderedDict[int, Session] = OrderedDict()  # clean sessions, LRU order
+        self.pinned: dict[int, Session] = {}  # changed since the checkpoint: never evicted
+        self.names: dict[str, int] = {}  # name -> sno for sessions in hot or pinned
+        self.purge: dict[int, int] = {}  # deleted sno -> name hash, keys to drop at checkpoint
+        self.atime_dirty: set[int] = set()
+        self._decoded: OrderedDict[int, bytes] = OrderedDict()
+        self._decoded_bytes = 0
+        self.last_ckpt = time.monotonic()
+        self.last_cleanup = 0.0
+        self.readonly = vol.readonly
+        # Entries are bounded so that the reserve kept for copying forward stays a small
+        # part of the ring: the tail can always copy its oldest live entry and move on.
+        self.max_entry_raw = min(MAX_ENTRY_RAW, max(64 << 10, sb.ring_size // 32))
+        self.reserve = 2 * entry_size(self.max_entry_raw + (self.max_entry_raw >> 6) + 64) + (64 << 10)
+        self.open_report: ScanReport | None = None
+        self.counters = dict(appends=0, reads=0, raw_written=0, stored_written=0, copied_forward=0,
+                             reclaims=0, checkpoints=0, corrupt_reads=0, dropped_sessions=0,
+                             evicted_sessions=0, full_scans=0)
+
+    # ================================================================ lifecycle
+    @classmethod
+    def create(cls, path: str, size: int, config: StoreConfig | None = None,
+               clock: Callable[[], float] = time.time) -> Store:
+        """Format a new volume at ``path`` (a new file, or a block device) and open it."""
+        tree_off, tree_pages, ring_off, ring_size = geometry(size)
+        vol = VolumeFile.create(path, size)
+        now = time.time_ns()
+        sb = Superblock(1, SB_CLEAN, vol.size, ring_off, ring_size, tree_off, tree_pages, 0, 0, 0, 1,
+                        now, now, TreeRoot.empty().pack())
+        vol.write_superblock(sb)
+        vol.write_superblock(Superblock(**{**sb.__dict__, "seq": 2}))
+        vol.close()
+        return cls.open(path, config, clock)
+
+    @classmethod
+    def open(cls, path: str, config: StoreConfig | None = None,
+             clock: Callable[[], float] = time.time, readonly: bool = False) -> Store:
+        """Open: newest valid superblock -> B+ tree checkpoint -> replay the ring after it."""
+        from .errors import FormatError
+        from .recovery import recover
+
+        vol = VolumeFile.open(path, readonly)
+        try:
+            sbs = vol.read_superblocks()
+            if not sbs:
+                raise FormatError(f"{path}: both superblocks are corrupt; run tools/fsck.py")
+            sb = sbs[0]
+            if sb.volume_size > vol.size:
+                raise FormatError(f"{path}: volume is {vol.size} bytes, superblock says {sb.volume_size}")
+            store = cls(vol, sb, config or StoreConfig(), clock)
+            recover(store)
+        except BaseException:
+            vol.close()
+            raise
+        return store
+
+    def close(self) -> None:
+        if self.vol.fd < 0:
+            return
+        try:
+            if not self.readonly:
+                self.checkpoint(clean=True)
+        finally:
+            self.vol.close()
+
+    def crash(self) -> None:
+        """Drop the fd as a killed process would: unflushed entries are lost. For tests."""
+        self.vol.close()
+
+    # ================================================================ lookups
+    def _live(self, sno: int) -> bool:
+        i = sno >> 3
+        return i < len(self.bitmap) and bool(self.bitmap[i] & (1 << (sno & 7)))
+
+    def _set_live(self, sno: int, live: bool) -> None:
+        i = sno >> 3
+        if i >= len(self.bitmap):
+            self.bitmap.extend(bytes(i + 1 - len(self.bitmap)))
+        was = self._live(sno)
+        if live:
+            self.bitmap[i] |= 1 << (sno & 7)
+        else:
+            self.bitmap[i] &= ~(1 << (sno & 7)) & 0xFF
+        self.n_sessions += int(live) - int(was)
+        self.bitmap_dirty.add(i // BITMAP_CHUNK)
+
+    def _cached(self, sno: int) -> Session | None:
+        s = self.pinned.get(sno)
+        if s is None:
+            s = self.hot.get(sno)
+            if s is not None:
+                self.hot.move_to_end(sno)
+        return s
+
+    def _remember(self, s: Session) -> None:
+        self.names[s.name] = s.sno
+        if s.dirty:
+            self.hot.pop(s.sno, None)
+            self.pinned[s.sno] = s
+        else:
+            self.hot[s.sno] = s
+            self.hot.move_to_end(s.sno)
+            while len(self.hot) > self.cfg.hot_sessions:
+                _, old = self.hot.popitem(last=False)
+                if self.names.get(old.name) == old.sno:
+                    del self.names[old.name]
+                if old.sno in self.atime_dirty:  # keep its read time: pin it till the checkpoint
+                    old.dirty = True
+                    self.pinned[old.sno] = old
+                    self.names[old.name] = old.sno
+
+    def _dirty(self, s: Session) -> None:
+        if not s.dirty:
+            s.dirty = True
+            self._remember(s)
+
+    def load(self, nh: int, sno: int) -> Session | None:
+        """The live session ``sno`` (hash ``nh``) from memory or the checkpoint tree."""
+        if not self._live(sno):
+            return None
+        s = self._cached(sno)
+        if s is not None:
+            return s
+        parts = [v for _, v in self.tree.scan(session_prefix(nh, sno))]
+        if not parts:
+            return None
+        s = Session.decode(b"".join(parts))
+        self._remember(s)
+        return s
+
+    def _find(self, name: str) -> Session | None:
+        sno = self.names.get(name)
+        if sno is not None:
+            s = self._cached(sno)
+            if s is not None and self._live(sno):
+                return s
+        nh = name_hash(name)
+        for key, val in self.tree.scan(session_prefix(nh)):
+            sno = int.from_bytes(key[9:17], "big")
+            if key[17:19] == b"\0\0" and self._live(sno) and _chunk0_name(val) == name:
+                return self.load(nh, sno)
+        return None
+
+    def _session(self, name: str) -> Session:
+        check_name(name)
+        s = self._find(name)
+        if s is None:
+            raise NotFound(f"no session {name!r}")
+        return s
+
+    def _file(self, session: str, name: str) -> tuple[Session, FileRec]:
+        s = self._session(session)
+        check_name(name)
+        f = s.file(name)
+        if f is None:
+            raise NotFound(f"no file {name!r} in session {session!r}")
+        return s, f
+
+    # ================================================================ writing entries
+    def _emit(self, type_: int, s: Session, fno: int = 0, file_off: int = 0, payload: bytes = b"",
+              flags: int = 0, raw_len: int = 0) -> tuple[int, int]:
+        self._ensure_room(self.ring.cost(len(payload)))
+        return self.ring.append(type_, flags, s.name_hash, s.sno, fno, file_off, raw_len, payload)
+
+    def _ensure_room(self, need: int) -> None:
+        if self.readonly:
+            raise NoSpace("volume is open read-only")
+        if self.ring.room() >= need + self.reserve:
+            return
+        from .reclaim import reclaim
+
+        reclaim(self, need + self.reserve)
+
+    def _smeta(self, s: Session) -> bytes:
+        return SMETA_FMT.pack(s.mode, s.uid, s.gid, s.next_fno, s.ctime, s.mtime) + s.name.encode(
+            "utf-8", "surrogateescape")
+
+    def _fmeta(self, f: FileRec) -> bytes:
+        return FMETA_FMT.pack(f.mode, f.uid, f.gid, f.ctime, f.mtime) + f.name.encode(
+            "utf-8", "surrogateescape")
+
+    def emit_smeta(self, s: Session) -> None:
+        s.meta_pos, _ = self._emit(T_SMETA, s, payload=self._smeta(s))
+        self._dirty(s)
+
+    def emit_fmeta(self, s: Session, f: FileRec) -> None:
+        f.meta_pos, _ = self._emit(T_FMETA, s, f.fno, payload=self._fmeta(f))
+        self._dirty(s)
+
+    # ================================================================ sessions
+    def list_sessions(self) -> list[str]:
+        names: dict[int, str] = {}
+        for key, val in self.tree.scan(b"S"):
+            sno = int.from_bytes(key[9:17], "big")
+            if key[17:19] == b"\0\0" and self._live(sno):
+                names[sno] = _chunk0_name(val)
+        for d in (self.hot, self.pinned):
+            for sno, s in d.items():
+                if self._live(sno):
+                    names[sno] = s.name
+        return sorted(names.values())
+
+    def create_session(self, name: str, mode: int = 0o700, uid: int = 0, gid: int = 0) -> None:
+        check_name(name)
+        if self._find(name) is not None:
+            raise Exists(f"session {name!r} exists")
+        now = time.time_ns()
+        s = Session(self.next_sno, name, name_hash(name), mode, uid, gid, now, now, now, -1)
+        self.emit_smeta(s)
+        self.next_sno += 1
+        self._set_live(s.sno, True)
+
+    def delete_session(self, name: str) -> None:
+        s = self._session(name)
+        self._emit(T_DELS, s)
+        self.drop(s)
+
+    def drop(self, s: Session) -> None:
+        """Forget a session whose tombstone is written: bitmap first, tree keys at checkpoint."""
+        self._set_live(s.sno, False)
+        self.purge[s.sno] = s.name_hash
+        self.pinned.pop(s.sno, None)
+        self.hot.pop(s.sno, None)
+        self.atime_dirty.discard(s.sno)
+        if self.names.get(s.name) == s.sno:
+            del self.names[s.name]
+
+    def session_stat(self, name: str) -> SessionStat:
+        s = self._session(name)
+        size = sum(f.size for f in s.files.values())
+        stored = sum(f.stored() for f in s.files.values())
+        return SessionStat(s.name, s.sno, s.mode, s.uid, s.gid, s.ctime / 1e9, s.mtime / 1e9,
+                           s.atime / 1e9, len(s.files), size, stored)
+
+    def set_session_attrs(self, name: str, mode: int | None = None, uid: int | None = None,
+                          gid: int | None = None, atime: float | None = None,
+                          mtime: float | None = None) -> None:
+        s = self._session(name)
+        s.atime, s.mtime = _ns(atime) or s.atime, _ns(mtime) or s.mtime
+        if (mode, uid, gid) != (None, None, None):
+            s.mode = s.mode if mode is None else mode & 0o7777
+            s.uid, s.gid = s.uid if uid is None else uid, s.gid if gid is None else gid
+            self.emit_smeta(s)
+        self._dirty(s)
+
+    # ================================================================ files
+    def list_files(self, session: str) -> list[str]:
+        return sorted(self._session(session).by_name)
+
+    def create_file(self, session: str, name: str, mode: int = 0o600, uid: int = 0, gid: int = 0) -> None:
+        s = self._session(session)
+        check_name(name)
+        if s.file(name) is not None:
+            raise Exists(f"file {name!r} exists in session {session!r}")
+        now = time.time_ns()
+        f = FileRec(s.next_fno, name, mode & 0o7777, uid, gid, now, now, now, -1)
+        s.add_file(f)
+        s.mtime = now
+        self.emit_fmeta(s, f)
+
+    def delete_file(self, session: str, name: str) -> None:
+        s, f = self._file(session, name)
+        self._emit(T_DELF, s, f.fno)
+        s.drop_file(f.fno)
+        s.mtime = time.time_ns()
+        self._dirty(s)
+
+    def file_stat(self, session: str, name: str) -> FileStat:
+        _, f = self._file(session, name)
+        return FileStat(f.name, f.size, f.stored(), f.mode, f.uid, f.gid, f.ctime / 1e9,
+                        f.mtime / 1e9, f.atime / 1e9)
+
+    def set_file_attrs(self, session: str, name: str, mode: int | None = None, uid: int | None = None,
+                       gid: int | None = None, atime: float | None = None,
+                       mtime: float | None = None) -> None:
+        s, f = self._file(session, name)
+        f.atime, f.mtime = _ns(atime) or f.atime, _ns(mtime) or f.mtime
+        if (mode, uid, gid) != (None, None, None):
+            f.mode = f.mode if mode is None else mode & 0o7777
+            f.uid, f.gid = f.uid if uid is None else uid, f.gid if gid is None else gid
+            self.emit_fmeta(s, f)
+        self._dirty(s)
+
+    # ================================================================ data
+    def append(self, session: str, name: str, offset: int, data: bytes | memoryview) -> None:
+        s, f = self._file(session, name)
+        if offset != f.size:
+            raise NotAppend(f"{session}/{name}: write at {offset} is not an append (size {f.size})")
+        mv = memoryview(data).cast("B")
+        if not mv:
+            return
+        t0 = time.perf_counter()
+        step = self.max_entry_raw
+        pieces = [mv[i: i + step] for i in range(0, len(mv), step)]
+        # Room for the whole write first (raw size bounds the stored size): a write that
+        # cannot fit fails before any of it is stored.
+        self._ensure_room(sum(self.ring.cost(len(p) + 64) for p in pieces))
+        for p in pieces:
+            flags, stored = self.codec.encode(p)
+            pos, esize = self._emit(T_DATA, s, f.fno, f.size, stored, flags, len(p))
+            f.add(pos, 0, len(p), esize)
+            self.counters["raw_written"] += len(p)
+            self.counters["stored_written"] += len(stored)
+        f.mtime = s.mtime = time.time_ns()
+        self.counters["appends"] += 1
+        self._dirty(s)
+        metrics.observe_cold_write((time.perf_counter() - t0) * 1e3)
+
+    def truncate(self, session: str, name: str, length: int) -> None:
+        s, f = self._file(session, name)
+        if length < 0 or length > f.size:
+            raise BadRange(f"{session}/{name}: truncate to {length}, size is {f.size} (only shorter)")
+        if length == f.size:
+            return
+        self._emit(T_TRUNC, s, f.fno, length)
+        f.truncate(length)
+        f.mtime = s.mtime = time.time_ns()
+        self._dirty(s)
+
+    def read(self, session: str, name: str, offset: int, length: int) -> bytes:
+        s, f = self._file(session, name)
+        if offset < 0 or length < 0:
+            raise BadRange(f"read at {offset} of {length} bytes")
+        end = min(f.size, offset + length)
+        if offset >= end:
+            return b""
+        t0 = time.perf_counter()
+        out = []
+        i = f.find(offset)
+        while i < len(f.ext) and f.off[i] < end:
+            pos, skip, n, esize = f.ext[i]
+            o = f.off[i]
+            raw = self.entry_bytes(pos, esize)
+            a, b = max(offset, o) - o + skip, min(end, o + n) - o + skip
+            out.append(raw[a:b])
+            i += 1
+        self.counters["reads"] += 1
+        s.atime = f.atime = time.time_ns()
+        if not s.dirty:
+            self.atime_dirty.add(s.sno)
+        metrics.observe_cold_read((time.perf_counter() - t0) * 1e3)
+        return b"".join(out)
+
+    def entry_bytes(self, pos: int, esize: int) -> bytes:
+        """Decoded payload of the data entry at ``pos`` (a small cache serves re-reads)."""
+        raw = self._decoded.get(pos)
+        if raw is not None:
+            self._decoded.move_to_end(pos)
+            return raw
+        try:
+            h, payload = self.ring.read_entry(pos, esize)
+            if h.type != T_DATA:
+                raise Corrupt(f"entry at {pos} is not a data entry")
+            raw = bytes(decode(h.flags, payload, h.raw_len))
+        except Corrupt:
+            self.counters["corrupt_reads"] += 1
+            metrics.cold_errors.inc()
+            raise
+        self._decoded[pos] = raw
+        self._decoded_bytes += len(raw)
+        while self._decoded_bytes > DECODED_CACHE and len(self._decoded) > 1:
+            self._decoded_bytes -= len(self._decoded.popitem(last=False)[1])
+        return raw
+
+    # ================================================================ durability
+    def flush(self) -> None:
+        self.ring.flush()
+
+    def sync(self) -> None:
+        self.ring.sync()
+
+    def checkpoint(self, clean: bool = False) -> None:
+        """Persist the index (dirty sessions, purges, bitmap) and a superblock pointing at it."""
+        if self.readonly:
+            return
+        self.ring.sync()  # everything the checkpoint references is durable first
+        changes: dict[bytes, bytes | None] = {}
+        for sno, nh in self.purge.items():
+            for key, _ in self.tree.scan(session_prefix(nh, sno)):
+                changes[key] = None
+        dirty = list(self.pinned.values())
+        for s in dirty + [self.hot[n] for n in self.atime_dirty if n in self.hot]:
+            old = [k for k, _ in self.tree.scan(session_prefix(s.name_hash, s.sno))]
+            chunks = split_chunks(s.encode())
+            for k in old[len(chunks):]:
+                changes[k] = None
+            for i, c in enumerate(chunks):
+                changes[chunk_key(s.name_hash, s.sno, i)] = c
+        for c in self.bitmap_dirty:
+            changes[b"B" + c.to_bytes(4, "big")] = bytes(self.bitmap[c * BITMAP_CHUNK: (c + 1) * BITMAP_CHUNK])
+        try:
+            root = self.tree.commit(changes)
+        except TreeFull as e:
+            raise NoSpace(f"index region full, cannot checkpoint: {e}") from e
+        self.vol.sync()
+        sb = self.sb
+        self.sb = Superblock(sb.seq + 1, SB_CLEAN if clean else 0, sb.volume_size, sb.ring_offset,
+                             sb.ring_size, sb.tree_offset, sb.tree_pages, self.ring.head,
+                             self.ring.tail, self.ring.head, self.next_sno, time.time_ns(),
+                             sb.created_ns, root.pack())
+        self.vol.write_superblock(self.sb)
+        self.ring.durable_tail = self.ring.tail
+        self.purge.clear()
+        self.bitmap_dirty.clear()
+        self.atime_dirty.clear()
+        self.pinned.clear()
+        for s in dirty:
+            s.dirty = False
+            self._remember(s)
+        self.last_ckpt = time.monotonic()
+        self.counters["checkpoints"] += 1
+
+    def maybe_checkpoint(self) -> bool:
+        """Checkpoint when the interval passed, replay would be long, or many sessions are pinned."""
+        if self.readonly:
+            return False
+        u = self.ring.used() / self.ring.size
+        if u > self.cfg.cleanup_threshold and time.monotonic() - self.last_cleanup > 60:
+            self.cleanup()
+        due = (time.monotonic() - self.last_ckpt >= self.cfg.checkpoint_interval_s
+               or self.ring.head - self.sb.ckpt_pos > self.ring.size // 4
+               or len(self.pinned) > 10 * self.cfg.hot_sessions)
+        if due and (self.pinned or self.purge or self.bitmap_dirty or self.atime_dirty
+                    or self.ring.head != self.sb.ckpt_pos):
+            self.checkpoint()
+            return True
+        return False
+
+    def cleanup(self) -> int:
+        """Delete sessions idle longer than the retention (tombstones; space returns on wrap)."""
+        self.last_cleanup = time.monotonic()
+        cutoff = int((self.clock() - self.cfg.retention_s) * 1e9)
+        n = 0
+        for name in self.list_sessions():
+            s = self._find(name)
+            if s is not None and s.last_use_ns() < cutoff:
+                self._emit(T_DELS, s)
+                self.drop(s)
+                n += 1
+        if n:
+            log.info("cleanup: dropped %d sessions idle over %.0f s", n, self.cfg.retention_s)
+            self.counters["dropped_sessions"] += n
+        return n
+
+    # ================================================================ reporting
+    def usage(self) -> Usage:
+        return Usage(self.ring.size, self.ring.used(), self.n_sessions, self.ring.head,
+                     self.ring.tail, self.sb.ckpt_pos, time.monotonic() - self.last_ckpt,
+                     self.counters["raw_written"], self.counters["stored_written"])
+
+    def stats(self) -> dict:
+        u = self.usage()
+        raw, st = self.counters["raw_written"], self.counters["stored_written"]
+        rep = self.open_report
+        return {
+            "volume": {"path": self.vol.path, "size": self.sb.volume_size, "capacity": u.capacity,
+                       "used": u.used, "used_ratio": u.used / u.capacity, "sessions": u.sessions,
+                       "head": u.head, "tail": u.tail, "checkpoint_pos": u.checkpoint_pos,
+                       "checkpoint_age_s": round(u.checkpoint_age_s, 3)},
+            "index": {"hot_sessions": len(self.hot), "pinned_sessions": len(self.pinned),
+                      "tree": self.tree.stats()},
+            "counters": dict(self.counters),
+            "compression_ratio": round(raw / st, 4) if st else 1.0,
+            "recovery": None if rep is None else {
+                "entries_replayed": rep.entries, "corrupt_regions": len(rep.corrupt or []),
+                "torn_tail": rep.torn_tail},
+        }
+
+
+def _chunk0_name(val: bytes) -> str:
+    """Session name from the first chunk of an encoded session record."""
+    from .model import _SESS
+
+    p = _SESS.size
+    n = int.from_bytes(val[p: p + 2], "little")
+    return val[p + 2: p + 2 + n].decode("utf-8", "surrogateescape")

@@ -1,0 +1,107 @@
+"""Payload codec: zstd when it pays, with a byte-plane filter for 16-bit floats.
+
+fp16/bf16 KV compresses badly as is (1.09x / 1.29x with zstd -1) because the low byte of
+each value is noise. Splitting the high bytes into their own plane and compressing only
+that plane gives 1.18x / 1.46x at twice the speed; the low plane is stored raw.
+
+Stored layout with F_PLANES: u32 length of the compressed high plane, the compressed high
+plane, then the raw low plane. With F_ZSTD alone: one zstd frame. Neither: raw bytes.
+Never imports torch; never touches the volume.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+
+import numpy as np
+import zstandard
+
+from .errors import Corrupt
+from .layout import F_PLANES, F_ZSTD
+
+_local = threading.local()
+MIN_COMPRESS = 1024  # below this a zstd frame's overhead eats the gain
+
+
+def _cctx(level: int) -> zstandard.ZstdCompressor:
+    key = f"c{level}"
+    c = getattr(_local, key, None)
+    if c is None:
+        c = zstandard.ZstdCompressor(level=level, write_content_size=True)
+        setattr(_local, key, c)
+    return c
+
+
+def _dctx() -> zstandard.ZstdDecompressor:
+    d = getattr(_local, "d", None)
+    if d is None:
+        d = _local.d = zstandard.ZstdDecompressor()
+    return d
+
+
+class Codec:
+    """Chooses, per payload, raw / zstd / planes+zstd. ``auto`` backs off after misses."""
+
+    def __init__(self, mode: str = "auto", level: int = 1, min_ratio: float = 1.03,
+                 planes: bool = True) -> None:
+        if mode not in ("auto", "zstd", "none"):
+            raise ValueError(f"compression must be auto, zstd or none, not {mode!r}")
+        self.mode, self.level, self.min_ratio, self.planes = mode, level, min_ratio, planes
+        self._skip = 0  # auto: payloads left to store raw before trying again
+        self._misses = 0
+
+    def encode(self, raw: bytes | memoryview) -> tuple[int, bytes | memoryview]:
+        """(flags, stored bytes) for ``raw``."""
+        n = len(raw)
+        if self.mode == "none" or n < MIN_COMPRESS:
+            return 0, raw
+        if self.mode == "auto" and self._skip:
+            self._skip -= 1
+            return 0, raw
+        if self.planes and n % 2 == 0:
+            flags, out = F_PLANES | F_ZSTD, _encode_planes(raw, self._cctx())
+        else:
+            flags, out = F_ZSTD, self._cctx().compress(raw)
+        if len(out) * self.min_ratio <= n:
+            self._misses = 0
+            return flags, out
+        # Incompressible (already compressed, random, fp32 noise): back off exponentially so
+        # a stream of such writes costs one trial in many, not one per write.
+        self._misses = min(self._misses + 1, 6)
+        self._skip = (1 << self._misses) - 1
+        return 0, raw
+
+    def _cctx(self) -> zstandard.ZstdCompressor:
+        return _cctx(self.level)
+
+
+def _encode_planes(raw: bytes | memoryview, cctx: zstandard.ZstdCompressor) -> bytes:
+    a = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 2)
+    hi = cctx.compress(np.ascontiguousarray(a[:, 1]))
+    return b"".join((struct.pack("<I", len(hi)), hi, np.ascontiguousarray(a[:, 0]).tobytes()))
+
+
+def decode(flags: int, stored: bytes | memoryview, raw_len: int) -> bytes | memoryview:
+    """Raw bytes of a payload; Corrupt if it does not decode to exactly ``raw_len`` bytes."""
+    try:
+        if flags & F_PLANES:
+            (hlen,) = struct.unpack_from("<I", stored, 0)
+            half = raw_len // 2
+            hi = _dctx().decompress(bytes(stored[4: 4 + hlen]), max_output_size=half)
+            lo = stored[4 + hlen:]
+            if len(hi) != half or len(lo) != half or raw_len % 2:
+                raise Corrupt("byte planes have the wrong length")
+            out = np.empty((half, 2), dtype=np.uint8)
+            out[:, 1] = np.frombuffer(hi, dtype=np.uint8)
+            out[:, 0] = np.frombuffer(lo, dtype=np.uint8)
+            return out.tobytes()
+        if flags & F_ZSTD:
+            out = _dctx().decompress(bytes(stored), max_output_size=raw_len)
+        else:
+            out = stored
+    except (zstandard.ZstdError, struct.error, ValueError) as e:
+        raise Corrupt(f"payload does not decode: {e}") from e
+    if len(out) != raw_len:
+        raise Corrupt(f"payload decodes to {len(out)} bytes, header says {raw_len}")
+    return out

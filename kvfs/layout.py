@@ -1,0 +1,151 @@
+"""On-disk layouts of a kvfs volume: every struct format in one place, sizes asserted.
+
+The prose spec is docs/format.md; keep the two in step. Little-endian throughout.
+
+    offset 0            superblock slot 0   (SB_SLOT bytes)
+    offset SB_SLOT      superblock slot 1
+    offset 2*SB_SLOT    B+ tree region      (tree_pages * PAGE bytes, two halves)
+    ring_offset         ring               (ring_size bytes, entries aligned to ALIGN)
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import crc32c
+
+VOLUME_MAGIC = b"KVFSVOL1"
+VERSION = 1
+SB_SLOT = 4096
+PAGE = 4096
+ALIGN = 512  # entry alignment: one sector, so a torn write tears at most the last entry
+RING_ALIGN = 1 << 20  # ring start aligned to 1 MiB for large sequential I/O
+MIN_VOLUME = 4 << 20
+MAX_ENTRY_RAW = 4 << 20  # raw bytes per data entry; bounds the resync search after corruption
+TREE_ROOT_AREA = 64
+
+SB_CLEAN = 1  # flag: closed cleanly
+
+# superblock: magic, version, flags, seq, volume_size, ring_offset, ring_size, tree_offset,
+# tree_pages, head, tail, ckpt_pos, next_sno, ckpt_time_ns, created_ns, tree root bytes, crc
+SB_FMT = "<8sIIQQQQQQQQQQQQ64sI"
+SB_SIZE = struct.calcsize(SB_FMT)
+assert SB_SIZE == 8 + 4 + 4 + 8 * 12 + 64 + 4 == 180
+
+
+@dataclass
+class Superblock:
+    seq: int
+    flags: int
+    volume_size: int
+    ring_offset: int
+    ring_size: int
+    tree_offset: int
+    tree_pages: int
+    head: int
+    tail: int
+    ckpt_pos: int
+    next_sno: int
+    ckpt_time_ns: int
+    created_ns: int
+    tree_root: bytes  # packed kvfs.btree.TreeRoot, zero-padded to TREE_ROOT_AREA
+
+    def pack(self) -> bytes:
+        body = struct.pack(
+            SB_FMT[:-1], VOLUME_MAGIC, VERSION, self.flags, self.seq, self.volume_size,
+            self.ring_offset, self.ring_size, self.tree_offset, self.tree_pages, self.head,
+            self.tail, self.ckpt_pos, self.next_sno, self.ckpt_time_ns, self.created_ns,
+            self.tree_root.ljust(TREE_ROOT_AREA, b"\0"),
+        )
+        raw = body + struct.pack("<I", crc32c.crc32c(body))
+        return raw.ljust(SB_SLOT, b"\0")
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> Superblock | None:
+        """The superblock in ``raw``, or None when magic, version or checksum is wrong."""
+        if len(raw) < SB_SIZE:
+            return None
+        f = struct.unpack(SB_FMT, raw[:SB_SIZE])
+        if f[0] != VOLUME_MAGIC or f[1] != VERSION:
+            return None
+        if crc32c.crc32c(raw[: SB_SIZE - 4]) != f[-1]:
+            return None
+        return cls(f[3], f[2], *f[4:16])
+
+
+# ring entry header: magic, type, flags, reserved, pos, name_hash, sno, file_off, fno,
+# stored_len, raw_len, payload_crc, ts_ns, pad, header_crc (over the 68 bytes before it)
+ENTRY_MAGIC = 0x3145564B  # "KVE1"
+HDR_FMT = "<IBBHQQQQIIIIQ4xI"
+HDR_SIZE = struct.calcsize(HDR_FMT)
+assert HDR_SIZE == 72
+_HDR = struct.Struct(HDR_FMT)
+_HDR_BODY = struct.Struct(HDR_FMT[:-1])
+
+# entry types
+T_PAD = 0  # filler up to the physical end of the ring; readers jump to the next lap
+T_DATA = 1  # payload = bytes [file_off, file_off + raw_len) of file (sno, fno)
+T_TRUNC = 2  # file (sno, fno) cut to file_off bytes
+T_SMETA = 3  # session attributes + name (created, or attributes changed, or copied forward)
+T_FMETA = 4  # file attributes + name
+T_DELS = 5  # tombstone: session sno deleted (whole)
+T_DELF = 6  # tombstone: file (sno, fno) deleted
+TYPE_NAMES = {T_PAD: "pad", T_DATA: "data", T_TRUNC: "trunc", T_SMETA: "smeta",
+              T_FMETA: "fmeta", T_DELS: "dels", T_DELF: "delf"}
+
+# entry flags
+F_ZSTD = 1  # payload compressed with zstd
+F_PLANES = 2  # 16-bit values split into high/low byte planes (see codec.py)
+
+
+@dataclass(frozen=True)
+class Header:
+    type: int
+    flags: int
+    pos: int
+    name_hash: int
+    sno: int
+    file_off: int
+    fno: int
+    stored_len: int
+    raw_len: int
+    payload_crc: int
+    ts_ns: int
+
+    @property
+    def size(self) -> int:
+        """Bytes the entry occupies in the ring (header + payload, aligned)."""
+        return entry_size(self.stored_len)
+
+    def pack(self) -> bytes:
+        body = _HDR_BODY.pack(ENTRY_MAGIC, self.type, self.flags, 0, self.pos, self.name_hash,
+                              self.sno, self.file_off, self.fno, self.stored_len, self.raw_len,
+                              self.payload_crc, self.ts_ns)
+        return body + struct.pack("<I", crc32c.crc32c(body))
+
+
+def unpack_header(raw: bytes | memoryview, off: int = 0) -> Header | None:
+    """Parse a header at ``off``; None unless magic, checksum and type are right."""
+    if len(raw) - off < HDR_SIZE:
+        return None
+    f = _HDR.unpack_from(raw, off)
+    if f[0] != ENTRY_MAGIC or f[1] not in TYPE_NAMES:
+        return None
+    if crc32c.crc32c(raw[off: off + HDR_SIZE - 4]) != f[-1]:
+        return None
+    return Header(f[1], f[2], f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11], f[12])
+
+
+def entry_size(stored_len: int) -> int:
+    return align(HDR_SIZE + stored_len)
+
+
+def align(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+# payload of T_SMETA: mode, uid, gid, next_fno, ctime_ns, mtime_ns, then the UTF-8 name
+SMETA_FMT = struct.Struct("<IIIIQQ")
+# payload of T_FMETA: mode, uid, gid, ctime_ns, mtime_ns, then the UTF-8 name
+FMETA_FMT = struct.Struct("<IIIQQ")

@@ -1,0 +1,224 @@
+"""In-memory index records (sessions, files, extents) and their checkpoint encoding.
+
+A file is append-only, so its extents are contiguous and in file order: extent i covers
+[off[i], off[i] + len[i]) and off[i+1] == off[i] + len[i]. An extent points into a ring
+entry: (pos, skip, length, esize) = entry position, offset inside the entry's raw payload,
+bytes used, entry size on disk. Records are encoded as bytes for the B+ tree checkpoint and
+split into chunks that fit a tree value.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import struct
+from dataclasses import dataclass, field
+
+from .errors import BadName, Corrupt, NameTooLong
+
+CHUNK = 1000  # bytes of a record per B+ tree value
+MAX_NAME = 255
+
+_SESS = struct.Struct("<QQIIIIqqqqI")  # sno, name_hash, mode, uid, gid, next_fno, c/m/atime ns, meta_pos, nfiles
+_FILE = struct.Struct("<IIIIqqqqI")  # fno, mode, uid, gid, c/m/atime ns, meta_pos, nextents
+_EXT = struct.Struct("<QIII")  # pos, skip, length, esize
+
+
+def check_name(name: str) -> bytes:
+    """UTF-8 bytes of a valid single path component, else BadName/NameTooLong."""
+    if not isinstance(name, str):
+        raise BadName(f"name must be str, not {type(name).__name__}")
+    try:
+        b = name.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError as e:
+        raise BadName(f"name is not encodable: {e}") from None
+    if not b or b in (b".", b"..") or b"/" in b or b"\0" in b:
+        raise BadName(f"invalid name {name!r}: empty, '.', '..', or containing '/' or NUL")
+    if len(b) > MAX_NAME:
+        raise NameTooLong(f"name of {len(b)} bytes is over {MAX_NAME}")
+    return b
+
+
+def name_hash(name: str) -> int:
+    """First 8 bytes of md5(name): the session's key prefix in the B+ tree."""
+    return int.from_bytes(hashlib.md5(name.encode("utf-8", "surrogateescape")).digest()[:8], "big")
+
+
+@dataclass(eq=False)
+class FileRec:
+    fno: int
+    name: str
+    mode: int
+    uid: int
+    gid: int
+    ctime: int
+    mtime: int
+    atime: int
+    meta_pos: int  # ring position of the newest FMETA entry for this file
+    off: list[int] = field(default_factory=list)
+    ext: list[tuple[int, int, int, int]] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return self.off[-1] + self.ext[-1][2] if self.ext else 0
+
+    def stored(self) -> int:
+        return sum({e[0]: e[3] for e in self.ext}.values())
+
+    def add(self, pos: int, skip: int, length: int, esize: int) -> None:
+        self.off.append(self.size)
+        self.ext.append((pos, skip, length, esize))
+
+    def truncate(self, length: int) -> None:
+        """Cut the file to ``length`` bytes."""
+        i = bisect.bisect_left(self.off, length)
+        # extents starting at or after length go; the one straddling it is shortened
+        del self.off[i:], self.ext[i:]
+        if self.ext and self.size > length:
+            pos, skip, _, esize = self.ext[-1]
+            self.ext[-1] = (pos, skip, length - self.off[-1], esize)
+
+    def replace_range(self, file_off: int, pos: int, length: int, esize: int) -> bool:
+        """Make [file_off, file_off+length) read from entry ``pos`` (skip 0), keeping the rest.
+
+        Recovery replays entries in ring order, and a copied-forward entry can land after
+        entries that follow it in the file, so gaps are allowed here; ``close_gaps`` ends it.
+        """
+        end = file_off + length
+        if file_off < 0 or length <= 0:
+            return False
+        new_off: list[int] = []
+        new_ext: list[tuple[int, int, int, int]] = []
+        placed = False
+        for o, (p, s, n, es) in zip(self.off, self.ext, strict=True):
+            e_end = o + n
+            if e_end <= file_off or o >= end:  # untouched
+                if o >= end and not placed:
+                    new_off.append(file_off)
+                    new_ext.append((pos, 0, length, esize))
+                    placed = True
+                new_off.append(o)
+                new_ext.append((p, s, n, es))
+                continue
+            if o < file_off:  # head part survives
+                new_off.append(o)
+                new_ext.append((p, s, file_off - o, es))
+            if not placed:
+                new_off.append(file_off)
+                new_ext.append((pos, 0, length, esize))
+                placed = True
+            if e_end > end:  # tail part survives
+                new_off.append(end)
+                new_ext.append((p, s + (end - o), e_end - end, es))
+        if not placed:
+            new_off.append(file_off)
+            new_ext.append((pos, 0, length, esize))
+        self.off, self.ext = new_off, new_ext
+        return True
+
+    def close_gaps(self) -> int:
+        """Cut the file at its first hole (data lost to corruption); returns bytes dropped."""
+        expect = 0
+        for i, o in enumerate(self.off):
+            if o != expect:
+                lost = self.size - expect
+                del self.off[i:], self.ext[i:]
+                return lost
+            expect = o + self.ext[i][2]
+        return 0
+
+    def find(self, offset: int) -> int:
+        """Index of the extent holding byte ``offset``."""
+        return bisect.bisect_right(self.off, offset) - 1
+
+
+@dataclass(eq=False)
+class Session:
+    sno: int
+    name: str
+    name_hash: int
+    mode: int
+    uid: int
+    gid: int
+    ctime: int
+    mtime: int
+    atime: int
+    meta_pos: int
+    next_fno: int = 1
+    files: dict[int, FileRec] = field(default_factory=dict)
+    by_name: dict[str, int] = field(default_factory=dict)
+    dirty: bool = False
+
+    def file(self, name: str) -> FileRec | None:
+        fno = self.by_name.get(name)
+        return None if fno is None else self.files[fno]
+
+    def add_file(self, f: FileRec) -> None:
+        old = self.by_name.get(f.name)
+        if old is not None and old != f.fno:
+            self.files.pop(old, None)
+        self.files[f.fno] = f
+        self.by_name[f.name] = f.fno
+        self.next_fno = max(self.next_fno, f.fno + 1)
+
+    def drop_file(self, fno: int) -> None:
+        f = self.files.pop(fno, None)
+        if f is not None and self.by_name.get(f.name) == fno:
+            del self.by_name[f.name]
+
+    def last_use_ns(self) -> int:
+        return max(self.atime, self.mtime)
+
+    # ------------------------------------------------------------ encoding
+    def encode(self) -> bytes:
+        nb = self.name.encode("utf-8", "surrogateescape")
+        parts = [_SESS.pack(self.sno, self.name_hash, self.mode, self.uid, self.gid, self.next_fno,
+                            self.ctime, self.mtime, self.atime, self.meta_pos, len(self.files)),
+                 struct.pack("<H", len(nb)), nb]
+        for f in self.files.values():
+            fb = f.name.encode("utf-8", "surrogateescape")
+            parts += [_FILE.pack(f.fno, f.mode, f.uid, f.gid, f.ctime, f.mtime, f.atime, f.meta_pos,
+                                 len(f.ext)), struct.pack("<H", len(fb)), fb]
+            parts += [_EXT.pack(*e) for e in f.ext]
+        return b"".join(parts)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Session:
+        try:
+            v = _SESS.unpack_from(raw, 0)
+            p = _SESS.size
+            (nl,) = struct.unpack_from("<H", raw, p)
+            p += 2
+            s = cls(v[0], raw[p: p + nl].decode("utf-8", "surrogateescape"), v[1], v[2], v[3], v[4],
+                    v[6], v[7], v[8], v[9], v[5])
+            p += nl
+            for _ in range(v[10]):
+                fv = _FILE.unpack_from(raw, p)
+                p += _FILE.size
+                (fl,) = struct.unpack_from("<H", raw, p)
+                p += 2
+                f = FileRec(fv[0], raw[p: p + fl].decode("utf-8", "surrogateescape"), fv[1], fv[2],
+                            fv[3], fv[4], fv[5], fv[6], fv[7])
+                p += fl
+                for _ in range(fv[8]):
+                    f.add(*_EXT.unpack_from(raw, p))
+                    p += _EXT.size
+                s.add_file(f)
+            if p != len(raw):
+                raise Corrupt("trailing bytes in session record")
+            return s
+        except (struct.error, UnicodeDecodeError, IndexError) as e:
+            raise Corrupt(f"bad session record: {e}") from e
+
+
+def chunk_key(nh: int, sno: int, i: int) -> bytes:
+    return b"S" + nh.to_bytes(8, "big") + sno.to_bytes(8, "big") + i.to_bytes(2, "big")
+
+
+def session_prefix(nh: int, sno: int | None = None) -> bytes:
+    p = b"S" + nh.to_bytes(8, "big")
+    return p if sno is None else p + sno.to_bytes(8, "big")
+
+
+def split_chunks(raw: bytes) -> list[bytes]:
+    return [raw[i: i + CHUNK] for i in range(0, len(raw), CHUNK)] or [b""]

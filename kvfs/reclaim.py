@@ -1,0 +1,165 @@
+"""Reclaiming ring space: move the tail forward over whole entries.
+
+Each entry met at the tail is dead (superseded, truncated away, deleted: skipped), live
+in a session used within the retention (copied forward to the head, trimmed to its live
+bytes), or live in an idle session (the whole session is dropped: tombstone first, never
+part of a session). With ``evict_when_full`` a second pass drops sessions at the tail
+regardless of retention, like a cache. The new tail is made durable by a checkpoint
+before the head may write over the space behind it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from .codec import decode
+from .errors import NoSpace
+from .layout import T_DATA, T_DELS, T_FMETA, T_SMETA, T_TRUNC, entry_size
+from .model import Session
+from .ring import RingFull, ScanItem, ScanReport
+
+if TYPE_CHECKING:
+    from .engine import Store
+
+log = logging.getLogger(__name__)
+
+TOMBSTONE_RESERVE = 16 << 10
+
+
+def reclaim(store: Store, need: int) -> None:
+    """Make ``ring.room() >= need`` or raise NoSpace (what was done stays consistent)."""
+    ring = store.ring
+    if need > ring.size // 2:
+        raise NoSpace(f"a write of {need} bytes cannot fit a ring of {ring.size}")
+    target = min(ring.size // 2, max(need, ring.size // 8))  # reclaim in large steps
+    evict = False
+    budget = ring.used() + ring.size // 4  # one trip round the ring, then give up
+    store.counters["reclaims"] += 1
+    while ring.room() < need:
+        moved = _step(store, target, evict)
+        budget -= moved
+        store.checkpoint()  # the new tail is durable before the head passes the old one
+        if ring.room() >= need:
+            break
+        if moved == 0 or budget <= 0:
+            if store.cfg.evict_when_full and not evict:
+                evict, budget = True, ring.used() + ring.size // 4
+                continue
+            raise NoSpace(f"volume full: {ring.used()} of {ring.size} ring bytes hold live data "
+                          "of sessions within retention")
+
+
+def _in_retention(store: Store, s: Session) -> bool:
+    return s.last_use_ns() >= (store.clock() - store.cfg.retention_s) * 1e9
+
+
+def _step(store: Store, target: int, evict: bool) -> int:
+    ring = store.ring
+    start_tail = ring.tail
+    report = ScanReport()
+    done = True
+    for item in ring.scan(ring.tail, ring.head, report):
+        h = item.hdr
+        ring.tail = h.pos  # pads and corrupt regions before it are dead
+        if not _handle(store, item, evict):
+            done = False
+            break
+        ring.tail = h.pos + h.size
+        if ring.size - ring.used() >= target:
+            done = False
+            break
+    if done:
+        ring.tail = max(ring.tail, report.end)
+    return ring.tail - start_tail
+
+
+def _handle(store: Store, item: ScanItem, evict: bool) -> bool:
+    """Copy forward or drop what is live in one tail entry; False when there is no room."""
+    h = item.hdr
+    if h.type not in (T_DATA, T_SMETA, T_FMETA):
+        return True  # truncations and tombstones only matter for older entries, also gone
+    s = store.load(h.name_hash, h.sno)
+    if s is None:
+        return True
+    f = s.files.get(h.fno) if h.type != T_SMETA else None
+    if h.type == T_SMETA:
+        live = s.meta_pos == h.pos
+    elif f is None:
+        live = False
+    elif h.type == T_FMETA:
+        live = f.meta_pos == h.pos
+    else:
+        live = any(e[0] == h.pos for e in f.ext)
+    if not live:
+        return True
+    if evict or not _in_retention(store, s):
+        return _drop(store, s, evicted=evict)
+    if h.type == T_SMETA:
+        payloads = [store._smeta(s)]
+    elif h.type == T_FMETA:
+        payloads = [store._fmeta(f)]
+    elif item.payload is None:
+        # A corrupt entry cannot be copied: the file ends where its good bytes end.
+        i = next(i for i, e in enumerate(f.ext) if e[0] == h.pos)
+        log.error("session %s file %s: corrupt entry at %d at the tail; file cut to %d bytes",
+                  s.name, f.name, h.pos, f.off[i])
+        return _emit_trunc(store, s, f, f.off[i])
+    else:
+        payloads = []
+        for i, (pos, skip, n, _) in enumerate(f.ext):
+            if pos != h.pos:
+                continue
+            if skip == 0 and n == h.raw_len:
+                payloads.append((i, h.flags, item.payload, n))
+            else:  # only the live part survives: the copy must not revive truncated bytes
+                raw = decode(h.flags, item.payload, h.raw_len)[skip: skip + n]
+                fl, st = store.codec.encode(raw)
+                payloads.append((i, fl, st, n))
+    sizes = [entry_size(len(p if h.type != T_DATA else p[2])) for p in payloads]
+    lap_left = ring_lap_left(store)
+    cost = sum(sizes) + (lap_left if sum(sizes) > lap_left else 0)
+    if cost + TOMBSTONE_RESERVE > store.ring.room():
+        return False
+    try:
+        if h.type == T_SMETA:
+            s.meta_pos, _ = store.ring.append(T_SMETA, 0, s.name_hash, s.sno, 0, 0, 0, payloads[0])
+        elif h.type == T_FMETA:
+            f.meta_pos, _ = store.ring.append(T_FMETA, 0, s.name_hash, s.sno, f.fno, 0, 0, payloads[0])
+        else:
+            for i, fl, st, n in payloads:
+                pos, esize = store.ring.append(T_DATA, fl, s.name_hash, s.sno, f.fno, f.off[i], n, st)
+                f.ext[i] = (pos, 0, n, esize)
+                store.counters["copied_forward"] += esize
+    except RingFull as e:
+        raise NoSpace(str(e)) from e
+    store._dirty(s)
+    return True
+
+
+def ring_lap_left(store: Store) -> int:
+    r = store.ring
+    return r.size - r.head % r.size
+
+
+def _emit_trunc(store: Store, s: Session, f, length: int) -> bool:
+    try:
+        store.ring.append(T_TRUNC, 0, s.name_hash, s.sno, f.fno, length, 0)
+    except RingFull:
+        return False
+    f.truncate(length)
+    store._dirty(s)
+    return True
+
+
+def _drop(store: Store, s: Session, evicted: bool) -> bool:
+    try:
+        store.ring.append(T_DELS, 0, s.name_hash, s.sno, 0, 0, 0)
+    except RingFull:
+        return False
+    store.drop(s)
+    key = "evicted_sessions" if evicted else "dropped_sessions"
+    store.counters[key] += 1
+    log.info("session %s %s at the ring tail", s.name, "evicted (volume full)" if evicted else
+             "dropped (idle past retention)")
+    return True

@@ -1,0 +1,162 @@
+"""Recovery: newest superblock -> checkpoint -> replay of the ring after it.
+
+One function, two passes over the entries found (jbd2's shape): metadata first (which
+sessions and files exist, with tombstones taking precedence since session and file numbers
+are never reused), then data and truncations in ring order. A bad checkpoint (a tree page
+failing its checksum) falls back to a full scan of the ring from the tail with a fresh
+tree: the checkpoint is a shortcut, never the only truth.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from .btree import BTree, TreeRoot
+from .errors import Corrupt
+from .layout import FMETA_FMT, SMETA_FMT, T_DATA, T_DELF, T_DELS, T_FMETA, T_SMETA, T_TRUNC
+from .model import FileRec, Session
+from .ring import ScanItem, ScanReport
+
+if TYPE_CHECKING:
+    from .engine import Store
+
+log = logging.getLogger(__name__)
+
+
+def recover(store: Store) -> ScanReport:
+    sb, ring = store.sb, store.ring
+    full = not (sb.tail <= sb.ckpt_pos <= sb.tail + ring.size)
+    if not full:
+        try:
+            _load_bitmap(store)
+            report = _replay(store, sb.ckpt_pos, full=False)
+        except Corrupt as e:
+            log.error("%s: checkpoint unusable (%s); recovering by a full ring scan", store.vol.path, e)
+            full = True
+    if full:
+        _reset(store)
+        report = _replay(store, sb.tail, full=True)
+        store.counters["full_scans"] += 1
+    store.open_report = report
+    if report.corrupt:
+        log.error("%s: %d corrupt ring regions skipped during recovery", store.vol.path, len(report.corrupt))
+    if not store.readonly:
+        store.checkpoint()  # marks the volume in use (not clean) and shortens the next replay
+    return report
+
+
+def _load_bitmap(store: Store) -> None:
+    from .engine import BITMAP_CHUNK
+
+    bm = bytearray()
+    for key, val in store.tree.scan(b"B"):
+        i = int.from_bytes(key[1:5], "big") * BITMAP_CHUNK
+        if len(bm) < i + len(val):
+            bm.extend(bytes(i + len(val) - len(bm)))
+        bm[i: i + len(val)] = val
+    store.bitmap = bm
+    store.n_sessions = sum(bin(b).count("1") for b in bm)
+
+
+def _reset(store: Store) -> None:
+    """Forget everything the checkpoint said; start a fresh tree away from the old root."""
+    old = store.tree.root
+    half = 1 - old.half if old.half in (0, 1) else 0
+    fresh = TreeRoot(-1, 0, 0, half, 0, old.half if old.half in (0, 1) else -1, old.generation + 1)
+    store.tree = BTree(store.vol.fd, store.sb.tree_offset, store.sb.tree_pages, fresh)
+    store.bitmap = bytearray()
+    store.bitmap_dirty = set()
+    store.n_sessions = 0
+    store.hot.clear()
+    store.pinned.clear()
+    store.names.clear()
+    store.purge.clear()
+    store.next_sno = store.sb.next_sno
+
+
+def _replay(store: Store, start: int, full: bool) -> ScanReport:
+    ring = store.ring
+    report = ScanReport()
+    t0 = time.perf_counter()
+    # Data payloads are not needed to rebuild the index: keep only whether they checked out.
+    items = [ScanItem(it.hdr, b"" if it.payload is not None else None) if it.hdr.type == T_DATA
+             else it for it in ring.scan(start, ring.tail + ring.size, report)]
+    ring.head = report.end
+    ring.flush()  # re-bases the (empty) write buffer at the new head
+    _apply(store, items, full)
+    log.info("%s: replayed %d entries from %d (%s) in %.3f s", store.vol.path, len(items), start,
+             "full scan" if full else "after checkpoint", time.perf_counter() - t0)
+    return report
+
+
+def _apply(store: Store, items: list[ScanItem], full: bool) -> None:
+    base_next = store.sb.next_sno
+    dels = {it.hdr.sno for it in items if it.hdr.type == T_DELS}
+    delf = {(it.hdr.sno, it.hdr.fno) for it in items if it.hdr.type == T_DELF}
+    max_sno = base_next - 1
+    for it in items:  # pass 1: what exists
+        h = it.hdr
+        if h.type == T_SMETA:
+            max_sno = max(max_sno, h.sno)
+            if it.payload is None or h.sno in dels:
+                continue
+            s = store.load(h.name_hash, h.sno)
+            mode, uid, gid, next_fno, ctime, mtime = SMETA_FMT.unpack_from(it.payload)
+            if s is None:
+                if not full and h.sno < base_next:
+                    continue  # deleted before the checkpoint was taken
+                name = bytes(it.payload[SMETA_FMT.size:]).decode("utf-8", "surrogateescape")
+                s = Session(h.sno, name, h.name_hash, mode, uid, gid, ctime, mtime, mtime, h.pos, next_fno)
+                store._set_live(h.sno, True)
+            s.mode, s.uid, s.gid, s.ctime = mode, uid, gid, ctime
+            s.mtime = max(s.mtime, mtime)
+            s.next_fno = max(s.next_fno, next_fno)
+            s.meta_pos = h.pos
+            s.dirty = False
+            store._dirty(s)
+        elif h.type == T_FMETA:
+            if it.payload is None or (h.sno, h.fno) in delf:
+                continue
+            s = store.load(h.name_hash, h.sno)
+            if s is None:
+                continue
+            mode, uid, gid, ctime, mtime = FMETA_FMT.unpack_from(it.payload)
+            f = s.files.get(h.fno)
+            if f is None:
+                name = bytes(it.payload[FMETA_FMT.size:]).decode("utf-8", "surrogateescape")
+                f = FileRec(h.fno, name, mode, uid, gid, ctime, mtime, mtime, h.pos)
+                s.add_file(f)
+            f.mode, f.uid, f.gid, f.meta_pos = mode, uid, gid, h.pos
+            store._dirty(s)
+        elif h.type == T_DELS:
+            s = store.load(h.name_hash, h.sno)
+            if s is not None:
+                store.drop(s)
+        elif h.type == T_DELF:
+            s = store.load(h.name_hash, h.sno)
+            if s is not None and h.fno in s.files:
+                s.drop_file(h.fno)
+                store._dirty(s)
+    touched: dict[tuple[int, int], tuple[Session, FileRec]] = {}
+    for it in items:  # pass 2: the bytes, in ring order
+        h = it.hdr
+        if h.type not in (T_DATA, T_TRUNC):
+            continue
+        s = store.load(h.name_hash, h.sno)
+        f = s.files.get(h.fno) if s is not None else None
+        if f is None:
+            continue
+        if h.type == T_DATA:
+            f.replace_range(h.file_off, h.pos, h.raw_len, h.size)
+            f.mtime = max(f.mtime, h.ts_ns)
+        else:
+            f.truncate(min(h.file_off, f.size))
+        touched[(h.sno, h.fno)] = (s, f)
+        store._dirty(s)
+    for s, f in touched.values():
+        lost = f.close_gaps()
+        if lost:
+            log.error("session %s file %s: %d bytes after a lost entry dropped", s.name, f.name, lost)
+    store.next_sno = max(store.next_sno, max_sno + 1)

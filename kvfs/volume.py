@@ -1,0 +1,145 @@
+"""The volume file: geometry, the two superblock slots, raw positioned I/O.
+
+Owns the file descriptor and the advisory lock that keeps a volume opened by one process.
+Knows nothing of sessions or entries. All I/O is os.pread/os.pwrite on one fd; reads of
+cold data are followed by POSIX_FADV_DONTNEED so the page cache does not fill with KV the
+agent will not read again soon.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import stat
+import time
+
+from .errors import FormatError, VolumeBusy
+from .layout import MIN_VOLUME, PAGE, RING_ALIGN, SB_SLOT, VOLUME_MAGIC, Superblock
+
+log = logging.getLogger(__name__)
+
+
+def geometry(size: int, tree_fraction: float = 1 / 32) -> tuple[int, int, int, int]:
+    """(tree_offset, tree_pages, ring_offset, ring_size) for a volume of ``size`` bytes."""
+    if size < MIN_VOLUME:
+        raise FormatError(f"volume of {size} bytes is too small: at least {MIN_VOLUME} needed")
+    tree_offset = 2 * SB_SLOT
+    tree_pages = max(256, int(size * tree_fraction) // PAGE)
+    tree_pages -= tree_pages % 2  # two equal halves
+    ring_offset = -(-(tree_offset + tree_pages * PAGE) // RING_ALIGN) * RING_ALIGN
+    ring_size = (size - ring_offset) // RING_ALIGN * RING_ALIGN
+    if ring_size < MIN_VOLUME // 2:
+        raise FormatError(f"volume of {size} bytes leaves no room for the ring")
+    return tree_offset, tree_pages, ring_offset, ring_size
+
+
+class VolumeFile:
+    """An open volume: fd, lock, superblock slots, positioned I/O."""
+
+    def __init__(self, path: str, fd: int, size: int, readonly: bool) -> None:
+        self.path, self.fd, self.size, self.readonly = path, fd, size, readonly
+        self.fadvise = True
+
+    # ----------------------------------------------------------- open / create
+    @classmethod
+    def create(cls, path: str, size: int) -> VolumeFile:
+        """Create (file) or take over (block device) a volume; the caller formats it."""
+        is_blk = os.path.exists(path) and stat.S_ISBLK(os.stat(path).st_mode)
+        if is_blk:
+            fd = os.open(path, os.O_RDWR)
+            dev_size = os.lseek(fd, 0, os.SEEK_END)
+            size = min(size, dev_size) if size else dev_size
+        else:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        vol = cls(path, fd, size, False)
+        try:
+            vol._lock()
+            if not is_blk:
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as e:  # tmpfs/overlay without fallocate: sparse is still correct
+                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                        raise
+                    os.ftruncate(fd, size)
+        except BaseException:
+            os.close(fd)
+            if not is_blk:
+                os.unlink(path)
+            raise
+        return vol
+
+    @classmethod
+    def open(cls, path: str, readonly: bool = False) -> VolumeFile:
+        try:
+            fd = os.open(path, os.O_RDONLY if readonly else os.O_RDWR)
+        except FileNotFoundError:
+            raise FormatError(f"{path}: no such volume") from None
+        size = os.lseek(fd, 0, os.SEEK_END)
+        vol = cls(path, fd, size, readonly)
+        try:
+            if not readonly:
+                vol._lock()
+            head = os.pread(fd, 8, 0)
+            if head != VOLUME_MAGIC and os.pread(fd, 8, SB_SLOT) != VOLUME_MAGIC:
+                raise FormatError(f"{path}: not a kvfs volume (no kvfs superblock magic)")
+        except BaseException:
+            os.close(fd)
+            raise
+        return vol
+
+    def _lock(self) -> None:
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise VolumeBusy(f"{self.path}: volume is in use (mounted or opened by another process)") from None
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    # ------------------------------------------------------------- superblock
+    def read_superblocks(self) -> list[Superblock]:
+        """Valid superblocks, newest first (zero, one or two)."""
+        found = []
+        for slot in (0, 1):
+            sb = Superblock.unpack(os.pread(self.fd, SB_SLOT, slot * SB_SLOT))
+            if sb is None:
+                log.warning("%s: superblock slot %d is invalid", self.path, slot)
+            else:
+                found.append(sb)
+        return sorted(found, key=lambda s: s.seq, reverse=True)
+
+    def write_superblock(self, sb: Superblock) -> None:
+        """Write ``sb`` to the slot its sequence number selects, then fsync.
+
+        Alternating slots means a torn superblock write leaves the previous one intact.
+        """
+        os.pwrite(self.fd, sb.pack(), (sb.seq % 2) * SB_SLOT)
+        self.sync()
+
+    # -------------------------------------------------------------------- I/O
+    def pread(self, n: int, off: int) -> bytes:
+        out = os.pread(self.fd, n, off)
+        if len(out) != n:
+            raise OSError(errno.EIO, f"short read at {off}: {len(out)} of {n}")
+        return out
+
+    def pwrite(self, data: bytes | memoryview, off: int) -> None:
+        mv = memoryview(data)
+        while mv:
+            n = os.pwrite(self.fd, mv, off)
+            mv, off = mv[n:], off + n
+
+    def dontneed(self, off: int, n: int) -> None:
+        if self.fadvise:
+            os.posix_fadvise(self.fd, off, n, os.POSIX_FADV_DONTNEED)
+
+    def sync(self) -> None:
+        os.fsync(self.fd)
+
+
+def now_ns() -> int:
+    return time.time_ns()
