@@ -97,6 +97,7 @@ TYPE_NAMES = {T_PAD: "pad", T_DATA: "data", T_TRUNC: "trunc", T_SMETA: "smeta",
 # entry flags
 F_ZSTD = 1  # payload compressed with zstd
 F_PLANES = 2  # 16-bit values split into high/low byte planes (see codec.py)
+F_COPY = 4  # data copied forward by reclaim: replaces bytes, does not end the file there
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from .codec import decode
 from .errors import NoSpace
-from .layout import T_DATA, T_DELS, T_FMETA, T_SMETA, T_TRUNC, entry_size
+from .layout import F_COPY, T_DATA, T_DELS, T_FMETA, T_SMETA, T_TRUNC, entry_size
 from .model import Session
 from .ring import RingFull, ScanItem, ScanReport
 
@@ -128,7 +128,7 @@ def _handle(store: Store, item: ScanItem, evict: bool) -> bool:
             f.meta_pos, _ = store.ring.append(T_FMETA, 0, s.name_hash, s.sno, f.fno, 0, 0, payloads[0])
         else:
             for i, fl, st, n in payloads:
-                pos, esize = store.ring.append(T_DATA, fl, s.name_hash, s.sno, f.fno, f.off[i], n, st)
+                pos, esize = store.ring.append(T_DATA, fl | F_COPY, s.name_hash, s.sno, f.fno, f.off[i], n, st)
                 f.ext[i] = (pos, 0, n, esize)
                 store.counters["copied_forward"] += esize
     except RingFull as e:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from .btree import BTree, TreeRoot
 from .errors import Corrupt
-from .layout import FMETA_FMT, SMETA_FMT, T_DATA, T_DELF, T_DELS, T_FMETA, T_SMETA, T_TRUNC
+from .layout import F_COPY, FMETA_FMT, SMETA_FMT, T_DATA, T_DELF, T_DELS, T_FMETA, T_SMETA, T_TRUNC
 from .model import FileRec, Session
 from .ring import ScanItem, ScanReport
 
@@ -149,6 +149,10 @@ def _apply(store: Store, items: list[ScanItem], full: bool) -> None:
         if f is None:
             continue
         if h.type == T_DATA:
+            if not h.flags & F_COPY:
+                # An append says the file ended at file_off: this also covers a truncation
+                # whose record was lost to corruption.
+                f.truncate(min(h.file_off, f.size))
             f.replace_range(h.file_off, h.pos, h.raw_len, h.size)
             f.mtime = max(f.mtime, h.ts_ns)
         else:

@@ -117,7 +117,7 @@ class VolumeFile:
 
         Alternating slots means a torn superblock write leaves the previous one intact.
         """
-        os.pwrite(self.fd, sb.pack(), (sb.seq % 2) * SB_SLOT)
+        self.pwrite(sb.pack(), (sb.seq % 2) * SB_SLOT)
         self.sync()
 
     # -------------------------------------------------------------------- I/O

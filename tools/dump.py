@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""Print a kvfs volume's superblocks, ring usage, index and (with --session) extents.
+
+``python tools/dump.py VOLUME [--session NAME] [--json]``. Opens the volume read-only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kvfs.engine import Store  # noqa: E402
+from kvfs.volume import VolumeFile  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("volume")
+    ap.add_argument("--session", help="print this session's files and extents")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    vol = VolumeFile.open(a.volume, readonly=True)
+    sbs = [{k: (v.hex() if isinstance(v, bytes) else v) for k, v in sb.__dict__.items()}
+           for sb in vol.read_superblocks()]
+    vol.close()
+    store = Store.open(a.volume, readonly=True)
+    try:
+        out: dict = {"superblocks": sbs, "stats": store.stats(), "tree_root": store.tree.root.__dict__}
+        if a.session:
+            s = store._find(a.session)
+            if s is None:
+                print(f"no session {a.session!r}", file=sys.stderr)
+                return 1
+            out["session"] = {
+                "name": s.name, "sno": s.sno, "meta_pos": s.meta_pos, "files": {
+                    f.name: {"fno": f.fno, "size": f.size, "stored": f.stored(), "meta_pos": f.meta_pos,
+                             "extents": [{"file_off": o, "pos": e[0], "skip": e[1], "len": e[2],
+                                          "entry_size": e[3]} for o, e in zip(f.off, f.ext, strict=True)]}
+                    for f in s.files.values()}}
+        else:
+            out["sessions"] = store.list_sessions()
+    finally:
+        store.crash()
+    if a.json:
+        print(json.dumps(out, indent=1, default=str))
+        return 0
+    for sb in out["superblocks"]:
+        print(f"superblock seq={sb['seq']} head={sb['head']} tail={sb['tail']} ckpt={sb['ckpt_pos']} "
+              f"next_sno={sb['next_sno']} clean={bool(sb['flags'] & 1)}")
+    v = out["stats"]["volume"]
+    print(f"ring: {v['used']}/{v['capacity']} bytes used ({v['used_ratio']:.1%}), {v['sessions']} sessions")
+    print(f"tree: {out['stats']['index']['tree']}")
+    if "session" in out:
+        for name, f in out["session"]["files"].items():
+            print(f"{name}: {f['size']} bytes ({f['stored']} stored), {len(f['extents'])} extents")
+            for e in f["extents"]:
+                print(f"  [{e['file_off']}, +{e['len']}) -> entry {e['pos']} skip {e['skip']} size {e['entry_size']}")
+    else:
+        for n in out["sessions"]:
+            print(n)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

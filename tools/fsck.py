@@ -1,0 +1,54 @@
+#!/usr/bin/env python3
+"""fsck for a kvfs volume: ``python tools/fsck.py VOLUME [--repair]``.
+
+Exit status: 0 clean, 1 problems found (repaired or not), 2 unusable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kvfs.check import check_volume  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("volume")
+    ap.add_argument("--repair", action="store_true", help="rebuild the checkpoint, cut damaged files")
+    ap.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    ap.add_argument("--verbose", "-v", action="store_true")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if a.verbose else logging.ERROR,
+                        format="%(levelname)s %(name)s: %(message)s")
+    bar = None
+    if not a.quiet and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(desc="checking sessions", unit="session", file=sys.stderr)
+
+    def progress(i: int, n: int) -> None:
+        if bar is not None:
+            bar.total = n
+            bar.n = i
+            bar.refresh()
+
+    res = check_volume(a.volume, repair=a.repair, progress=progress)
+    if bar is not None:
+        bar.close()
+    for p in res.problems:
+        print(f"problem: {p}")
+    for r in res.repaired:
+        print(f"repaired: {r}")
+    state = {0: "clean", 1: "problems found", 2: "unusable"}[res.status]
+    print(f"{a.volume}: {state}: {res.sessions} sessions, {res.files} files, "
+          f"{res.bytes_checked} bytes verified")
+    return res.status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
