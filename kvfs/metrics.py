@@ -24,6 +24,7 @@ hot_bytes = Gauge("kv_hot_bytes", "KV bytes held on the device", registry=REGIST
 hot_sessions = Gauge("kv_hot_sessions", "Sessions with a hot window", registry=REGISTRY)
 hot_spills = Counter("kv_hot_spilled_bytes", "Bytes handed from hot to warm", registry=REGISTRY)
 hot_watermark_moves = Counter("kv_hot_watermark_migrations", "Rounds moved out by the device watermark", registry=REGISTRY)
+hot_device_usage = Gauge("kv_hot_device_usage_ratio", "Device memory reserved (or CPU budget used) / budget", registry=REGISTRY)
 
 # warm tier
 warm_bytes = Gauge("kv_warm_bytes", "Bytes in warm .kvmap shards", registry=REGISTRY)
@@ -42,6 +43,7 @@ cold_sessions = Gauge("kv_cold_sessions", "Live sessions on the volume", registr
 cold_read_ms = Histogram("kv_cold_read_ms", "Cold read latency (ms)", buckets=_MS_BUCKETS, registry=REGISTRY)
 cold_read_p99 = Gauge("kv_cold_read_p99_ms", "p99 of recent cold reads (ms)", registry=REGISTRY)
 cold_write_ms = Histogram("kv_cold_write_ms", "Cold write (flush) latency (ms)", buckets=_MS_BUCKETS, registry=REGISTRY)
+cold_write_p99 = Gauge("kv_cold_write_p99_ms", "p99 of recent cold writes (ms)", registry=REGISTRY)
 cold_compression = Gauge("kv_cold_compression_ratio", "raw / stored bytes written", registry=REGISTRY)
 cold_checkpoint_age = Gauge("kv_cold_checkpoint_age_s", "Seconds since the last checkpoint", registry=REGISTRY)
 cold_errors = Counter("kv_cold_errors", "Corrupt reads and internal errors answered with EIO", registry=REGISTRY)
@@ -74,12 +76,14 @@ class Recent:
 
 cold_read_recent = Recent()
 cold_write_recent = Recent()
+# computed when scraped, not on every write (a quantile sorts the whole window)
+cold_write_p99.set_function(lambda: cold_write_recent.quantile(0.99))
+cold_read_p99.set_function(lambda: cold_read_recent.quantile(0.99))
 
 
 def observe_cold_read(ms: float) -> None:
     cold_read_ms.observe(ms)
     cold_read_recent.add(ms)
-    cold_read_p99.set(cold_read_recent.quantile(0.99))
 
 
 def observe_cold_write(ms: float) -> None:
@@ -96,6 +100,34 @@ def update_hot_hit_rate() -> None:
 def text() -> bytes:
     """The registry in Prometheus text exposition format."""
     return generate_latest(REGISTRY)
+
+
+def histogram_totals(h: Histogram) -> tuple[float, float]:
+    """``(sum, count)`` of an unlabelled histogram (for rates between two samples)."""
+    total = count = 0.0
+    for fam in h.collect():
+        for s in fam.samples:
+            if s.name.endswith("_sum"):
+                total = s.value
+            elif s.name.endswith("_count"):
+                count = s.value
+    return total, count
+
+
+def parse(text: str | bytes) -> dict[str, float]:
+    """Prometheus text -> ``{sample name (with labels): value}``, e.g.
+    ``{"kv_hot_hit_rate": 0.97, "kv_hot_hits_total": 12.0, 'kv_alert_firing{rule="x"}': 1.0}``.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
 
 
 def serve(port: int, addr: str = "127.0.0.1") -> None:

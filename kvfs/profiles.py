@@ -1,0 +1,331 @@
+"""Deployment profiles: the article's production settings, as validated, frozen values.
+
+Owns the profile data files (``kvfs/profiles/<name>.json``), the override order
+(profile file < config file < ``-o key=value`` overrides) and the validation of every
+value. Every bad input raises :class:`ProfileError` whose message is one line naming the
+key and what is allowed, so ``mount.py`` can print it and exit without mounting anything.
+
+Never imports the engine, pyfuse3 or torch (only ``kvfs.api`` for ``StoreConfig``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from kvfs.api import StoreConfig
+
+GiB = 1 << 30
+DAY = 24 * 3600.0
+
+#: profiles shipped as package data
+PROFILE_NAMES = ("gov", "ecommerce", "iot")
+
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGTP]?)(?:I?B)?\s*$", re.IGNORECASE)
+_DURATION_UNITS = {"": 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0,
+                   "d": DAY, "w": 7 * DAY}
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|min|m|h|d|w)?\s*$", re.IGNORECASE)
+
+
+class ProfileError(ValueError):
+    """A bad profile name, key, value or config file. ``str(e)`` is one line."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(" ".join(str(message).split()))
+        self.key = key
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``"512M"``, ``"1.2T"``, ``"64KiB"``, ``"4096"`` (binary units, 1K = 1024).
+
+    Raises ``ValueError`` on anything else; fractional results round down to whole bytes.
+    """
+    if isinstance(text, bool):
+        raise ValueError(f"not a size: {text!r}")
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"negative size: {text}")
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ValueError(f"not a size: {text!r} (use e.g. 4096, 512M, 1.2T)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
+
+
+def parse_duration(text: str | float) -> float:
+    """Seconds from ``"600"``, ``"30s"``, ``"10m"``, ``"2h"``, ``"7d"``, ``"250ms"``."""
+    if isinstance(text, bool):
+        raise ValueError(f"not a duration: {text!r}")
+    if isinstance(text, int | float):
+        return float(text)
+    m = _DURATION_RE.match(str(text))
+    if not m:
+        raise ValueError(f"not a duration: {text!r} (use e.g. 30, 30s, 10m, 7d)")
+    return float(m.group(1)) * _DURATION_UNITS[(m.group(2) or "").lower()]
+
+
+def format_size(n: float) -> str:
+    """``1319413953331`` -> ``"1.2 TiB"`` (for tables and messages)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+# --- field kinds: how a value is converted and which values are allowed -------------------
+
+def _spec(kind: str, help: str, default: Any, **limits: Any) -> Any:
+    return field(default=default, metadata={"kind": kind, "help": help, **limits})
+
+
+@dataclass(frozen=True)
+class Profile:
+    """All tunables of one deployment. Build with :func:`load`; every field is validated."""
+
+    name: str = field(default="custom", metadata={"kind": "name", "help": "profile name"})
+    description: str = _spec("str", "one line about the workload", "")
+    # hot tier
+    max_kv_len: int = _spec("int", "tokens per layer kept on the device (hot window)", 24, min=1)
+    device_watermark: float = _spec("fraction", "device memory ratio that moves rounds out", 0.90)
+    keep_summary_rounds: int = _spec(
+        "int", "previous rounds kept findable by their summary (ecommerce: 1)", 0, min=0, max=1024)
+    # warm tier
+    warm_shards: int = _spec("pow2", "warm .kvmap shard count", 65536, min=1, max=1 << 32)
+    shard_key: str = _spec("choice", "what picks a shard", "session", choices=("session", "device"))
+    warm_migrate_at: float = _spec("fraction", "warm usage ratio that migrates a group to cold", 0.85)
+    lru_group: int = _spec("int", "sessions migrated together (LRU group)", 10, min=1, max=1 << 20)
+    warm_cap_bytes: int = _spec("size", "warm tier capacity", 16 * GiB, min=1 << 20)
+    warm_root: str = _spec("path", "RAM-backed directory of the warm tier", "/dev/shm/kvfs-warm")
+    summary_dim: int = _spec("int", "floats in one round's summary vector", 128, min=1, max=1 << 16)
+    # cold tier
+    ring_size: int = _spec("size", "volume (ring) size when one is created", int(1.2 * (1 << 40)),
+                           min=1 << 20)
+    checkpoint_interval_s: float = _spec("seconds", "index checkpoint period", 600.0, min=0.001)
+    hot_sessions: int = _spec("int", "sessions in the in-memory hot index", 100, min=1)
+    cleanup_threshold: float = _spec("fraction", "ring usage that starts retention cleanup", 0.70)
+    retention_s: float = _spec("seconds", "idle time after which cleanup may drop a session",
+                               7 * DAY, min=1.0)
+    # alert rules
+    alert_device_pct: float = _spec("fraction", "device_memory_high threshold", 0.92)
+    alert_device_for_s: float = _spec("seconds", "device_memory_high duration", 30.0, min=0.0)
+    alert_warm_pct: float = _spec("fraction", "warm_usage_high threshold", 0.88)
+    alert_warm_for_s: float = _spec("seconds", "warm_usage_high duration", 120.0, min=0.0)
+    alert_cold_write_ms: float = _spec("ms", "cold_write_slow threshold (ms)", 5.0, min=0.001)
+    alert_cold_write_for_s: float = _spec("seconds", "cold_write_slow duration", 60.0, min=0.0)
+    alert_interval_s: float = _spec("seconds", "how often alert rules are evaluated", 5.0,
+                                    min=0.01)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # converts (e.g. int -> float seconds) and checks
+            object.__setattr__(self, f.name, _convert(f, getattr(self, f.name), "profile"))
+
+    # --- views for the components ----------------------------------------------------
+    def store_config(self, **extra: Any) -> StoreConfig:
+        """The engine's ``StoreConfig`` for this profile (``extra`` sets the other fields)."""
+        return StoreConfig(hot_sessions=self.hot_sessions,
+                           checkpoint_interval_s=self.checkpoint_interval_s,
+                           cleanup_threshold=self.cleanup_threshold,
+                           retention_s=self.retention_s, **extra)
+
+    def warm_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``kvfs.warm.WarmTier`` (see docs/contracts/warm-api.md)."""
+        return {"root": self.warm_root, "cap_bytes": self.warm_cap_bytes,
+                "migrate_at": self.warm_migrate_at, "group": self.lru_group,
+                "shards": self.warm_shards, "shard_key": self.shard_key,
+                "summary_dim": self.summary_dim}
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> Profile:
+        """A copy with ``changes`` converted and validated like overrides."""
+        return dataclasses.replace(self, **_coerce_all(changes, "replace"))
+
+
+FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(Profile)}
+#: keys a profile file, config file or override may set
+KEYS = tuple(k for k in FIELDS if k != "name")
+
+
+def _allowed(f: dataclasses.Field) -> str:
+    md = f.metadata
+    kind = md["kind"]
+    lo, hi = md.get("min"), md.get("max")
+    if kind == "fraction":
+        return "a fraction in (0, 1], e.g. 0.85 or 85%"
+    if kind == "choice":
+        return "one of " + ", ".join(md["choices"])
+    if kind == "pow2":
+        return f"a power of two from {lo} to {hi}"
+    if kind == "size":
+        return f"a size of at least {format_size(lo)}, e.g. 512M, 16G, 1.2T"
+    if kind == "seconds":
+        return f"a duration of at least {lo:g} s, e.g. 30, 30s, 10m, 7d"
+    if kind == "ms":
+        return f"milliseconds, at least {lo:g}"
+    if kind == "path":
+        return "an absolute path"
+    if kind == "int":
+        return f"an integer from {lo}" + (f" to {hi}" if hi is not None else " up")
+    return "a string"
+
+
+def _fail(f: dataclasses.Field, value: Any, origin: str) -> ProfileError:
+    return ProfileError(f"{f.name}: bad value {value!r} (from {origin}); "
+                        f"allowed: {_allowed(f)}", key=f.name)
+
+
+def _check(f: dataclasses.Field, v: Any, origin: str, shown: Any) -> None:
+    """Raise ProfileError (showing ``shown``) unless converted ``v`` is allowed for ``f``."""
+    md = f.metadata
+    kind = md["kind"]
+    lo, hi = md.get("min"), md.get("max")
+    if kind in ("name", "str"):
+        ok = isinstance(v, str)
+    elif kind == "path":
+        ok = isinstance(v, str) and v.startswith("/")
+    elif kind == "choice":
+        ok = v in md["choices"]
+    elif kind == "fraction":
+        ok = isinstance(v, float) and 0.0 < v <= 1.0
+    elif kind in ("seconds", "ms"):
+        ok = isinstance(v, float) and math.isfinite(v) and v >= lo
+    else:  # int, pow2, size
+        ok = isinstance(v, int) and not isinstance(v, bool) and v >= lo
+        ok = ok and (hi is None or v <= hi)
+        ok = ok and (kind != "pow2" or v & (v - 1) == 0)
+    if not ok:
+        raise _fail(f, shown, origin)
+
+
+def _convert(f: dataclasses.Field, raw: Any, origin: str) -> Any:
+    """Convert ``raw`` (a string from the command line or a JSON/TOML value) for ``f``."""
+    kind = f.metadata["kind"]
+    if isinstance(raw, bool) or raw is None or isinstance(raw, list | dict):
+        raise _fail(f, raw, origin)
+    try:
+        if kind in ("name", "str", "choice", "path"):
+            v: Any = raw if isinstance(raw, str) else None
+            if v is None:
+                raise ValueError
+            v = v.strip()
+        elif kind == "size":
+            if isinstance(raw, float):
+                if not raw.is_integer():
+                    raise ValueError
+                raw = int(raw)
+            v = parse_size(raw)
+        elif kind in ("int", "pow2"):
+            if isinstance(raw, float):
+                if not raw.is_integer():
+                    raise ValueError
+                raw = int(raw)
+            v = int(raw.replace("_", "")) if isinstance(raw, str) else int(raw)
+        elif kind == "fraction":
+            if isinstance(raw, str) and raw.strip().endswith("%"):
+                v = float(raw.strip()[:-1]) / 100.0
+            else:
+                v = float(raw)
+        elif kind == "seconds":
+            v = parse_duration(raw)
+        else:  # ms
+            v = float(raw.strip().removesuffix("ms")) if isinstance(raw, str) else float(raw)
+    except (ValueError, TypeError, OverflowError):
+        raise _fail(f, raw, origin) from None
+    _check(f, v, origin, raw)
+    return v
+
+
+def _field(key: Any, origin: str) -> dataclasses.Field:
+    if key == "name":
+        raise ProfileError(f"name: cannot be set (from {origin}); choose the profile with "
+                           f"--profile / profile= ({', '.join(PROFILE_NAMES)})", key="name")
+    f = FIELDS.get(key) if isinstance(key, str) else None
+    if f is None:
+        raise ProfileError(f"{key}: unknown profile key (from {origin}); "
+                           f"allowed keys: {', '.join(KEYS)}", key=str(key))
+    return f
+
+
+def _coerce_all(values: dict[str, Any], origin: str) -> dict[str, Any]:
+    if not isinstance(values, dict):
+        raise ProfileError(f"{origin}: expected a table of key = value, got "
+                           f"{type(values).__name__}")
+    return {k: _convert(_field(k, origin), v, origin) for k, v in values.items()}
+
+
+def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """``["max_kv_len=48", "ring_size=512M"]`` -> ``{"max_kv_len": 48, "ring_size": 536870912}``.
+
+    Converts each value by its field's type; ProfileError on a missing ``=``, an unknown
+    key or a bad value. A later item for the same key wins.
+    """
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = str(item).partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ProfileError(f"{item!r}: expected key=value (from -o); "
+                               f"allowed keys: {', '.join(KEYS)}", key=key or None)
+        out[key] = _convert(_field(key, f"-o {key}"), value, f"-o {key}")
+    return out
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """Read a config file (``.toml`` via tomllib, anything else as JSON); values converted."""
+    p = Path(path)
+    origin = f"config file {p}"
+    try:
+        text = p.read_bytes()
+    except OSError as e:
+        raise ProfileError(f"{origin}: cannot read: {e.strerror or e}") from None
+    try:
+        if p.suffix.lower() == ".toml":
+            data = tomllib.loads(text.decode("utf-8"))
+        else:
+            data = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ProfileError(f"{origin}: does not parse: {e}") from None
+    return _coerce_all(data, origin)
+
+
+def profile_data(name: str) -> dict[str, Any]:
+    """The raw key/values of a shipped profile (ProfileError for an unknown name)."""
+    if name not in PROFILE_NAMES:
+        raise ProfileError(f"profile: unknown profile {name!r}; allowed: "
+                           f"{', '.join(PROFILE_NAMES)}", key="profile")
+    res = resources.files("kvfs").joinpath("profiles", f"{name}.json")
+    try:
+        return json.loads(res.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # a broken install, not user input
+        raise ProfileError(f"profile: data file of {name!r} is unreadable: {e}") from None
+
+
+def load(name: str = "gov", overrides: dict[str, Any] | None = None,
+         config_file: str | Path | None = None) -> Profile:
+    """The profile ``name`` with the config file's values, then ``overrides``, applied.
+
+    ``overrides`` values may be typed (``{"ring_size": 1 << 30}``) or strings as typed on
+    a command line (``{"ring_size": "1G"}``); both are converted and validated.
+    """
+    values = _coerce_all(profile_data(name), f"profile {name}")
+    if config_file is not None:
+        values.update(read_config(config_file))
+    if overrides:
+        values.update(_coerce_all(dict(overrides), "overrides"))
+    return Profile(name=name, **values)
+
+
+def describe(key: str) -> str:
+    """Help text of a key with what it allows (for ``--help`` and the docs)."""
+    f = _field(key, "describe")
+    return f"{f.metadata['help']}; {_allowed(f)}"
