@@ -90,7 +90,7 @@ def _check_store(store, res: CheckResult, repair: bool,
     names = store.list_sessions()
     res.sessions = len(names)
     for i, name in enumerate(names):
-        s = store._find(name)
+        s = store.idx.find(name)
         if s is None:
             res.problem(f"session {name!r} listed but not loadable")
             continue

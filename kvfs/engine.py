@@ -44,6 +44,7 @@ from .api import FileStat, SessionStat, StoreConfig, Usage
 from .btree import BTree, TreeFull, TreeRoot
 from .codec import Codec, decode
 from .errors import BadRange, Corrupt, Exists, NoSpace, NotAppend, NotFound
+from .index import Index
 from .layout import (
     FMETA_FMT,
     MAX_ENTRY_RAW,
@@ -58,13 +59,12 @@ from .layout import (
     Superblock,
     entry_size,
 )
-from .model import FileRec, Session, check_name, chunk_key, name_hash, session_prefix, split_chunks
+from .model import FileRec, Session, check_name, name_hash
 from .ring import Ring, ScanReport
 from .volume import VolumeFile, geometry
 
 log = logging.getLogger(__name__)
 
-BITMAP_CHUNK = 1000  # bytes of the live-session bitmap per B+ tree value (8000 sessions)
 DECODED_CACHE = 32 << 20  # bytes of decoded entries kept for sequential small reads
 
 
@@ -78,17 +78,10 @@ class Store:
         self.vol, self.sb, self.cfg, self.clock = vol, sb, config, clock
         vol.fadvise = config.fadvise
         self.ring = Ring(vol, sb.ring_offset, sb.ring_size, sb.head, sb.tail, config.write_buffer)
-        self.tree = BTree(vol.fd, sb.tree_offset, sb.tree_pages, TreeRoot.unpack(sb.tree_root))
+        tree = BTree(vol.fd, sb.tree_offset, sb.tree_pages, TreeRoot.unpack(sb.tree_root))
+        self.idx = Index(tree, config.hot_sessions)
         self.codec = Codec(config.compression, config.zstd_level, config.min_ratio, config.plane_split)
         self.next_sno = sb.next_sno
-        self.bitmap = bytearray()
-        self.bitmap_dirty: set[int] = set()
-        self.n_sessions = 0
-        self.hot: OrderedDict[int, Session] = OrderedDict()  # clean sessions, LRU order
-        self.pinned: dict[int, Session] = {}  # changed since the checkpoint: never evicted
-        self.names: dict[str, int] = {}  # name -> sno for sessions in hot or pinned
-        self.purge: dict[int, int] = {}  # deleted sno -> name hash, keys to drop at checkpoint
-        self.atime_dirty: set[int] = set()
         self._decoded: OrderedDict[int, bytes] = OrderedDict()
         self._decoded_bytes = 0
         self.last_ckpt = time.monotonic()
@@ -154,82 +147,13 @@ class Store:
         self.vol.close()
 
     # ================================================================ lookups
-    def _live(self, sno: int) -> bool:
-        i = sno >> 3
-        return i < len(self.bitmap) and bool(self.bitmap[i] & (1 << (sno & 7)))
-
-    def _set_live(self, sno: int, live: bool) -> None:
-        i = sno >> 3
-        if i >= len(self.bitmap):
-            self.bitmap.extend(bytes(i + 1 - len(self.bitmap)))
-        was = self._live(sno)
-        if live:
-            self.bitmap[i] |= 1 << (sno & 7)
-        else:
-            self.bitmap[i] &= ~(1 << (sno & 7)) & 0xFF
-        self.n_sessions += int(live) - int(was)
-        self.bitmap_dirty.add(i // BITMAP_CHUNK)
-
-    def _cached(self, sno: int) -> Session | None:
-        s = self.pinned.get(sno)
-        if s is None:
-            s = self.hot.get(sno)
-            if s is not None:
-                self.hot.move_to_end(sno)
-        return s
-
-    def _remember(self, s: Session) -> None:
-        self.names[s.name] = s.sno
-        if s.dirty:
-            self.hot.pop(s.sno, None)
-            self.pinned[s.sno] = s
-        else:
-            self.hot[s.sno] = s
-            self.hot.move_to_end(s.sno)
-            while len(self.hot) > self.cfg.hot_sessions:
-                _, old = self.hot.popitem(last=False)
-                if self.names.get(old.name) == old.sno:
-                    del self.names[old.name]
-                if old.sno in self.atime_dirty:  # keep its read time: pin it till the checkpoint
-                    old.dirty = True
-                    self.pinned[old.sno] = old
-                    self.names[old.name] = old.sno
-
-    def _dirty(self, s: Session) -> None:
-        if not s.dirty:
-            s.dirty = True
-            self._remember(s)
-
-    def load(self, nh: int, sno: int) -> Session | None:
-        """The live session ``sno`` (hash ``nh``) from memory or the checkpoint tree."""
-        if not self._live(sno):
-            return None
-        s = self._cached(sno)
-        if s is not None:
-            return s
-        parts = [v for _, v in self.tree.scan(session_prefix(nh, sno))]
-        if not parts:
-            return None
-        s = Session.decode(b"".join(parts))
-        self._remember(s)
-        return s
-
-    def _find(self, name: str) -> Session | None:
-        sno = self.names.get(name)
-        if sno is not None:
-            s = self._cached(sno)
-            if s is not None and self._live(sno):
-                return s
-        nh = name_hash(name)
-        for key, val in self.tree.scan(session_prefix(nh)):
-            sno = int.from_bytes(key[9:17], "big")
-            if key[17:19] == b"\0\0" and self._live(sno) and _chunk0_name(val) == name:
-                return self.load(nh, sno)
-        return None
+    @property
+    def tree(self) -> BTree:
+        return self.idx.tree
 
     def _session(self, name: str) -> Session:
         check_name(name)
-        s = self._find(name)
+        s = self.idx.find(name)
         if s is None:
             raise NotFound(f"no session {name!r}")
         return s
@@ -267,49 +191,30 @@ class Store:
 
     def emit_smeta(self, s: Session) -> None:
         s.meta_pos, _ = self._emit(T_SMETA, s, payload=self._smeta(s))
-        self._dirty(s)
+        self.idx.dirty(s)
 
     def emit_fmeta(self, s: Session, f: FileRec) -> None:
         f.meta_pos, _ = self._emit(T_FMETA, s, f.fno, payload=self._fmeta(f))
-        self._dirty(s)
+        self.idx.dirty(s)
 
     # ================================================================ sessions
     def list_sessions(self) -> list[str]:
-        names: dict[int, str] = {}
-        for key, val in self.tree.scan(b"S"):
-            sno = int.from_bytes(key[9:17], "big")
-            if key[17:19] == b"\0\0" and self._live(sno):
-                names[sno] = _chunk0_name(val)
-        for d in (self.hot, self.pinned):
-            for sno, s in d.items():
-                if self._live(sno):
-                    names[sno] = s.name
-        return sorted(names.values())
+        return self.idx.list_names()
 
     def create_session(self, name: str, mode: int = 0o700, uid: int = 0, gid: int = 0) -> None:
         check_name(name)
-        if self._find(name) is not None:
+        if self.idx.find(name) is not None:
             raise Exists(f"session {name!r} exists")
         now = time.time_ns()
         s = Session(self.next_sno, name, name_hash(name), mode, uid, gid, now, now, now, -1)
         self.emit_smeta(s)
         self.next_sno += 1
-        self._set_live(s.sno, True)
+        self.idx.set_live(s.sno, True)
 
     def delete_session(self, name: str) -> None:
         s = self._session(name)
         self._emit(T_DELS, s)
-        self.drop(s)
-
-    def drop(self, s: Session) -> None:
-        """Forget a session whose tombstone is written: bitmap first, tree keys at checkpoint."""
-        self._set_live(s.sno, False)
-        self.purge[s.sno] = s.name_hash
-        self.pinned.pop(s.sno, None)
-        self.hot.pop(s.sno, None)
-        self.atime_dirty.discard(s.sno)
-        if self.names.get(s.name) == s.sno:
-            del self.names[s.name]
+        self.idx.drop(s)
 
     def session_stat(self, name: str) -> SessionStat:
         s = self._session(name)
@@ -327,7 +232,7 @@ class Store:
             s.mode = s.mode if mode is None else mode & 0o7777
             s.uid, s.gid = s.uid if uid is None else uid, s.gid if gid is None else gid
             self.emit_smeta(s)
-        self._dirty(s)
+        self.idx.dirty(s)
 
     # ================================================================ files
     def list_files(self, session: str) -> list[str]:
@@ -349,7 +254,7 @@ class Store:
         self._emit(T_DELF, s, f.fno)
         s.drop_file(f.fno)
         s.mtime = time.time_ns()
-        self._dirty(s)
+        self.idx.dirty(s)
 
     def file_stat(self, session: str, name: str) -> FileStat:
         _, f = self._file(session, name)
@@ -365,7 +270,7 @@ class Store:
             f.mode = f.mode if mode is None else mode & 0o7777
             f.uid, f.gid = f.uid if uid is None else uid, f.gid if gid is None else gid
             self.emit_fmeta(s, f)
-        self._dirty(s)
+        self.idx.dirty(s)
 
     # ================================================================ data
     def append(self, session: str, name: str, offset: int, data: bytes | memoryview) -> None:
@@ -389,7 +294,7 @@ class Store:
             self.counters["stored_written"] += len(stored)
         f.mtime = s.mtime = time.time_ns()
         self.counters["appends"] += 1
-        self._dirty(s)
+        self.idx.dirty(s)
         metrics.observe_cold_write((time.perf_counter() - t0) * 1e3)
 
     def truncate(self, session: str, name: str, length: int) -> None:
@@ -401,7 +306,7 @@ class Store:
         self._emit(T_TRUNC, s, f.fno, length)
         f.truncate(length)
         f.mtime = s.mtime = time.time_ns()
-        self._dirty(s)
+        self.idx.dirty(s)
 
     def read(self, session: str, name: str, offset: int, length: int) -> bytes:
         s, f = self._file(session, name)
@@ -422,8 +327,7 @@ class Store:
             i += 1
         self.counters["reads"] += 1
         s.atime = f.atime = time.time_ns()
-        if not s.dirty:
-            self.atime_dirty.add(s.sno)
+        self.idx.touched(s)
         metrics.observe_cold_read((time.perf_counter() - t0) * 1e3)
         return b"".join(out)
 
@@ -460,39 +364,27 @@ class Store:
         if self.readonly:
             return
         self.ring.sync()  # everything the checkpoint references is durable first
-        changes: dict[bytes, bytes | None] = {}
-        for sno, nh in self.purge.items():
-            for key, _ in self.tree.scan(session_prefix(nh, sno)):
-                changes[key] = None
-        dirty = list(self.pinned.values())
-        for s in dirty + [self.hot[n] for n in self.atime_dirty if n in self.hot]:
-            old = [k for k, _ in self.tree.scan(session_prefix(s.name_hash, s.sno))]
-            chunks = split_chunks(s.encode())
-            for k in old[len(chunks):]:
-                changes[k] = None
-            for i, c in enumerate(chunks):
-                changes[chunk_key(s.name_hash, s.sno, i)] = c
-        for c in self.bitmap_dirty:
-            changes[b"B" + c.to_bytes(4, "big")] = bytes(self.bitmap[c * BITMAP_CHUNK: (c + 1) * BITMAP_CHUNK])
+        changes = self.idx.changes()
+        old_root = self.tree.root
         try:
             root = self.tree.commit(changes)
         except TreeFull as e:
             raise NoSpace(f"index region full, cannot checkpoint: {e}") from e
-        self.vol.sync()
         sb = self.sb
-        self.sb = Superblock(sb.seq + 1, SB_CLEAN if clean else 0, sb.volume_size, sb.ring_offset,
-                             sb.ring_size, sb.tree_offset, sb.tree_pages, self.ring.head,
-                             self.ring.tail, self.ring.head, self.next_sno, time.time_ns(),
-                             sb.created_ns, root.pack())
-        self.vol.write_superblock(self.sb)
+        new = Superblock(sb.seq + 1, SB_CLEAN if clean else 0, sb.volume_size, sb.ring_offset,
+                         sb.ring_size, sb.tree_offset, sb.tree_pages, self.ring.head,
+                         self.ring.tail, self.ring.head, self.next_sno, time.time_ns(),
+                         sb.created_ns, root.pack())
+        try:
+            self.vol.sync()
+            self.vol.write_superblock(new)
+        except BaseException:
+            # The durable superblock still names the old root: keep committing on top of it.
+            self.idx.tree = BTree(self.vol.fd, sb.tree_offset, sb.tree_pages, old_root)
+            raise
+        self.sb = new
         self.ring.durable_tail = self.ring.tail
-        self.purge.clear()
-        self.bitmap_dirty.clear()
-        self.atime_dirty.clear()
-        self.pinned.clear()
-        for s in dirty:
-            s.dirty = False
-            self._remember(s)
+        self.idx.committed()
         self.last_ckpt = time.monotonic()
         self.counters["checkpoints"] += 1
 
@@ -505,9 +397,8 @@ class Store:
             self.cleanup()
         due = (time.monotonic() - self.last_ckpt >= self.cfg.checkpoint_interval_s
                or self.ring.head - self.sb.ckpt_pos > self.ring.size // 4
-               or len(self.pinned) > 10 * self.cfg.hot_sessions)
-        if due and (self.pinned or self.purge or self.bitmap_dirty or self.atime_dirty
-                    or self.ring.head != self.sb.ckpt_pos):
+               or len(self.idx.pinned) > 10 * self.cfg.hot_sessions)
+        if due and (self.idx.has_changes() or self.ring.head != self.sb.ckpt_pos):
             self.checkpoint()
             return True
         return False
@@ -518,10 +409,10 @@ class Store:
         cutoff = int((self.clock() - self.cfg.retention_s) * 1e9)
         n = 0
         for name in self.list_sessions():
-            s = self._find(name)
+            s = self.idx.find(name)
             if s is not None and s.last_use_ns() < cutoff:
                 self._emit(T_DELS, s)
-                self.drop(s)
+                self.idx.drop(s)
                 n += 1
         if n:
             log.info("cleanup: dropped %d sessions idle over %.0f s", n, self.cfg.retention_s)
@@ -530,7 +421,7 @@ class Store:
 
     # ================================================================ reporting
     def usage(self) -> Usage:
-        return Usage(self.ring.size, self.ring.used(), self.n_sessions, self.ring.head,
+        return Usage(self.ring.size, self.ring.used(), self.idx.n_sessions, self.ring.head,
                      self.ring.tail, self.sb.ckpt_pos, time.monotonic() - self.last_ckpt,
                      self.counters["raw_written"], self.counters["stored_written"])
 
@@ -543,7 +434,7 @@ class Store:
                        "used": u.used, "used_ratio": u.used / u.capacity, "sessions": u.sessions,
                        "head": u.head, "tail": u.tail, "checkpoint_pos": u.checkpoint_pos,
                        "checkpoint_age_s": round(u.checkpoint_age_s, 3)},
-            "index": {"hot_sessions": len(self.hot), "pinned_sessions": len(self.pinned),
+            "index": {"hot_sessions": len(self.idx.hot), "pinned_sessions": len(self.idx.pinned),
                       "tree": self.tree.stats()},
             "counters": dict(self.counters),
             "compression_ratio": round(raw / st, 4) if st else 1.0,
@@ -551,12 +442,3 @@ class Store:
                 "entries_replayed": rep.entries, "corrupt_regions": len(rep.corrupt or []),
                 "torn_tail": rep.torn_tail},
         }
-
-
-def _chunk0_name(val: bytes) -> str:
-    """Session name from the first chunk of an encoded session record."""
-    from .model import _SESS
-
-    p = _SESS.size
-    n = int.from_bytes(val[p: p + 2], "little")
-    return val[p + 2: p + 2 + n].decode("utf-8", "surrogateescape")

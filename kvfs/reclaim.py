@@ -79,7 +79,7 @@ def _handle(store: Store, item: ScanItem, evict: bool) -> bool:
     h = item.hdr
     if h.type not in (T_DATA, T_SMETA, T_FMETA):
         return True  # truncations and tombstones only matter for older entries, also gone
-    s = store.load(h.name_hash, h.sno)
+    s = store.idx.load(h.name_hash, h.sno)
     if s is None:
         return True
     f = s.files.get(h.fno) if h.type != T_SMETA else None
@@ -133,7 +133,7 @@ def _handle(store: Store, item: ScanItem, evict: bool) -> bool:
                 store.counters["copied_forward"] += esize
     except RingFull as e:
         raise NoSpace(str(e)) from e
-    store._dirty(s)
+    store.idx.dirty(s)
     return True
 
 
@@ -148,7 +148,7 @@ def _emit_trunc(store: Store, s: Session, f, length: int) -> bool:
     except RingFull:
         return False
     f.truncate(length)
-    store._dirty(s)
+    store.idx.dirty(s)
     return True
 
 
@@ -157,7 +157,7 @@ def _drop(store: Store, s: Session, evicted: bool) -> bool:
         store.ring.append(T_DELS, 0, s.name_hash, s.sno, 0, 0, 0)
     except RingFull:
         return False
-    store.drop(s)
+    store.idx.drop(s)
     key = "evicted_sessions" if evicted else "dropped_sessions"
     store.counters[key] += 1
     log.info("session %s %s at the ring tail", s.name, "evicted (volume full)" if evicted else

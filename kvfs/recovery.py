@@ -30,7 +30,7 @@ def recover(store: Store) -> ScanReport:
     full = not (sb.tail <= sb.ckpt_pos <= sb.tail + ring.size)
     if not full:
         try:
-            _load_bitmap(store)
+            store.idx.load_bitmap()
             report = _replay(store, sb.ckpt_pos, full=False)
         except Corrupt as e:
             log.error("%s: checkpoint unusable (%s); recovering by a full ring scan", store.vol.path, e)
@@ -47,32 +47,12 @@ def recover(store: Store) -> ScanReport:
     return report
 
 
-def _load_bitmap(store: Store) -> None:
-    from .engine import BITMAP_CHUNK
-
-    bm = bytearray()
-    for key, val in store.tree.scan(b"B"):
-        i = int.from_bytes(key[1:5], "big") * BITMAP_CHUNK
-        if len(bm) < i + len(val):
-            bm.extend(bytes(i + len(val) - len(bm)))
-        bm[i: i + len(val)] = val
-    store.bitmap = bm
-    store.n_sessions = sum(bin(b).count("1") for b in bm)
-
-
 def _reset(store: Store) -> None:
     """Forget everything the checkpoint said; start a fresh tree away from the old root."""
     old = store.tree.root
     half = 1 - old.half if old.half in (0, 1) else 0
     fresh = TreeRoot(-1, 0, 0, half, 0, old.half if old.half in (0, 1) else -1, old.generation + 1)
-    store.tree = BTree(store.vol.fd, store.sb.tree_offset, store.sb.tree_pages, fresh)
-    store.bitmap = bytearray()
-    store.bitmap_dirty = set()
-    store.n_sessions = 0
-    store.hot.clear()
-    store.pinned.clear()
-    store.names.clear()
-    store.purge.clear()
+    store.idx.reset(BTree(store.vol.fd, store.sb.tree_offset, store.sb.tree_pages, fresh))
     store.next_sno = store.sb.next_sno
 
 
@@ -102,24 +82,24 @@ def _apply(store: Store, items: list[ScanItem], full: bool) -> None:
             max_sno = max(max_sno, h.sno)
             if it.payload is None or h.sno in dels:
                 continue
-            s = store.load(h.name_hash, h.sno)
+            s = store.idx.load(h.name_hash, h.sno)
             mode, uid, gid, next_fno, ctime, mtime = SMETA_FMT.unpack_from(it.payload)
             if s is None:
                 if not full and h.sno < base_next:
                     continue  # deleted before the checkpoint was taken
                 name = bytes(it.payload[SMETA_FMT.size:]).decode("utf-8", "surrogateescape")
                 s = Session(h.sno, name, h.name_hash, mode, uid, gid, ctime, mtime, mtime, h.pos, next_fno)
-                store._set_live(h.sno, True)
+                store.idx.set_live(h.sno, True)
             s.mode, s.uid, s.gid, s.ctime = mode, uid, gid, ctime
             s.mtime = max(s.mtime, mtime)
             s.next_fno = max(s.next_fno, next_fno)
             s.meta_pos = h.pos
             s.dirty = False
-            store._dirty(s)
+            store.idx.dirty(s)
         elif h.type == T_FMETA:
             if it.payload is None or (h.sno, h.fno) in delf:
                 continue
-            s = store.load(h.name_hash, h.sno)
+            s = store.idx.load(h.name_hash, h.sno)
             if s is None:
                 continue
             mode, uid, gid, ctime, mtime = FMETA_FMT.unpack_from(it.payload)
@@ -129,22 +109,22 @@ def _apply(store: Store, items: list[ScanItem], full: bool) -> None:
                 f = FileRec(h.fno, name, mode, uid, gid, ctime, mtime, mtime, h.pos)
                 s.add_file(f)
             f.mode, f.uid, f.gid, f.meta_pos = mode, uid, gid, h.pos
-            store._dirty(s)
+            store.idx.dirty(s)
         elif h.type == T_DELS:
-            s = store.load(h.name_hash, h.sno)
+            s = store.idx.load(h.name_hash, h.sno)
             if s is not None:
-                store.drop(s)
+                store.idx.drop(s)
         elif h.type == T_DELF:
-            s = store.load(h.name_hash, h.sno)
+            s = store.idx.load(h.name_hash, h.sno)
             if s is not None and h.fno in s.files:
                 s.drop_file(h.fno)
-                store._dirty(s)
+                store.idx.dirty(s)
     touched: dict[tuple[int, int], tuple[Session, FileRec]] = {}
     for it in items:  # pass 2: the bytes, in ring order
         h = it.hdr
         if h.type not in (T_DATA, T_TRUNC):
             continue
-        s = store.load(h.name_hash, h.sno)
+        s = store.idx.load(h.name_hash, h.sno)
         f = s.files.get(h.fno) if s is not None else None
         if f is None:
             continue
@@ -158,7 +138,7 @@ def _apply(store: Store, items: list[ScanItem], full: bool) -> None:
         else:
             f.truncate(min(h.file_off, f.size))
         touched[(h.sno, h.fno)] = (s, f)
-        store._dirty(s)
+        store.idx.dirty(s)
     for s, f in touched.values():
         lost = f.close_gaps()
         if lost:

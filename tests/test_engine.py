@@ -10,7 +10,15 @@ from kvfs.api import StoreConfig
 from kvfs.check import check_volume
 from kvfs.engine import Store
 from kvfs.errors import (
-    BadName, BadRange, Exists, FormatError, NameTooLong, NoSpace, NotAppend, NotFound, VolumeBusy,
+    BadName,
+    BadRange,
+    Exists,
+    FormatError,
+    NameTooLong,
+    NoSpace,
+    NotAppend,
+    NotFound,
+    VolumeBusy,
 )
 from kvfs.layout import SB_SLOT
 
@@ -241,7 +249,7 @@ def test_full_volume_is_enospc_and_loses_nothing(vol):
     s.create_file("s", "f")
     data = b""
     with pytest.raises(NoSpace):
-        for i in range(1000):
+        for _ in range(1000):
             chunk = os.urandom(128 * 1024)  # incompressible
             s.append("s", "f", len(data), chunk)
             data += chunk
@@ -374,7 +382,7 @@ def test_many_sessions_open_lazily(vol):
     s.close()
     s = Store.open(vol, StoreConfig(hot_sessions=10))
     reads = s.tree.stats()["page_reads"]
-    assert len(s.hot) + len(s.pinned) <= 10
+    assert len(s.idx.hot) + len(s.idx.pinned) <= 10
     assert s.session_stat("sess-01234").name == "sess-01234"
     assert s.tree.stats()["page_reads"] - reads <= s.tree.root.height + 1
     assert len(s.list_sessions()) == 3000

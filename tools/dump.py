@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out: dict = {"superblocks": sbs, "stats": store.stats(), "tree_root": store.tree.root.__dict__}
         if a.session:
-            s = store._find(a.session)
+            s = store.idx.find(a.session)
             if s is None:
                 print(f"no session {a.session!r}", file=sys.stderr)
                 return 1
