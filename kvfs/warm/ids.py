@@ -1,0 +1,79 @@
+"""Session ids and where a session lives: validation, shard number, shard file name."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+from .layout import KEY_DEVICE, KEY_SESSION
+
+
+class WarmError(Exception):
+    """A refused warm-tier request: bad session id, no cold tier, incompatible root..."""
+
+
+_DEVICE_RE = re.compile(r"[0-9]{1,20}")
+MAX_SID_BYTES = 255
+
+
+def check_sid(sid: object) -> str:
+    """Return ``sid`` if it can name a directory on the mount (one path component).
+
+    Refused: non-strings, empty, '.', '..', '/' or NUL inside, more than 255 UTF-8 bytes
+    (or not encodable). Checked before anything is touched, so a refusal changes nothing.
+    """
+    if not isinstance(sid, str) or not sid:
+        raise WarmError(f"session id must be a non-empty string, got {sid!r}")
+    if sid in (".", "..") or "/" in sid or "\0" in sid:
+        raise WarmError(f"session id {sid!r} is not a valid file name")
+    try:
+        n = len(sid.encode("utf-8"))
+    except UnicodeEncodeError as e:
+        raise WarmError(f"session id {sid!r} is not valid UTF-8") from e
+    if n > MAX_SID_BYTES:
+        raise WarmError(f"session id is {n} bytes, at most {MAX_SID_BYTES} allowed")
+    return sid
+
+
+def check_shards(shards: int, key: int) -> None:
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1 or shards > 1 << 32:
+        raise WarmError(f"shards must be an integer in 1..2**32, got {shards!r}")
+    if key == KEY_SESSION and shards & (shards - 1):
+        # md5 sharding takes the top log2(shards) bits of the digest
+        raise WarmError(f"shards must be a power of two with shard_key='session', got {shards}")
+
+
+def device_id(sid: str) -> int:
+    """The device id of an iot session id: its leading run of ASCII decimal digits.
+
+    ``"4711"``, ``"4711-cmd-9"`` and ``"4711.ping"`` all belong to device 4711; at most
+    20 digits. A session id that does not start with a digit is refused (WarmError).
+    """
+    m = _DEVICE_RE.match(sid)
+    if m is None or (m.end() < len(sid) and sid[m.end()].isdigit()):
+        raise WarmError(
+            f"session id {sid!r} does not start with a decimal device id (shard_key='device')"
+        )
+    return int(m.group())
+
+
+def shard_of(sid: str, shards: int, key: int = KEY_SESSION) -> int:
+    """Shard number of ``sid``.
+
+    key=session: the top log2(shards) bits of md5(sid) -- at 65,536 shards exactly the
+    first 4 hex digits of the digest, at 131,072 / 262,144 one / two bits more of the same
+    hash. key=device: ``device_id(sid) % shards``.
+    """
+    if key == KEY_DEVICE:
+        return device_id(sid) % shards
+    bits = shards.bit_length() - 1
+    if bits == 0:
+        return 0
+    top = int.from_bytes(hashlib.md5(sid.encode("utf-8")).digest()[:8], "big")
+    return top >> (64 - bits)
+
+
+def shard_file_name(shard: int, shards: int) -> str:
+    """``sess_<hex>.kvmap``, as many hex digits as the largest shard number needs."""
+    width = max(4, (max(shards - 1, 1).bit_length() + 3) // 4)
+    return f"sess_{shard:0{width}x}.kvmap"

@@ -1,0 +1,345 @@
+"""Moving sessions between the tiers: group migration to cold, promotion back, and the
+start-up reconciliation of a migration that a crash interrupted.
+
+The rule that makes a crash harmless: a session leaves RAM only after its cold copy is
+complete and fsynced (layer files, summaries.f32, meta.json, its directory). A group
+moves in three steps: (1) per session, under its shard lock, append what cold lacks and
+mark the session FLAG_MIGRATING; (2) fsync every file and directory written, from a
+small thread pool, so the filesystem commits them together; (3) per session, under its
+shard lock again, drop it from RAM -- unless it changed since step 1 (its ``gen``), in
+which case it stays warm with cold as a valid prefix. On restart a session still marked
+FLAG_MIGRATING is checked: cold complete (sizes match, summaries and meta equal) -> the
+migration is finished by dropping the warm copy; otherwise the warm copy is kept and the
+next migration appends only what cold lacks. Cold files are only appended to or cut
+shorter, never rewritten (the mount refuses writes anywhere but at the end).
+
+A mixin of WarmTier (tier.py owns the locks and the LRU). Never imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from .. import metrics
+from .cold import META, SUMMARIES, ColdStore, layer_name
+from .ids import WarmError, shard_file_name
+from .layout import FLAG_MIGRATING, K_LAYER
+from .records import Session, ShardCorrupt, Slot
+from .shard import ShardFile
+from .shardload import load_shard
+
+log = logging.getLogger("kvfs.warm")
+PAUSE_ENV = "KVFS_WARM_TEST_PAUSE"  # test hook: a crash point name (see _pause)
+PAUSE_FILE_ENV = "KVFS_WARM_TEST_PAUSE_FILE"
+
+
+_pause_hits: dict[str, int] = {}
+
+
+def _pause(point: str) -> None:
+    """Test hook for crash tests: at the n-th pass through ``point`` (env value
+    ``point`` or ``point#n``) create a marker file and stop forever, so the test can
+    SIGKILL the process exactly there. Inert unless the env var is set."""
+    want = os.environ.get(PAUSE_ENV)
+    if not want or want.partition("#")[0] != point:
+        return
+    _pause_hits[point] = _pause_hits.get(point, 0) + 1
+    if str(_pause_hits[point]) == (want.partition("#")[2] or "1"):
+        with open(os.environ.get(PAUSE_FILE_ENV, os.devnull), "w") as f:
+            f.write(point)
+        while True:
+            time.sleep(3600)
+
+
+FSYNC_THREADS = 8
+
+
+class _Staged:
+    """A session written to cold, waiting for its fsyncs and then its drop from RAM."""
+
+    __slots__ = ("sid", "session", "gen", "syncs", "made_dir", "error")
+
+    def __init__(self, sid: str, session: Session) -> None:
+        self.sid, self.session, self.gen = sid, session, session.gen
+        self.syncs: list[Future] = []
+        self.made_dir = False
+        self.error: BaseException | None = None
+
+
+class Mover:
+    """Migration and promotion; mixed into WarmTier, whose state and helpers it uses."""
+
+    # owned by WarmTier (tier.py); listed here for readers of this module
+    root: str
+    shards: int
+    key: int
+    dim: int
+    cold: ColdStore | None
+    group: int
+    migrate_at: float
+    cap: int
+    stats: dict[str, int]
+    _lock: threading.RLock
+    _mig_lock: threading.Lock
+    _lru: OrderedDict[str, None]
+    _slots: dict[int, Slot]
+    _bytes: int
+    _closed: bool
+    _warned_full: bool
+    _pool: ThreadPoolExecutor | None = None  # fsync workers, made on first migration
+
+    def _scan(self) -> None:
+        """Load every shard file, reconcile sessions caught mid-migration, rebuild the LRU
+        from the recorded last-use times."""
+        found: list[tuple[float, str]] = []
+        for name in sorted(os.listdir(self.root)):
+            path = os.path.join(self.root, name)
+            if ".kvmap.tmp." in name:  # a shard being created when a process died
+                os.unlink(path)
+                continue
+            if not name.endswith(".kvmap"):
+                continue
+            try:
+                f = load_shard(path)
+                if name != shard_file_name(f.shard, f.shards):
+                    raise ShardCorrupt(f"header says shard {f.shard}")
+            except (ShardCorrupt, OSError) as e:
+                aside = f"{path}.corrupt.{int(time.time())}"
+                log.error("warm shard %s: %s; its sessions are treated as missing (kept as %s)",
+                          path, e, aside)
+                with contextlib.suppress(OSError):
+                    os.rename(path, aside)
+                continue
+            if (f.shards, f.key, f.dim) != (self.shards, self.key, self.dim):
+                f.unmap()
+                raise WarmError(
+                    f"warm root {self.root!r} was made with shards={f.shards}, "
+                    f"shard_key={'device' if f.key else 'session'}, summary_dim={f.dim}")
+            slot = self._slots[f.shard] = Slot(f.shard)
+            slot.file = f
+            for s in list(f.sessions.values()):
+                s.cold = self.cold.layer_sizes(s.name) if self.cold else None
+                self._reconcile(f, s)
+                if s.name in f.sessions:
+                    found.append((s.last_used, s.name))
+            self._bytes += f.total_bytes
+            if not f.sessions:
+                self._remove_file(slot)
+            else:
+                f.unmap()  # remapped on first use; keeps start-up within max_open_shards
+        for _, sid in sorted(found):
+            self._lru[sid] = None
+        if found:
+            log.info("warm tier %s: %d session(s), %d bytes", self.root, len(found), self._bytes)
+
+    def _reconcile(self, f: ShardFile, s: Session) -> None:
+        if s.cold is None:
+            if any(st.base for st in s.layers.values()):
+                log.error("warm session %r: cold copy missing; bytes below the warm part are lost", s.name)
+            if s.flags:
+                f.set_flags(s, 0)
+            return
+        for layer, st in list(s.layers.items()):
+            c = s.cold.get(layer, 0)
+            if st.base > c:  # a truncate cut cold and died before cutting warm: finish it
+                log.warning("warm session %r layer %d: finishing an interrupted truncate", s.name, layer)
+                f.truncate(s, K_LAYER, layer, 0)
+            elif c > st.end:  # never written by us; restore "cold is a prefix"
+                log.warning("warm session %r layer %d: cold copy longer than warm; cut", s.name, layer)
+                self.cold.truncate(s.name, layer_name(layer), st.end)
+                s.cold[layer] = st.end
+        if s.flags & FLAG_MIGRATING:
+            if self._cold_complete(f, s):
+                log.info("warm session %r: interrupted migration was complete on cold; dropped from warm", s.name)
+                f.drop(s)
+            else:
+                log.info("warm session %r: interrupted migration incomplete; warm copy kept", s.name)
+                f.set_flags(s, 0)
+
+    def _cold_complete(self, f: ShardFile, s: Session) -> bool:
+        if any((s.cold or {}).get(layer, 0) != st.end for layer, st in s.layers.items()):
+            return False
+        if (self.cold.read_small(s.name, SUMMARIES) or b"") != self._summary_bytes(f, s):
+            return False
+        meta = f.meta_bytes(s)
+        return meta is None or self.cold.read_small(s.name, META) == meta
+
+    def migrate(self, n: int | None = None) -> list[str]:
+        """Move the ``n`` (default: group) least recently used sessions to cold now."""
+        if self.cold is None:
+            raise WarmError("no cold tier")
+        with self._mig_lock:
+            return self._migrate_group(n or self.group, set())
+
+    def _maybe_migrate(self, exclude: set[str] | frozenset = frozenset()) -> None:
+        limit = self.migrate_at * self.cap
+        if self._bytes <= limit:
+            self._warned_full = False
+            return
+        if self.cold is None:
+            if not self._warned_full:
+                log.warning("warm tier over %.0f%% of its cap and no cold tier to migrate to",
+                            100 * self.migrate_at)
+                self._warned_full = True
+            return
+        if not self._mig_lock.acquire(blocking=False):
+            return  # another thread is migrating already
+        try:
+            while self._bytes > limit and not self._closed:
+                if not self._migrate_group(self.group, exclude):
+                    break
+        finally:
+            self._mig_lock.release()
+
+    def _migrate_group(self, n: int, exclude: set[str] | frozenset) -> list[str]:
+        """Move the ``n`` least recently used sessions in three steps: write each one's
+        missing tail to cold (under its shard lock, no fsync yet), fsync every file and
+        directory written (concurrently: the filesystem commits them together, as fast
+        as one big file), then drop from RAM each session that did not change meanwhile.
+        The whole move is timed into kv_warm_evict_latency_ms."""
+        with self._lock:
+            victims = [sid for sid in self._lru if sid not in exclude][:n]
+        if not victims:
+            return []
+        t0 = time.perf_counter()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(FSYNC_THREADS, thread_name_prefix="kvfs-warm-fsync")
+        staged: list[_Staged] = []
+        for sid in victims:
+            try:
+                st = self._stage(sid, self._pool)
+            except (OSError, WarmError) as e:
+                log.error("migration of %r to cold failed (%s); it stays in warm", sid, e)
+                continue
+            if st is not None:
+                staged.append(st)
+        for st in staged:
+            for fut in st.syncs:
+                try:
+                    fut.result()
+                except (OSError, WarmError) as e:
+                    st.error = e
+        if any(st.made_dir for st in staged):
+            try:
+                self.cold.sync_sessions_dir()
+            except OSError as e:
+                for st in staged:
+                    st.error = st.error or e
+        done, moved = [], 0
+        for st in staged:
+            freed = self._commit(st)
+            if freed is not None:
+                done.append(st.sid)
+                moved += freed
+        ms = (time.perf_counter() - t0) * 1000
+        metrics.warm_evict_latency.observe(ms)
+        metrics.warm_migrations.inc(len(done))
+        with self._lock:
+            self.stats["migrations"] += len(done)
+            self.stats["groups"] += 1
+        self._gauges()
+        log.info("migrated %d session(s), %d bytes, to cold in %.1f ms", len(done), moved, ms)
+        return done
+
+    def _stage(self, sid: str, pool: ThreadPoolExecutor) -> _Staged | None:
+        """Append what cold lacks of one session; queue the fsyncs. None if it is gone."""
+        with self._locked(sid) as slot:
+            f, s = self._warm(slot, sid)
+            if s is None:
+                return None
+            f.set_flags(s, s.flags | FLAG_MIGRATING)  # for a restart: see _reconcile
+            st = _Staged(sid, s)
+            try:
+                st.made_dir = self.cold.ensure_dir(sid)
+                s.cold = s.cold if s.cold is not None else {}
+                for k, (layer, stream) in enumerate(sorted(s.layers.items())):
+                    name = layer_name(layer)
+                    c = self.cold.size(sid, layer)  # the file, not the cache: a failed try may have grown it
+                    if c < stream.base:
+                        raise WarmError(f"cold {name} has {c} bytes, warm starts at {stream.base}")
+                    if c > stream.end:
+                        self.cold.truncate(sid, name, stream.end)
+                        c = stream.end
+                    if c < stream.end or layer not in s.cold:
+                        c = self.cold.append(sid, name, c, f.segments(stream, c, stream.end), sync=False)
+                        st.syncs.append(pool.submit(self.cold.fsync_file, sid, name))
+                    s.cold[layer] = c
+                    if k == 0:
+                        _pause("cold_partial")
+                if self.cold.sync_summaries(sid, self._summary_bytes(f, s), sync=False):
+                    st.syncs.append(pool.submit(self.cold.fsync_file, sid, SUMMARIES))
+                meta = f.meta_bytes(s)
+                if meta is not None and self.cold.write_meta(sid, meta, sync=False):
+                    st.syncs.append(pool.submit(self.cold.fsync_file, sid, META))
+                st.syncs.append(pool.submit(self.cold.sync_dir, sid))
+            except BaseException:
+                f.set_flags(s, s.flags & ~FLAG_MIGRATING)
+                raise
+            return st
+
+    def _commit(self, st: _Staged) -> int | None:
+        """Drop a staged session from RAM if its cold copy is durable and it did not change
+        since it was written; returns the bytes freed, else None (it stays in warm)."""
+        with self._locked(st.sid) as slot:
+            f, s = self._warm(slot, st.sid)
+            if s is not st.session:
+                return None  # deleted (and maybe re-created) meanwhile
+            if st.error is not None or s.gen != st.gen:
+                f.set_flags(s, s.flags & ~FLAG_MIGRATING)
+                if st.error is not None:
+                    log.error("migration of %r to cold failed (%s); it stays in warm", st.sid, st.error)
+                return None
+            _pause("cold_written")
+            freed = f.drop(s)  # the cold copy is complete and durable: now RAM may go
+            if not f.sessions:
+                self._remove_file(slot)
+            with self._lock:
+                self._lru.pop(st.sid, None)
+                self._bytes -= freed
+            return freed
+
+    def promote(self, sid: str) -> None:
+        """Bring a session's cold bytes back into warm (the cold copy stays as a prefix, so
+        a later migration appends only what was added meanwhile)."""
+        with self._locked(sid) as slot:
+            changed = self._promote_locked(slot, sid)
+        if changed:
+            self._maybe_migrate(exclude={sid})
+
+    def _promote_locked(self, slot: Slot, sid: str) -> bool:
+        f, s = self._warm(slot, sid)
+        if s is None:
+            if self.cold is None or not self.cold.exists(sid):
+                raise WarmError(f"no session {sid!r}")
+            f, s = self._warm(slot, sid, create=True)
+        if s.cold is None:
+            return False
+        s.cold = self.cold.layer_sizes(sid) or {}
+        changed = False
+        for layer, c in sorted(s.cold.items()):
+            base = self._span(s, layer)[0]
+            if base == 0:
+                continue
+            if base > c:
+                raise WarmError(f"{sid}/layer_{layer}: cold copy has {c} bytes, warm starts at {base}")
+            seg, view = f.prepend(s, layer, base)
+            try:
+                self.cold.read_into(sid, layer, 0, view)
+            except BaseException:
+                f.abandon(seg)
+                raise
+            f.publish(s, layer, seg)
+            self._account(base)
+            changed = True
+        self._touch(f, s)
+        if changed:
+            with self._lock:
+                self.stats["promotions"] += 1
+            metrics.warm_promotions.inc()
+        return changed

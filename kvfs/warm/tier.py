@@ -1,0 +1,462 @@
+"""WarmTier: sessions in RAM shards, a global LRU, migration to and promotion from cold.
+
+State of a session, per layer: the warm shard holds bytes [base, size) and the cold copy
+(``cold_root/sessions/<sid>/layer_<n>``) holds at least [0, base). The cold copy is always
+a *prefix* of the true content: migration appends only the missing tail, truncate cuts
+cold before warm. So a session in both tiers reads correctly from either side, and after
+a crash "the cold copy is complete" is just "its sizes match" (``_cold_complete``).
+
+Locks: one lock per shard, held around every file and memmap access of that shard
+(cold reads and a session's cold writes included, but not the fsyncs of a migration);
+one global lock for the LRU, the byte count and the shard table, only ever taken briefly
+and never while waiting for a shard lock; one migration lock, so that a single thread
+migrates at a time (the appending thread that crossed the threshold, or ``migrate``).
+Migrations start only after the caller's shard lock is released. Contract: one writer
+per session, any number of readers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import itertools
+import json
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from .. import metrics
+from .cold import META, SUMMARIES, ColdStore, layer_name
+from .ids import WarmError, check_shards, check_sid, shard_file_name, shard_of
+from .layout import K_LAYER, K_SUMMARY, KEY_DEVICE, KEY_SESSION
+from .migrate import Mover
+from .records import Session, Slot
+from .shard import ShardFile
+
+log = logging.getLogger("kvfs.warm")
+
+
+def _as_u8(data: object) -> np.ndarray:
+    """The bytes of ``data`` as a flat uint8 array, without a copy when contiguous."""
+    if isinstance(data, np.ndarray):
+        if data.dtype.hasobject:
+            raise TypeError("object arrays cannot be stored")
+        return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return np.frombuffer(memoryview(data).cast("B"), np.uint8)
+    raise TypeError(f"append takes bytes, memoryview or numpy arrays, not {type(data).__name__}")
+
+
+def _check_layer(layer: object) -> int:
+    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < 1 << 31:
+        raise ValueError(f"layer must be an integer in [0, 2**31), got {layer!r}")
+    return int(layer)
+
+
+class WarmTier(Mover):
+    """The warm tier. See ``docs/contracts/warm-api.md`` and the package docstring."""
+
+    def __init__(self, cold_root: str | None, root: str = "/dev/shm/kvfs-warm", *,
+                 cap_bytes: int = 16 << 30, migrate_at: float = 0.85, group: int = 10,
+                 shards: int = 65536, shard_key: str = "session", summary_dim: int = 128,
+                 clock: Callable[[], float] = time.time, max_open_shards: int = 512) -> None:
+        if shard_key not in ("session", "device"):
+            raise WarmError(f"shard_key must be 'session' or 'device', got {shard_key!r}")
+        self.key = KEY_SESSION if shard_key == "session" else KEY_DEVICE
+        check_shards(shards, self.key)
+        if cap_bytes <= 0 or not 0 < migrate_at <= 1 or group < 1 or summary_dim < 1 or max_open_shards < 1:
+            raise WarmError("cap_bytes, group, summary_dim, max_open_shards must be > 0 and 0 < migrate_at <= 1")
+        self.cold = ColdStore(cold_root) if cold_root is not None else None  # WarmError if absent
+        self.root, self.cap, self.migrate_at, self.group = root, int(cap_bytes), float(migrate_at), int(group)
+        self.shards, self.dim, self.clock, self.max_open = shards, int(summary_dim), clock, max_open_shards
+        self._row = 4 * self.dim  # bytes of one round summary
+        os.makedirs(root, exist_ok=True)
+        self._lockfd = os.open(os.path.join(root, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lockfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(self._lockfd)
+            raise WarmError(f"warm root {root!r} is in use by another process") from e
+        self._lock = threading.RLock()
+        self._mig_lock = threading.Lock()
+        self._slots: dict[int, Slot] = {}
+        self._mapped: OrderedDict[int, None] = OrderedDict()
+        self._lru: OrderedDict[str, None] = OrderedDict()  # least recently used first
+        self._bytes = 0
+        self._closed = False
+        self._warned_full = False
+        self.stats = {"migrations": 0, "promotions": 0, "hits": 0, "misses": 0, "groups": 0}
+        try:
+            self._scan()
+        except BaseException:
+            os.close(self._lockfd)
+            raise
+        self._gauges()
+
+    # ---- plumbing -------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _locked(self, sid: str) -> Iterator[Slot]:
+        """Validate ``sid`` and hold its shard's lock; unmaps the least recently used
+        shards beyond ``max_open_shards`` on the way (skipping any that are busy)."""
+        check_sid(sid)
+        shard = shard_of(sid, self.shards, self.key)
+        with self._lock:
+            if self._closed:
+                raise WarmError("warm tier is closed")
+            slot = self._slots.get(shard)
+            if slot is None:
+                slot = self._slots[shard] = Slot(shard)
+            self._mapped[shard] = None
+            self._mapped.move_to_end(shard)
+            over = list(itertools.islice(self._mapped, max(0, len(self._mapped) - self.max_open)))
+        with slot.lock:
+            for k in over:
+                self._try_unmap(k)
+            yield slot
+
+    def _try_unmap(self, shard: int) -> None:
+        slot = self._slots.get(shard)
+        if slot is None or not slot.lock.acquire(blocking=False):
+            return
+        try:
+            if slot.file is not None:
+                slot.file.unmap()
+            with self._lock:
+                self._mapped.pop(shard, None)
+        finally:
+            slot.lock.release()
+
+    def _remove_file(self, slot: Slot) -> None:
+        f, slot.file = slot.file, None
+        f.unmap()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f.path)
+
+    def _warm(self, slot: Slot, sid: str, create: bool = False) -> tuple[ShardFile | None, Session | None]:
+        """The shard file and warm record of ``sid``; with ``create``, make them, loading
+        meta and summaries of a cold copy so the warm record is whole for them."""
+        f = slot.file
+        s = f.sessions.get(sid) if f is not None else None
+        if s is not None or not create:
+            return f, s
+        if f is None:
+            path = os.path.join(self.root, shard_file_name(slot.shard, self.shards))
+            f = slot.file = ShardFile.create(path, slot.shard, self.shards, self.key, self.dim, self.clock())
+        cold = self.cold.layer_sizes(sid) if self.cold else None
+        s = f.new_session(sid, self.clock(), live=cold is None)
+        s.cold, held = cold, 0
+        if cold is not None:  # the warm record must be whole before it is published
+            try:
+                raw = self.cold.read_small(sid, META)
+                if raw and self.cold.read_meta(sid) is not None:
+                    held += f.put_meta(s, raw)
+                summ = self.cold.read_small(sid, SUMMARIES) or b""
+                n = len(summ) // self._row * self._row
+                if n:
+                    held += f.write(s, K_SUMMARY, 0, 0, np.frombuffer(summ, np.uint8, n))
+            except BaseException:
+                f.drop(s)
+                raise
+            f.publish_session(s)
+        with self._lock:
+            self._lru[sid] = None
+            self._bytes += held
+        return f, s
+
+    def _touch(self, f: ShardFile, s: Session) -> None:
+        f.set_last_used(s, self.clock())
+        with self._lock:
+            self._lru[s.name] = None
+            self._lru.move_to_end(s.name)
+
+    def _account(self, delta: int) -> None:
+        with self._lock:
+            self._bytes += delta
+        self._gauges()
+
+    def _gauges(self) -> None:
+        metrics.warm_bytes.set(self._bytes)
+        metrics.warm_sessions.set(len(self._lru))
+        metrics.warm_usage_ratio.set(self._bytes / self.cap)
+
+    def _summary_bytes(self, f: ShardFile, s: Session) -> bytes:
+        out = np.empty(s.summary.end, np.uint8)
+        f.read_into(s.summary, 0, s.summary.end, out)
+        return out.tobytes()
+
+    @staticmethod
+    def _span(s: Session, layer: int) -> tuple[int, int]:
+        """(base, size) of a layer of a warm session: bytes below base are on cold."""
+        st = s.layers.get(layer)
+        if st is not None and st.segs:
+            return st.base, st.end
+        c = (s.cold or {}).get(layer, 0)
+        return c, c
+
+    # ---- bytes ----------------------------------------------------------------------
+    def append(self, sid: str, layer: int, data: bytes | memoryview | np.ndarray) -> int:
+        """Append token-major bytes to a layer; returns its new size. May then migrate the
+        least recently used group to cold if usage passed the threshold."""
+        layer, buf = _check_layer(layer), _as_u8(data)
+        with self._locked(sid) as slot:
+            f, s = self._warm(slot, sid, create=True)
+            base, size = self._span(s, layer)
+            if len(buf):
+                self._account(f.write(s, K_LAYER, layer, size, buf, base=base))
+            self._touch(f, s)
+            new = size + len(buf)
+        self._maybe_migrate()
+        return new
+
+    def size(self, sid: str, layer: int) -> int:
+        layer = _check_layer(layer)
+        with self._locked(sid) as slot:
+            _, s = self._warm(slot, sid)
+            if s is not None:
+                return self._span(s, layer)[1]
+            return self.cold.size(sid, layer) if self.cold else 0
+
+    def layers(self, sid: str) -> list[int]:
+        """Layer numbers the session has, in warm or cold (addition to the contract)."""
+        with self._locked(sid) as slot:
+            _, s = self._warm(slot, sid)
+            if s is not None:
+                return sorted(set(s.layers) | set(s.cold or ()))
+            return sorted((self.cold.layer_sizes(sid) or {}) if self.cold else ())
+
+    def read(self, sid: str, layer: int, start: int, end: int, *,
+             promote: bool | None = None) -> np.ndarray:
+        """Bytes [start, end) of a layer as a new uint8 array, copied out of the memmap
+        and/or read from cold (ValueError past the end). Never a view: the extent may be
+        reused once the session migrates. ``promote``: None = a read of a whole layer that
+        is partly or wholly on cold promotes the session first, True = always, False =
+        never."""
+        layer = _check_layer(layer)
+        if not 0 <= start <= end:
+            raise ValueError(f"bad range [{start}, {end})")
+        promoted = False
+        with self._locked(sid) as slot:
+            f, s = self._warm(slot, sid)
+            if self.cold is not None and promote is not False:
+                base, size = self._span(s, layer) if s is not None else (self.cold.size(sid, layer),) * 2
+                whole = start == 0 and end == size and start < base  # a whole layer, partly cold
+                if promote or whole:
+                    promoted = self._promote_locked(slot, sid)
+                    f, s = self._warm(slot, sid)
+            out = np.empty(end - start, np.uint8)
+            hit = self._fill(f, s, sid, layer, start, end, out)
+            if s is not None:
+                self._touch(f, s)
+        self._count(hit)
+        if promoted:
+            self._maybe_migrate(exclude={sid})
+        return out
+
+    def read_layers(self, sid: str, layers: list[int] | range, start: int, end: int, *,
+                    promote: bool = False) -> np.ndarray:
+        """Bytes [start, end) of each of ``layers`` as uint8 [len(layers), end - start]:
+        one round of every layer in one call (addition to the contract). ``promote=True``
+        brings the session back to warm first."""
+        layers = [_check_layer(layer) for layer in layers]
+        if not 0 <= start <= end:
+            raise ValueError(f"bad range [{start}, {end})")
+        out = np.empty((len(layers), end - start), np.uint8)
+        promoted = hit = False
+        with self._locked(sid) as slot:
+            f, s = self._warm(slot, sid)
+            if promote and self.cold is not None:
+                promoted = self._promote_locked(slot, sid)
+                f, s = self._warm(slot, sid)
+            hit = all([self._fill(f, s, sid, layer, start, end, out[k]) for k, layer in enumerate(layers)])
+            if s is not None:
+                self._touch(f, s)
+        self._count(hit)
+        if promoted:
+            self._maybe_migrate(exclude={sid})
+        return out
+
+    def _fill(self, f: ShardFile | None, s: Session | None, sid: str, layer: int,
+              start: int, end: int, out: np.ndarray) -> bool:
+        """Copy layer bytes [start, end) into ``out``; True when all came from warm."""
+        if s is not None:
+            base, size = self._span(s, layer)
+        else:  # all of it is on cold
+            base = size = self.cold.size(sid, layer) if self.cold else 0
+        if end > size:
+            raise ValueError(f"read [{start}, {end}) past the end ({size}) of {sid}/layer_{layer}")
+        split = min(max(base, start), end)  # [start, split) from cold, [split, end) from warm
+        if split > start:
+            if self.cold is None:
+                raise WarmError(f"{sid}/layer_{layer}: bytes below {base} are on a cold tier not configured")
+            self.cold.read_into(sid, layer, start, out[:split - start])
+        if end > split:
+            f.read_into(s.layers[layer], split, end, out[split - start:])
+        return split == start
+
+    def _count(self, hit: bool) -> None:
+        with self._lock:
+            self.stats["hits" if hit else "misses"] += 1
+        (metrics.warm_hits if hit else metrics.warm_misses).inc()
+
+    def truncate(self, sid: str, layer: int, length: int) -> None:
+        """Shorten a layer (an agent retrying a turn). Cold is cut first, then warm, so
+        cold stays a prefix of the content whatever the moment of a crash."""
+        layer = _check_layer(layer)
+        with self._locked(sid) as slot:
+            f, s = self._warm(slot, sid)
+            if s is not None:
+                size, cold_size = self._span(s, layer)[1], (s.cold or {}).get(layer, 0)
+            else:
+                size = cold_size = self.cold.size(sid, layer) if self.cold else 0
+            if not 0 <= length <= size:
+                raise ValueError(f"truncate to {length}: only shortening (size {size})")
+            if length == size:
+                return
+            if cold_size > length:
+                self.cold.truncate(sid, layer_name(layer), length)
+                if s is not None:
+                    s.cold[layer] = length
+            if s is not None:
+                self._account(-f.truncate(s, K_LAYER, layer, length))
+                self._touch(f, s)
+
+    # ---- meta and summaries ---------------------------------------------------------
+    def put_meta(self, sid: str, meta: dict) -> None:
+        if not isinstance(meta, dict):
+            raise TypeError("meta must be a dict")
+        raw = json.dumps(meta, separators=(",", ":")).encode()
+        with self._locked(sid) as slot:
+            f, s = self._warm(slot, sid, create=True)
+            self._account(f.put_meta(s, raw))
+            self._touch(f, s)
+        self._maybe_migrate()
+
+    def get_meta(self, sid: str) -> dict | None:
+        with self._locked(sid) as slot:
+            f, s = self._warm(slot, sid)
+            if s is None:
+                return self.cold.read_meta(sid) if self.cold else None
+            raw = f.meta_bytes(s)
+            self._touch(f, s)
+            return json.loads(raw) if raw is not None else None
+
+    def put_summary(self, sid: str, round_idx: int, vec: np.ndarray) -> None:
+        """Set round ``round_idx``'s summary; rounds skipped over read as zero vectors."""
+        v = np.asarray(vec, dtype=np.float32).reshape(-1)
+        if v.size != self.dim:
+            raise ValueError(f"summary must have {self.dim} floats, got {v.size}")
+        if isinstance(round_idx, bool) or not isinstance(round_idx, (int, np.integer)) or round_idx < 0:
+            raise ValueError(f"bad round index {round_idx!r}")
+        with self._locked(sid) as slot:
+            f, s = self._warm(slot, sid, create=True)
+            have = s.summary.end
+            pos = int(round_idx) * self._row
+            buf = v.view(np.uint8)
+            if pos > have:
+                buf = np.concatenate([np.zeros(pos - have, np.uint8), buf])
+                pos = have
+            self._account(f.write(s, K_SUMMARY, 0, pos, buf))
+            self._touch(f, s)
+        self._maybe_migrate()
+
+    def summaries(self, sid: str) -> np.ndarray:
+        """float32 [rounds, summary_dim] (a copy; empty when none)."""
+        with self._locked(sid) as slot:
+            f, s = self._warm(slot, sid)
+            if s is not None:
+                raw = self._summary_bytes(f, s)
+                self._touch(f, s)
+            else:
+                raw = (self.cold.read_small(sid, SUMMARIES) if self.cold else None) or b""
+        n = len(raw) // self._row
+        return np.frombuffer(raw, np.float32, n * self.dim).reshape(n, self.dim).copy()
+
+    def truncate_summaries(self, sid: str, rounds: int) -> None:
+        """Keep the first ``rounds`` summaries (addition: pairs with truncate)."""
+        with self._locked(sid) as slot:
+            f, s = self._warm(slot, sid)
+            if s is None and self.cold is not None and self.cold.exists(sid):
+                f, s = self._warm(slot, sid, create=True)  # the cold file is cut at migration
+            if s is not None:
+                self._account(-f.truncate(s, K_SUMMARY, 0, rounds * self._row))
+
+    # ---- sessions -------------------------------------------------------------------
+    def sessions(self) -> list[str]:
+        with self._lock:
+            names = set(self._lru)
+        if self.cold is not None:
+            for n in self.cold.list():
+                with contextlib.suppress(WarmError):
+                    names.add(check_sid(n))
+        return sorted(names)
+
+    def where(self, sid: str) -> str | None:
+        with self._locked(sid) as slot:
+            _, s = self._warm(slot, sid)
+            on_cold = (s.cold is not None) if s is not None else bool(self.cold and self.cold.exists(sid))
+        if s is not None:
+            return "both" if on_cold else "warm"
+        return "cold" if on_cold else None
+
+    def delete(self, sid: str) -> None:
+        """Remove a session from both tiers (warm first: a crash in between leaves the
+        cold prefix, a consistent older state)."""
+        with self._locked(sid) as slot:
+            f, s = self._warm(slot, sid)
+            if s is not None:
+                freed = f.drop(s)
+                if not f.sessions:
+                    self._remove_file(slot)
+                with self._lock:
+                    self._lru.pop(sid, None)
+                self._account(-freed)
+            if self.cold is not None:
+                self.cold.delete(sid)
+
+    # ---- housekeeping ---------------------------------------------------------------
+    def flush(self, sid: str | None = None) -> None:
+        """msync the shard of ``sid`` (or of every mapped shard)."""
+        if sid is not None:
+            with self._locked(sid) as slot:
+                if slot.file is not None:
+                    slot.file.flush()
+            return
+        with self._lock:
+            slots = list(self._slots.values())
+        for slot in slots:
+            with slot.lock:
+                if slot.file is not None:
+                    slot.file.flush()
+
+    def usage(self) -> dict:
+        with self._lock:
+            return {"bytes": self._bytes, "cap": self.cap, "ratio": self._bytes / self.cap,
+                    "threshold": self.migrate_at, "sessions": len(self._lru),
+                    "shard_files": sum(1 for s in self._slots.values() if s.file is not None),
+                    **self.stats}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        with self._mig_lock:
+            with self._lock:
+                self._closed = True
+                slots = list(self._slots.values())
+            for slot in slots:
+                with slot.lock:
+                    if slot.file is not None:
+                        slot.file.unmap()
+            if self._pool is not None:
+                self._pool.shutdown()
+            os.close(self._lockfd)
+
+    def __enter__(self) -> WarmTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
