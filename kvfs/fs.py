@@ -1,0 +1,495 @@
+"""The FUSE filesystem: one ``pyfuse3.Operations`` class over a ``kvfs.engine.Store``.
+
+Owns the translation between the kernel's view (inodes, file handles, byte offsets,
+errno) and the engine's (session and file names, appends, engine exceptions), and the
+per-file write buffers that turn many small kernel writes into one engine append (one
+ring entry). It never touches the volume: every byte goes through the ``Store``, and
+every ``Store`` call runs on one worker thread at a time (``call``; the engine is not
+thread-safe), so the trio thread never blocks on disk I/O or zstd.
+
+Namespace::
+
+    /sessions/<session>/<file>   a Store session (directory) and its files
+    /.kvfs/stats, /.kvfs/metrics generated at open (read-only, direct I/O)
+
+Handlers are thin: validate, translate, delegate, translate the error (``@handler``,
+in ``fsfiles``).
+An engine error becomes its errno (``fsnodes.ERRNO``); any other exception is logged
+with its traceback, answered with EIO and sets ``needs_fsck`` -- it never escapes, since
+an exception other than ``FUSEError`` leaving a handler ends the mount.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any, TypeVar
+
+import pyfuse3
+import trio
+from pyfuse3 import EntryAttributes, FileInfo, FUSEError, RequestContext, SetattrFields
+
+from . import errors, metrics
+from .fsfiles import (
+    FIXED_TIMEOUT,
+    Counters,
+    ReadAhead,
+    WriteBuffers,
+    file_attr,
+    handler,
+    make_attr,
+    metrics_body,
+    negative,
+    session_attr,
+    stats_body,
+)
+from .fsnodes import (
+    FIXED,
+    FIXED_CHILDREN,
+    GENERATED,
+    KVFS_DIR,
+    SESSIONS,
+    STATS,
+    Handle,
+    InodeTable,
+    Key,
+    check_name,
+)
+
+log = logging.getLogger("kvfs.fs")
+
+T = TypeVar("T")
+
+FLUSH_AT = 1 << 20  # a file's write buffer is handed to the engine at this size
+ENTRY_MAX = 256 << 10  # cut into ring entries of at most this size (docs/mount.md)
+PRIVATE = 0o077  # group/other bits dropped from modes asked at creation: KV bytes are private
+READDIR_BATCH = 64
+
+
+def _is_write(flags: int) -> bool:
+    return (flags & os.O_ACCMODE) != os.O_RDONLY
+
+
+class Operations(pyfuse3.Operations):
+    """The kvfs filesystem over one open ``Store`` (see the module docstring)."""
+
+    supports_dot_lookup = True
+    enable_writeback_cache = False
+
+    def __init__(self, store: Any, *, direct_io: bool = True, allow_other: bool = False,
+                 flush_at: int = FLUSH_AT, entry_max: int = ENTRY_MAX,
+                 alerts_state: Callable[[], Any] | None = None) -> None:
+        super().__init__()
+        self.store = store
+        self.direct_io = direct_io
+        self.alerts_state = alerts_state
+        self.needs_fsck = False
+        self.counters = Counters()
+        self.inodes = InodeTable()
+        self._limiter = trio.CapacityLimiter(1)  # the Store is not thread-safe
+        self._handles: dict[int, Handle] = {}
+        self._dirs: dict[int, list[tuple[str, Key | int]]] = {}
+        self.buffers = WriteBuffers(store, self.call, self.counters, flush_at, entry_max)
+        self.readahead = ReadAhead(store, self.call, self.counters)  # mount.py sets its nursery
+        self._next_fh = 1
+        self._uid, self._gid = os.getuid(), os.getgid()
+        self._t0 = time.time()
+        # with allow_other anyone may create a session; the sticky bit keeps them apart
+        self._sessions_mode = stat.S_IFDIR | (0o1777 if allow_other else 0o755)
+
+    # ------------------------------------------------------------------ plumbing
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run one blocking ``Store`` call on the worker thread, one at a time."""
+        return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+
+    def _internal_error(self, where: str, e: BaseException) -> None:
+        log.error("internal error in %s; answering EIO, volume needs fsck", where,
+                  exc_info=(type(e), e, e.__traceback__))
+        self.counters.errors += 1
+        self.needs_fsck = True
+        metrics.cold_errors.inc()
+
+    def _new_fh(self, handle: Handle) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        self._handles[fh] = handle
+        return fh
+
+    def _key(self, ino: int) -> Key:
+        node = self.inodes.get(ino)
+        if node is None:
+            raise FUSEError(errno.ENOENT)
+        return node.key
+
+    def _file_key(self, ino: int) -> Key:
+        key = self._key(ino)
+        if len(key) != 2:
+            raise FUSEError(errno.EISDIR)
+        return key
+
+    def _session_of(self, parent: int) -> str:
+        """The session a new file goes into; EROFS in /.kvfs, EPERM elsewhere outside one."""
+        if parent == KVFS_DIR:
+            raise FUSEError(errno.EROFS)
+        if parent in FIXED:
+            raise FUSEError(errno.EPERM)
+        key = self._key(parent)
+        if len(key) != 1:
+            raise FUSEError(errno.ENOTDIR)
+        return key[0]
+
+    @staticmethod
+    def _only_sessions(parent: int) -> None:
+        """mkdir/rmdir happen in /sessions only."""
+        if parent != SESSIONS:
+            raise FUSEError(errno.EROFS if parent == KVFS_DIR else errno.EPERM)
+
+    # ------------------------------------------------------------------ attributes
+    async def _fixed_attr(self, ino: int) -> EntryAttributes:
+        mode = self._sessions_mode if ino == SESSIONS else FIXED[ino][2]
+        if ino in GENERATED:
+            now = time.time()
+            size = len(await self._generate(ino))
+            return make_attr(ino, mode, self._uid, self._gid, (now, now, now), size, timeout=0)
+        times = (self._t0, self._t0, self._t0)
+        return make_attr(ino, mode, self._uid, self._gid, times,
+                         nlink=1 if ino == SESSIONS else 2, timeout=FIXED_TIMEOUT)
+
+    def _dyn_attr(self, ino: int, key: Key, st: Any) -> EntryAttributes:
+        if len(key) == 1:
+            return session_attr(ino, st)
+        return file_attr(ino, st, self.buffers.get(ino))
+
+    def _stat_sync(self, key: Key) -> Any:
+        return self.store.session_stat(*key) if len(key) == 1 else self.store.file_stat(*key)
+
+    async def _attr_of(self, ino: int) -> EntryAttributes:
+        if ino in FIXED:
+            return await self._fixed_attr(ino)
+        key = self._key(ino)
+        return self._dyn_attr(ino, key, await self.call(self._stat_sync, key))
+
+    async def _generate(self, ino: int) -> bytes:
+        def body() -> bytes:
+            if ino != STATS:
+                return metrics_body(self.store.usage())
+            fs = {**asdict(self.counters), "open_files": len(self._handles),
+                  "inodes": len(self.inodes), "direct_io": self.direct_io,
+                  "pending_bytes": self.buffers.pending_bytes}
+            return stats_body(self.store.stats(), self.store.usage(), fs, self.needs_fsck,
+                              self.alerts_state)
+
+        return await self.call(body)
+
+    # ------------------------------------------------------------------ lookups
+    @handler
+    async def lookup(self, parent_inode: int, name: bytes, ctx: RequestContext) -> EntryAttributes:
+        if name in (b".", b".."):
+            ino = parent_inode if name == b"." else self._parent_of(parent_inode)
+        elif parent_inode in FIXED_CHILDREN:
+            ino = dict(FIXED_CHILDREN[parent_inode]).get(os.fsdecode(name), 0)
+            if not ino:
+                return negative()
+        elif parent_inode in GENERATED:
+            raise FUSEError(errno.ENOTDIR)
+        else:
+            sname = check_name(name)
+            if parent_inode == SESSIONS:
+                key: Key = (sname,)
+            else:
+                parent = self._key(parent_inode)
+                if len(parent) != 1:
+                    raise FUSEError(errno.ENOTDIR)
+                key = (parent[0], sname)
+            try:
+                st = await self.call(self._stat_sync, key)
+            except errors.NotFound:
+                return negative()
+            return self._dyn_attr(self.inodes.looked_up(key), key, st)
+        attr = await self._attr_of(ino)
+        if ino not in FIXED:
+            self.inodes.looked_up(self._key(ino))
+        return attr
+
+    def _parent_of(self, ino: int) -> int:
+        if ino in FIXED:
+            return FIXED[ino][0]
+        key = self._key(ino)
+        return SESSIONS if len(key) == 1 else self.inodes.ino_of(key[:1])
+
+    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+        for ino, n in inode_list:
+            self.inodes.forget(ino, n)
+
+    @handler
+    async def getattr(self, inode: int, ctx: RequestContext) -> EntryAttributes:
+        return await self._attr_of(inode)
+
+    @handler
+    async def setattr(self, inode: int, attr: EntryAttributes, fields: SetattrFields,
+                      fh: int | None, ctx: RequestContext) -> EntryAttributes:
+        if inode in FIXED:
+            raise FUSEError(errno.EROFS if inode in (KVFS_DIR, *GENERATED) else errno.EPERM)
+        key = self._key(inode)
+        changes = {
+            "mode": attr.st_mode & 0o7777 if fields.update_mode else None,
+            "uid": attr.st_uid if fields.update_uid else None,
+            "gid": attr.st_gid if fields.update_gid else None,
+            "atime": attr.st_atime_ns / 1e9 if fields.update_atime else None,
+            "mtime": attr.st_mtime_ns / 1e9 if fields.update_mtime else None,
+        }
+        if fields.update_size:
+            if len(key) == 1:
+                raise FUSEError(errno.EISDIR)
+            await self.buffers.truncate(inode, key, attr.st_size)
+            ReadAhead.forget(self._handles.values(), inode)
+        elif len(key) == 2:  # written bytes land first, so e.g. tar's futimens sticks
+            await self._flush(inode)
+        if any(v is not None for v in changes.values()):
+            setter = self.store.set_session_attrs if len(key) == 1 else self.store.set_file_attrs
+            await self.call(functools.partial(setter, *key, **changes))
+        return await self._attr_of(inode)
+
+    # ------------------------------------------------------------------ namespace changes
+    @handler
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int,
+                    ctx: RequestContext) -> EntryAttributes:
+        self._only_sessions(parent_inode)
+        key = (check_name(name),)
+
+        def make() -> Any:
+            self.store.create_session(key[0], mode & 0o7777 & ~PRIVATE, ctx.uid, ctx.gid)
+            return self.store.session_stat(key[0])
+
+        st = await self.call(make)
+        return session_attr(self.inodes.looked_up(key), st)
+
+    @handler
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: RequestContext) -> None:
+        self._only_sessions(parent_inode)
+        sname = check_name(name)
+
+        def remove() -> None:  # one worker call: no file can appear in between
+            if self.store.list_files(sname):
+                raise errors.NotEmpty(sname)
+            self.store.delete_session(sname)
+
+        await self.call(remove)
+        self.inodes.unlink_session(sname)
+
+    @handler
+    async def unlink(self, parent_inode: int, name: bytes, ctx: RequestContext) -> None:
+        key = (self._session_of(parent_inode), check_name(name))
+        await self.call(self.store.delete_file, *key)
+        dropped = self.buffers.drop(self.inodes.ino_of(key))
+        if dropped:
+            log.warning("unlink %s/%s: %d unflushed bytes of an open file dropped", *key, dropped)
+        self.inodes.unlink(key)
+
+    async def _new_file(self, parent: int, name: bytes, mode: int,
+                        ctx: RequestContext) -> tuple[int, EntryAttributes]:
+        key = (self._session_of(parent), check_name(name))
+
+        def make() -> Any:
+            self.store.create_file(*key, mode & 0o7777 & ~PRIVATE, ctx.uid, ctx.gid)
+            return self.store.file_stat(*key)
+
+        st = await self.call(make)
+        ino = self.inodes.looked_up(key)
+        return ino, file_attr(ino, st, None)
+
+    @handler
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                     ctx: RequestContext) -> tuple[FileInfo, EntryAttributes]:
+        ino, attr = await self._new_file(parent_inode, name, mode, ctx)
+        return self._open_file(ino, flags), attr
+
+    @handler
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
+                    ctx: RequestContext) -> EntryAttributes:
+        if not stat.S_ISREG(mode):
+            raise FUSEError(errno.EPERM)  # regular files only: no devices, fifos, sockets
+        return (await self._new_file(parent_inode, name, mode, ctx))[1]
+
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes,
+                      ctx: RequestContext) -> EntryAttributes:
+        raise FUSEError(errno.EPERM)
+
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
+                   ctx: RequestContext) -> EntryAttributes:
+        raise FUSEError(errno.EPERM)
+
+    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
+                     name_new: bytes, flags: int, ctx: RequestContext) -> None:
+        raise FUSEError(errno.EXDEV)  # no rename in the engine; mv(1) falls back to copying
+
+    # ------------------------------------------------------------------ open files
+    def _open_file(self, ino: int, flags: int) -> FileInfo:
+        fh = self._new_fh(Handle(ino, writable=_is_write(flags)))
+        self.inodes.opened(ino)
+        return FileInfo(fh=fh, direct_io=self.direct_io)
+
+    @handler
+    async def open(self, inode: int, flags: int, ctx: RequestContext) -> FileInfo:
+        if inode in GENERATED:
+            if _is_write(flags) or flags & os.O_TRUNC:
+                raise FUSEError(errno.EROFS)
+            body = await self._generate(inode)  # made once per open: size and reads agree
+            return FileInfo(fh=self._new_fh(Handle(inode, content=body)), direct_io=True)
+        if inode in FIXED:
+            raise FUSEError(errno.EISDIR)
+        key = self._file_key(inode)
+        if flags & os.O_TRUNC:
+            await self.buffers.truncate(inode, key, 0)
+            ReadAhead.forget(self._handles.values(), inode)
+        return self._open_file(inode, flags)
+
+    @handler
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        h = self._handles[fh]
+        if h.content is not None:
+            return h.content[off:off + size]
+        key = self._file_key(h.ino)
+        p = self.buffers.get(h.ino)
+        data = await self.readahead.read(
+            h, key, off, size, lambda: self.buffers.read(h.ino, key, off, size),
+            p.base if p is not None else None)
+        self.counters.reads += 1
+        self.counters.read_bytes += len(data)
+        return data
+
+    @handler
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        h = self._handles[fh]
+        if h.content is not None:
+            raise FUSEError(errno.EROFS)
+        return await self.buffers.write(h.ino, self._file_key(h.ino), off, buf)
+
+    async def _flush(self, ino: int) -> None:
+        if self.buffers.get(ino) is not None:
+            await self.buffers.flush(ino, self._file_key(ino))
+
+    @handler
+    async def flush(self, fh: int) -> None:
+        h = self._handles[fh]
+        if h.content is None:
+            await self._flush(h.ino)
+
+    @handler
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        h = self._handles[fh]
+        if h.content is None:
+            await self._flush(h.ino)
+            await self.call(self.store.sync)
+
+    @handler
+    async def release(self, fh: int) -> None:
+        h = self._handles.pop(fh)
+        if h.content is not None:
+            return
+        node = self.inodes.get(h.ino)
+        try:
+            if node is not None and not node.unlinked:
+                await self._flush(h.ino)
+        finally:
+            if node is None or node.opens <= 1:
+                lost = self.buffers.drop(h.ino)
+                if lost:
+                    log.error("inode %d closed with %d bytes that could not be stored: lost",
+                              h.ino, lost)
+            self.inodes.closed(h.ino)
+
+    # ------------------------------------------------------------------ directories
+    @handler
+    async def opendir(self, inode: int, ctx: RequestContext) -> int:
+        entries: list[tuple[str, Key | int]] = [(".", inode), ("..", self._parent_of(inode))]
+        if inode in FIXED_CHILDREN:
+            entries += FIXED_CHILDREN[inode]
+        elif inode == SESSIONS:
+            entries += [(n, (n,)) for n in await self.call(self.store.list_sessions)]
+        elif inode in FIXED:
+            raise FUSEError(errno.ENOTDIR)
+        else:
+            key = self._key(inode)
+            if len(key) != 1:
+                raise FUSEError(errno.ENOTDIR)
+            names = await self.call(self.store.list_files, key[0])
+            entries += [(n, (key[0], n)) for n in names]
+        fh = self._new_fh(Handle(inode))
+        self._dirs[fh] = entries  # a snapshot: offsets stay valid while entries change
+        return fh
+
+    @handler
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        entries = self._dirs[fh]
+        i = start_id
+        while i < len(entries):
+            batch = entries[i:i + READDIR_BATCH]
+            attrs = await self._batch_attrs(batch)
+            for name, ref in batch:
+                i += 1
+                attr = attrs.get(name)
+                if attr is None:  # removed since opendir
+                    continue
+                if not pyfuse3.readdir_reply(token, os.fsencode(name), attr, i):
+                    for a in attrs.values():  # drop numbers the kernel never saw
+                        self.inodes.forget(a.st_ino, 0)
+                    return
+                if isinstance(ref, tuple):
+                    self.inodes.looked_up(ref)
+
+    async def _batch_attrs(self, batch: list[tuple[str, Key | int]]) -> dict[str, EntryAttributes]:
+        """Attributes of a slice of a listing, with one worker call for the dynamic ones."""
+        keys = [ref for _, ref in batch if isinstance(ref, tuple)]
+
+        def stats() -> list[Any]:
+            out = []
+            for key in keys:
+                try:
+                    out.append(self._stat_sync(key))
+                except errors.NotFound:
+                    out.append(None)
+            return out
+
+        found = await self.call(stats) if keys else []
+        attrs = {key[-1]: self._dyn_attr(self.inodes.ino_of(key), key, st)
+                 for key, st in zip(keys, found, strict=True) if st is not None}
+        for name, ref in batch:
+            if isinstance(ref, int):  # ".", ".." and the fixed tree: never counted
+                attrs[name] = await self._attr_of(ref)
+        return attrs
+
+    async def releasedir(self, fh: int) -> None:
+        self._dirs.pop(fh, None)
+        self._handles.pop(fh, None)
+
+    @handler
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        await self.call(self.store.sync)
+
+    @handler
+    async def statfs(self, ctx: RequestContext) -> pyfuse3.StatvfsData:
+        u = await self.call(self.store.usage)
+        s = pyfuse3.StatvfsData()
+        s.f_bsize = s.f_frsize = 4096
+        s.f_blocks = u.capacity // 4096
+        s.f_bfree = s.f_bavail = max(0, u.capacity - u.used) // 4096
+        s.f_files = u.sessions + len(FIXED)
+        s.f_ffree = s.f_favail = 1 << 20
+        s.f_namemax = 255
+        return s
+
+    # ------------------------------------------------------------------ shutdown
+    async def flush_all(self) -> None:
+        """Hand every buffered byte to the engine (at unmount; failures are logged)."""
+        for ino in self.buffers.inodes():
+            try:
+                await self._flush(ino)
+            except (errors.KVFSError, FUSEError) as e:
+                log.error("flush at unmount failed for inode %d: %s", ino, e)
