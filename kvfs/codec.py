@@ -95,7 +95,7 @@ def decode(flags: int, stored: bytes | memoryview, raw_len: int) -> bytes | memo
             out = np.empty((half, 2), dtype=np.uint8)
             out[:, 1] = np.frombuffer(hi, dtype=np.uint8)
             out[:, 0] = np.frombuffer(lo, dtype=np.uint8)
-            return out.tobytes()
+            return memoryview(out).cast("B")  # no copy: callers slice, then join
         if flags & F_ZSTD:
             out = _dctx().decompress(bytes(stored), max_output_size=raw_len)
         else:

@@ -57,6 +57,8 @@ class FileRec:
     meta_pos: int  # ring position of the newest FMETA entry for this file
     off: list[int] = field(default_factory=list)
     ext: list[tuple[int, int, int, int]] = field(default_factory=list)
+    seq_end: int = field(default=-1, repr=False)  # in memory only: where the last read ended
+    advised_to: int = field(default=0, repr=False)  # read-ahead advice given up to here
 
     @property
     def size(self) -> int:

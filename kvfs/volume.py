@@ -137,6 +137,9 @@ class VolumeFile:
         if self.fadvise:
             os.posix_fadvise(self.fd, off, n, os.POSIX_FADV_DONTNEED)
 
+    def willneed(self, off: int, n: int) -> None:
+        os.posix_fadvise(self.fd, off, n, os.POSIX_FADV_WILLNEED)
+
     def sync(self) -> None:
         os.fsync(self.fd)
 
