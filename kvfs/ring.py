@@ -131,7 +131,8 @@ class Ring:
         if not (self.tail <= pos and pos + esize <= self.head):
             raise Corrupt(f"entry at {pos} is outside the live ring [{self.tail}, {self.head})")
         if pos >= self._buf_pos:
-            raw = memoryview(self._buf)[pos - self._buf_pos: pos - self._buf_pos + esize]
+            # a copy: a view would pin the buffer (it must stay resizable) and see it change
+            raw = memoryview(bytes(self._buf[pos - self._buf_pos: pos - self._buf_pos + esize]))
         else:
             off = self.phys(pos)
             raw = memoryview(self.vol.pread(esize, off))
