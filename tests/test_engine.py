@@ -387,3 +387,16 @@ def test_many_sessions_open_lazily(vol):
     assert s.tree.stats()["page_reads"] - reads <= s.tree.root.height + 1
     assert len(s.list_sessions()) == 3000
     s.close()
+
+
+def test_read_of_buffered_entry_then_more_writes(vol):
+    """Reading an entry still in the write buffer must not pin the buffer."""
+    s = Store.create(vol, 8 * MB)
+    s.create_session("s")
+    s.create_file("s", "f")
+    s.append("s", "f", 0, kv_bytes(4096))
+    assert s.read("s", "f", 0, 10) == kv_bytes(4096)[:10]
+    s.set_file_attrs("s", "f", mode=0o640)
+    s.append("s", "f", 4096, b"tail")
+    assert s.read("s", "f", 4090, 100) == kv_bytes(4096)[4090:] + b"tail"
+    s.close()
