@@ -1,0 +1,220 @@
+"""Model identity and the on-disk layout of one session's KV (``meta.json`` + layer bytes).
+
+Owns: the model fingerprint (a hash of the model config), the KV geometry read from a
+config (layers, KV heads, head dim), the ``meta.json`` document and its checks, the
+conversion between K/V tensors and token-major layer bytes, and the two errors the hot
+tier raises on purpose (:class:`KVMismatch`, :class:`KVCorrupt`).
+
+Layer byte layout (the brief's "File contents"): for each token, K then V, each
+``num_kv_heads x head_dim`` values in the model dtype, little-endian. Token ``t`` of a
+layer file therefore starts at byte ``t * token_bytes`` with
+``token_bytes = 2 * num_kv_heads * head_dim * itemsize``.
+
+Never touches disk, threads or the warm tier: pure functions over tensors and dicts.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+FORMAT = "kvfs-kv/1"
+
+#: config keys that do not change what the KV bytes mean (bookkeeping, runtime switches)
+_VOLATILE_KEYS = frozenset({
+    "transformers_version", "_name_or_path", "name_or_path", "torch_dtype", "dtype",
+    "_attn_implementation", "_attn_implementation_autoset", "attn_implementation",
+    "_experts_implementation", "use_cache", "output_attentions", "output_hidden_states",
+    "return_dict", "architectures", "_commit_hash", "torchscript", "use_return_dict",
+    "chunk_size_feed_forward", "problem_type", "tie_word_embeddings", "pad_token_id",
+    "bos_token_id", "eos_token_id", "id2label", "label2id", "finetuning_task",
+    "tokenizer_class", "prefix", "task_specific_params",
+})
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+    raise ImportError("kvfs.torch writes little-endian KV bytes and needs a little-endian host")
+
+
+class KVMismatch(ValueError):
+    """Stored KV was written by another model (fingerprint, dtype or shape differ)."""
+
+
+class KVCorrupt(ValueError):
+    """Stored KV is unusable: a layer file shorter than meta.json says, bad meta, bad bytes."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, dt in _DTYPES.items():
+        if dt == dtype:
+            return name
+    raise ValueError(f"unsupported KV dtype {dtype} (supported: {', '.join(_DTYPES)})")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise KVCorrupt(f"meta.json: unknown dtype {name!r}") from None
+
+
+def _config_of(model_or_config: Any) -> Any:
+    cfg = getattr(model_or_config, "config", model_or_config)
+    get_text = getattr(cfg, "get_text_config", None)
+    return get_text(decoder=True) if callable(get_text) else cfg
+
+
+def fingerprint(model_or_config: Any) -> str:
+    """A stable hash of the model config (volatile keys dropped): ``"sha256:<32 hex>"``.
+
+    Two models with the same architecture hyper-parameters share a fingerprint; weights are
+    not hashed (the brief: "fingerprint = hash of the model config").
+    """
+    cfg = _config_of(model_or_config)
+    d = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+    clean = {k: v for k, v in d.items() if k not in _VOLATILE_KEYS and not k.startswith("_")}
+    blob = json.dumps(clean, sort_keys=True, default=str, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """Shape of one session's KV: what a layer file's bytes mean."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @functools.cached_property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @functools.cached_property
+    def token_bytes(self) -> int:
+        """Bytes of one token in one layer file (K and V)."""
+        return 2 * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @functools.cached_property
+    def session_token_bytes(self) -> int:
+        """Bytes of one token over all layers."""
+        return self.num_layers * self.token_bytes
+
+
+def geometry(model_or_config: Any, dtype: torch.dtype | None = None) -> KVGeometry:
+    """KV geometry of a decoder model; only full-attention, per-token-KV models are accepted."""
+    cfg = _config_of(model_or_config)
+    n_layers = int(cfg.num_hidden_layers)
+    n_heads = int(cfg.num_attention_heads)
+    n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+    types = getattr(cfg, "layer_types", None)
+    if types is not None and any(t != "full_attention" for t in types):
+        raise NotImplementedError(
+            f"kvfs.torch supports full-attention layers only; this model has {sorted(set(types))}")
+    if dtype is None:
+        param = next(iter(model_or_config.parameters()), None) if hasattr(
+            model_or_config, "parameters") else None
+        dtype = param.dtype if param is not None else getattr(cfg, "dtype", None) or torch.float32
+        if isinstance(dtype, str):
+            dtype = dtype_from_name(dtype)
+    return KVGeometry(n_layers, n_kv, int(head_dim), dtype)
+
+
+def build_meta(fp: str, geo: KVGeometry, tokens: int, rounds: list[list[int]]) -> dict:
+    """The ``meta.json`` document (exactly the brief's keys)."""
+    return {
+        "format": FORMAT,
+        "model": fp,
+        "num_layers": geo.num_layers,
+        "num_kv_heads": geo.num_kv_heads,
+        "head_dim": geo.head_dim,
+        "dtype": dtype_name(geo.dtype),
+        "tokens": int(tokens),
+        "rounds": [[int(a), int(b)] for a, b in rounds],
+    }
+
+
+def check_meta(meta: Any, fp: str, geo: KVGeometry, sid: str = "?") -> None:
+    """Raise :class:`KVCorrupt` for a malformed document, :class:`KVMismatch` for another model."""
+    need = ("format", "model", "num_layers", "num_kv_heads", "head_dim", "dtype", "tokens", "rounds")
+    if not isinstance(meta, dict) or any(k not in meta for k in need):
+        missing = [k for k in need if not isinstance(meta, dict) or k not in meta]
+        raise KVCorrupt(f"session {sid!r}: meta.json lacks {missing}")
+    if meta["format"] != FORMAT:
+        raise KVCorrupt(f"session {sid!r}: meta.json format {meta['format']!r}, expected {FORMAT!r}")
+    if meta["model"] != fp:
+        raise KVMismatch(
+            f"session {sid!r} was written by model {meta['model']}, not by this model ({fp}); "
+            "refusing to resume with another model's KV")
+    stored = (meta["num_layers"], meta["num_kv_heads"], meta["head_dim"], meta["dtype"])
+    mine = (geo.num_layers, geo.num_kv_heads, geo.head_dim, dtype_name(geo.dtype))
+    if tuple(stored) != mine:
+        raise KVMismatch(
+            f"session {sid!r}: stored KV is (layers, kv_heads, head_dim, dtype)={tuple(stored)}, "
+            f"this model needs {mine}")
+    tokens, rounds = meta["tokens"], meta["rounds"]
+    if not isinstance(tokens, int) or tokens < 0:
+        raise KVCorrupt(f"session {sid!r}: meta.json tokens={tokens!r}")
+    prev = 0
+    for r in rounds:
+        if (not isinstance(r, list | tuple) or len(r) != 2 or not all(isinstance(x, int) for x in r)
+                or not prev <= r[0] <= r[1] <= tokens):
+            raise KVCorrupt(f"session {sid!r}: meta.json round {r!r} is not inside [0, {tokens}]")
+        prev = r[1]
+
+
+# --- tensors <-> token-major bytes ---------------------------------------------------------
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_int(t: torch.Tensor) -> torch.Tensor:
+    """The same bytes as an integer tensor: permuting copies of bf16/fp16 take a slow path."""
+    return t.view(_INT_OF_SIZE[t.element_size()])
+
+
+def kv_to_token_major(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``[1, H, T, D]`` K and V -> a contiguous ``[T, 2, H, D]`` tensor (same dtype/device)."""
+    if k.dim() != 4 or k.shape[0] != 1:
+        raise ValueError(f"kvfs.torch stores batch size 1 per session; got K of shape {tuple(k.shape)}")
+    tm = torch.stack((_as_int(k)[0].transpose(0, 1), _as_int(v)[0].transpose(0, 1)), dim=1)
+    return tm.view(k.dtype)
+
+
+def token_major_bytes(tm: torch.Tensor) -> np.ndarray:
+    """A CPU ``[T, 2, H, D]`` tensor -> its bytes as a flat uint8 array (no copy)."""
+    return tm.reshape(-1).view(torch.uint8).numpy()
+
+
+def kv_from_bytes(buf: np.ndarray | bytes | memoryview, geo: KVGeometry, tokens: int,
+                  device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-major bytes of ``tokens`` tokens -> ``([1,H,T,D], [1,H,T,D])`` K and V on ``device``.
+
+    Raises :class:`KVCorrupt` when the byte count is not exactly ``tokens * token_bytes``.
+    """
+    arr = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf
+    arr = arr.reshape(-1)
+    want = tokens * geo.token_bytes
+    if arr.size != want:
+        raise KVCorrupt(f"expected {want} bytes for {tokens} tokens, got {arr.size}")
+    if not arr.flags.writeable or not arr.flags.c_contiguous:
+        arr = np.array(arr, dtype=np.uint8, copy=True)  # own the memory
+    t = torch.from_numpy(arr)
+    dev = torch.device(device)
+    if dev.type == "cuda":  # one pinned host->device copy, then the transpose on the device
+        t = t.pin_memory().to(dev, non_blocking=True)
+    tm = t.view(_INT_OF_SIZE[geo.itemsize]).view(tokens, 2, geo.num_kv_heads, geo.head_dim)
+    kv = tm.permute(1, 2, 0, 3).contiguous().view(geo.dtype)  # [2, H, T, D]: K then V
+    return kv[0:1], kv[1:2]

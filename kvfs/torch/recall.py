@@ -1,0 +1,178 @@
+"""Round summaries and reading stored rounds back as tensors (recall and resume).
+
+Owns: the per-round summary vector (the mean key of a round, projected by a fixed seeded
+matrix and L2-normalised; ``kvfs.warm.summarize_keys`` is used when the warm tier provides
+it, so both tiers agree on one definition), ranking rounds by similarity to a query, and
+reading token ranges of a session's layer files from the warm tier into K/V tensors with
+every length checked (a short file raises :class:`KVCorrupt`, never yields garbage), and a
+read-ahead hint for the cold copies a resume is about to read. Reads go through the warm
+tier only; the hint is the one place that names a cold file (advisory ``fadvise``).
+
+Which key feeds a summary: the keys of the model's *last* layer, flattened per token to
+``num_kv_heads * head_dim`` values (post-RoPE, as cached). Summaries guide recall only;
+the model never attends to them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvfs.torch.fingerprint import KVCorrupt, KVGeometry, kv_from_bytes
+
+log = logging.getLogger("kvfs.torch.recall")
+
+SUMMARY_SEED = 0
+
+
+@functools.lru_cache(maxsize=16)
+def projection(features: int, dim: int, seed: int = SUMMARY_SEED) -> np.ndarray:
+    """The fixed ``[features, dim]`` projection: ``RandomState(seed)`` normals / sqrt(dim).
+
+    The same matrix as ``kvfs.warm.summary`` (used only when that module is absent).
+    """
+    m = np.random.RandomState(seed).standard_normal((features, dim))
+    m /= np.sqrt(dim)
+    m.setflags(write=False)
+    return m
+
+
+def _warm_summarize() -> Any:
+    try:
+        from kvfs.warm.summary import summarize_keys as fn  # noqa: PLC0415 - optional peer
+    except ImportError:
+        try:
+            from kvfs.warm import summarize_keys as fn  # noqa: PLC0415
+        except ImportError:
+            return None
+    return fn
+
+
+def summarize_keys(keys: np.ndarray, dim: int = 128) -> np.ndarray:
+    """Summary of ``keys`` (``[tokens, features]``): L2-normalised ``mean(keys) @ P``, float32.
+
+    Delegates to ``kvfs.warm.summary.summarize_keys`` when the warm tier provides it, so
+    the hot tier, the warm tier and recall share one definition.
+    """
+    k = np.asarray(keys, dtype=np.float32)
+    k = k.reshape(1, -1) if k.ndim <= 1 else k.reshape(k.shape[0], -1)
+    fn = _warm_summarize()
+    if fn is not None:
+        return np.asarray(fn(k, dim), dtype=np.float32).reshape(dim)
+    if k.shape[0] == 0:
+        raise ValueError("summarize_keys needs at least one token")
+    v = k.astype(np.float64).mean(axis=0) @ projection(k.shape[1], dim)
+    n = float(np.linalg.norm(v))
+    if n > 0 and np.isfinite(n):
+        v /= n
+    return v.astype(np.float32)
+
+
+def query_summary(query: torch.Tensor | np.ndarray, geo: KVGeometry, dim: int) -> np.ndarray:
+    """A query in summary space.
+
+    Accepts a summary itself (``[dim]``), key-space vectors (``[..., H*D]`` or
+    ``[1, H, T, D]`` keys, averaged over tokens), and returns an L2-normalised ``[dim]`` vector.
+    """
+    q = query.detach().float().cpu().numpy() if isinstance(query, torch.Tensor) else np.asarray(query, np.float32)
+    feat = geo.num_kv_heads * geo.head_dim
+    if q.ndim == 4:  # [B, H, T, D] keys
+        q = np.transpose(q[0], (1, 0, 2)).reshape(-1, feat)
+    if q.size == dim and q.ndim <= 1:
+        n = float(np.linalg.norm(q))
+        return (q / n if n > 0 else q).astype(np.float32)
+    if q.shape[-1] != feat:
+        raise ValueError(f"query of shape {q.shape}: expected [{dim}] (a summary) or [..., {feat}] keys")
+    return summarize_keys(q.reshape(-1, feat), dim)
+
+
+def rank_rounds(summaries: np.ndarray, query: np.ndarray, among: list[int] | None = None) -> list[int]:
+    """Round indices by descending cosine similarity of their summary to ``query``."""
+    if summaries.size == 0:
+        return []
+    s = np.asarray(summaries, np.float32)
+    norms = np.linalg.norm(s, axis=1)
+    sims = (s @ query) / np.where(norms > 0, norms, 1.0)
+    idx = list(range(len(s))) if among is None else [i for i in among if 0 <= i < len(s)]
+    return sorted(idx, key=lambda i: (-float(sims[i]), i))
+
+
+def _read(warm: Any, sid: str, layer: int, a: int, b: int, promote: bool | None) -> Any:
+    if promote is None:
+        return warm.read(sid, layer, a, b)
+    try:
+        return warm.read(sid, layer, a, b, promote=promote)
+    except TypeError:  # a warm tier without the promote switch
+        return warm.read(sid, layer, a, b)
+
+
+def read_tokens(warm: Any, sid: str, layer: int, geo: KVGeometry, start: int, end: int,
+                device: torch.device | str, promote: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens ``[start, end)`` of (sid, layer) as K/V ``[1,H,T,D]`` on ``device`` (exact bytes).
+
+    ``promote`` is passed to the warm tier's read (None: its default policy).
+    """
+    tb = geo.token_bytes
+    have = warm.size(sid, layer)
+    if have < end * tb:
+        raise KVCorrupt(
+            f"session {sid!r} layer_{layer}: holds {have} bytes ({have // tb} whole tokens), "
+            f"needs tokens [{start}, {end}) = {end * tb} bytes: the layer file is truncated")
+    try:
+        buf = _read(warm, sid, layer, start * tb, end * tb, promote)
+    except ValueError as e:
+        raise KVCorrupt(f"session {sid!r} layer_{layer}: cannot read tokens [{start}, {end}): {e}") from e
+    return kv_from_bytes(buf, geo, end - start, device)
+
+
+def read_spans(warm: Any, sid: str, geo: KVGeometry, spans: list[tuple[int, int]],
+               device: torch.device | str, promote: bool | None = None
+               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """For each layer, K/V of the concatenated token ``spans`` (in the order given)."""
+    out = []
+    for layer in range(geo.num_layers):
+        ks, vs = [], []
+        for a, b in spans:
+            if b > a:
+                k, v = read_tokens(warm, sid, layer, geo, a, b, device, promote)
+                ks.append(k)
+                vs.append(v)
+        if not ks:
+            empty = torch.empty(1, geo.num_kv_heads, 0, geo.head_dim, dtype=geo.dtype, device=device)
+            out.append((empty, empty.clone()))
+        else:
+            out.append((torch.cat(ks, dim=-2) if len(ks) > 1 else ks[0],
+                        torch.cat(vs, dim=-2) if len(vs) > 1 else vs[0]))
+    return out
+
+
+def prefetch_cold(cold_root: str | None, sid: str, layers: int, start: int, end: int) -> int:
+    """Ask the kernel to read ``[start, end)`` of each cold layer file ahead, all at once.
+
+    ``posix_fadvise(WILLNEED)`` on ``cold_root/sessions/<sid>/layer_<n>`` (the layout the warm
+    tier's contract names): the reads that follow, one layer at a time, then find the bytes
+    in the page cache instead of waiting for the disk layer by layer. Advisory only: missing
+    files (a session in the warm tier) and errors are ignored. Returns the files advised.
+    """
+    if not cold_root or end <= start or not hasattr(os, "posix_fadvise"):
+        return 0
+    n = 0
+    base = os.path.join(cold_root, "sessions", sid)
+    for layer in range(layers):
+        try:
+            fd = os.open(os.path.join(base, f"layer_{layer}"), os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
+            n += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return n

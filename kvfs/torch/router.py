@@ -1,0 +1,381 @@
+"""The session router: session id -> TieredCache, one warm tier, one spill thread, the budget.
+
+Owns: the mapping of live sessions (in least-recently-used order), the device budget and
+its watermark, the synchronous "move the oldest round of the least recently used sessions
+out" policy, the shared :class:`~kvfs.torch.spill.Spiller`, the :class:`kvfs.warm.WarmTier`
+it builds over the mount (``cold_root``), resume, and the hot-tier metrics.
+
+Budget (checked at every forward step of every session):
+
+* CPU: the K/V bytes the router's caches hold (window storage + recalled copies, counted
+  exactly from tensor sizes) against ``watermark * device_budget_bytes``. With no budget,
+  nothing is enforced.
+* CUDA: ``torch.cuda.memory_reserved()`` against ``watermark * budget`` (budget = the
+  device's total memory unless given). The caching allocator never shrinks on its own and
+  ``torch.cuda.empty_cache()`` is never called: rounds are moved out until the *allocated*
+  bytes leave room for the step, so freed blocks are reused and ``memory_reserved`` stops
+  growing.
+
+Before a step, room for the step's growth (and for reading back what earlier moves took
+from this session, see "refill" in :mod:`kvfs.torch.cache`) is made by moving rounds of
+*other* sessions (a session cannot shrink mid-step: its attention mask is already built).
+After the step the budget is enforced over all sessions, the stepping one last (it is the
+most recent). Moves are synchronous: they return once the bytes are in the warm tier.
+Moves change what is on the device, never what a step attends.
+
+Never calls ``torch.cuda.empty_cache()``; never writes files itself (the warm tier does).
+One thread drives a router and its caches (the forward passes); the spill thread is the
+only other thread, and it touches nothing but the warm tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from kvfs import metrics
+from kvfs.torch.cache import TieredCache
+from kvfs.torch.fingerprint import KVCorrupt, KVMismatch, fingerprint, geometry
+from kvfs.torch.recall import prefetch_cold
+from kvfs.torch.spill import Spiller
+
+log = logging.getLogger("kvfs.torch.router")
+
+_UNSET: Any = object()
+
+#: used only when ``kvfs.profiles`` is not importable
+_BUILTIN_PROFILES = {
+    "gov": dict(max_kv_len=24, warm_shards=65536, warm_migrate_at=0.85, lru_group=10),
+    "ecommerce": dict(max_kv_len=12, warm_shards=131072, warm_migrate_at=0.75, lru_group=5),
+    "iot": dict(max_kv_len=6, warm_shards=262144, warm_migrate_at=0.90, lru_group=20,
+                shard_key="device"),
+}
+
+
+def load_profile(name: str | Any) -> Any:
+    """A profile object (``kvfs.profiles.load``), or a built-in stand-in with the same fields."""
+    if not isinstance(name, str):
+        return name  # already a Profile
+    try:
+        from kvfs import profiles  # noqa: PLC0415 - optional peer module
+    except ImportError:
+        profiles = None
+    if profiles is not None and hasattr(profiles, "load"):
+        return profiles.load(name)
+    if name not in _BUILTIN_PROFILES:
+        raise ValueError(f"unknown profile {name!r}; allowed: {', '.join(_BUILTIN_PROFILES)}")
+    base = dict(max_kv_len=24, warm_shards=65536, warm_migrate_at=0.85, lru_group=10,
+                shard_key="session", warm_cap_bytes=16 << 30, summary_dim=128,
+                device_watermark=0.90, warm_root="/dev/shm/kvfs-warm")
+    base.update(_BUILTIN_PROFILES[name])
+    return SimpleNamespace(name=name, **base)
+
+
+def _warm_kwargs(prof: Any) -> dict[str, Any]:
+    if hasattr(prof, "warm_kwargs"):
+        return dict(prof.warm_kwargs())
+    return {"root": prof.warm_root, "cap_bytes": prof.warm_cap_bytes,
+            "migrate_at": prof.warm_migrate_at, "group": prof.lru_group,
+            "shards": prof.warm_shards, "shard_key": prof.shard_key,
+            "summary_dim": prof.summary_dim}
+
+
+class KVRouter:
+    """Session id -> :class:`TieredCache` over one warm tier (and, below it, the mount).
+
+    ``KVRouter(mount="/mnt/kv", device="cpu", max_kv_len=24, device_budget_bytes=None,
+    profile="gov")``. Values not given come from the profile (``kvfs.profiles``); explicit
+    arguments win. ``warm=`` injects a ready warm tier (tests, benchmarks); otherwise one
+    ``WarmTier(cold_root=mount, root=warm_root or profile.warm_root, ...)`` is built and owned.
+    """
+
+    def __init__(self, mount: str | None = None, device: str | torch.device = "cpu",
+                 max_kv_len: int | None = _UNSET, device_budget_bytes: int | None = None,
+                 profile: str | Any = "gov", warm_root: str | None = None, *,
+                 watermark: float | None = None, warm: Any = None,
+                 warm_options: dict[str, Any] | None = None, summary_dim: int | None = None,
+                 max_pending_bytes: int = 64 << 20) -> None:
+        self.profile = load_profile(profile)
+        self.mount = mount
+        self.device = torch.device(device)
+        self.max_kv_len = self.profile.max_kv_len if max_kv_len is _UNSET else max_kv_len
+        self.watermark = float(watermark if watermark is not None else self.profile.device_watermark)
+        if not 0 < self.watermark <= 1:
+            raise ValueError(f"watermark must be in (0, 1], got {self.watermark}")
+        self.summary_dim = int(summary_dim or self.profile.summary_dim)
+        self._cuda = self.device.type == "cuda"
+        if self._cuda and device_budget_bytes is None:
+            device_budget_bytes = torch.cuda.get_device_properties(self.device).total_memory
+        self.budget = device_budget_bytes
+        self._own_warm = warm is None
+        if warm is None:
+            from kvfs.warm import WarmTier  # noqa: PLC0415 - heavy peer, only when needed
+
+            kw = _warm_kwargs(self.profile)
+            kw["summary_dim"] = self.summary_dim
+            if warm_root is not None:
+                kw["root"] = warm_root
+            kw.update(warm_options or {})
+            warm = WarmTier(cold_root=mount, **kw)
+        self.warm = warm
+        self.spiller = Spiller(warm, max_pending_bytes=max_pending_bytes)
+        self._sessions: OrderedDict[str, TieredCache] = OrderedDict()  # LRU first
+        self._accounted: dict[str, int] = {}
+        self.hot_total = 0
+        self.peak_hot_bytes = 0
+        self.watermark_moves = 0
+        self.move_ms_total = 0.0
+        self._closed = False
+        log.info("router: device=%s max_kv_len=%s budget=%s watermark=%.2f profile=%s",
+                 self.device, self.max_kv_len, self.budget, self.watermark,
+                 getattr(self.profile, "name", profile))
+
+    # --- sessions ---------------------------------------------------------------------------
+    def cache(self, session_id: str, model: Any, *, fresh: bool = False) -> TieredCache:
+        """The session's cache: the live one, else resumed from storage, else a new one.
+
+        ``fresh=True`` deletes anything stored under ``session_id`` and starts empty.
+        """
+        self._check_open()
+        c = self._sessions.get(session_id)
+        if c is not None and not fresh:
+            if c.fingerprint != fingerprint(model):
+                raise KVMismatch(f"session {session_id!r} is live for model {c.fingerprint}, "
+                                 f"not for this model ({fingerprint(model)})")
+            self._sessions.move_to_end(session_id)
+            return c
+        if c is not None:
+            self.release(session_id, flush=False)
+        if fresh:
+            self.spiller.wait()  # nothing of the old session may land after the delete
+            if self.warm.where(session_id) is not None:
+                self.warm.delete(session_id)
+        elif self.warm.get_meta(session_id) is not None:
+            return self.resume(session_id, model)
+        elif self.warm.where(session_id) is not None and self.warm.size(session_id, 0) > 0:
+            raise KVCorrupt(f"session {session_id!r} has stored layer bytes but no meta.json; "
+                            "pass fresh=True to start it over")
+        c = self._new_cache(session_id, model)
+        self._register(c)
+        return c
+
+    def resume(self, session_id: str, model: Any, device: str | torch.device | None = None) -> TieredCache:
+        """Rebuild a stored session (after a restart) so generation continues exactly.
+
+        Raises :class:`~kvfs.torch.KVMismatch` for another model, :class:`~kvfs.torch.KVCorrupt`
+        for truncated layer files, ``KeyError`` when nothing is stored. A live session is
+        returned as is.
+        """
+        self._check_open()
+        live = self._sessions.get(session_id)
+        if live is not None:
+            self._sessions.move_to_end(session_id)
+            return live
+        c = self._new_cache(session_id, model)
+        dev = device if device is not None else _model_device(model, self.device)
+        self.spiller.wait()
+        meta = self.warm.get_meta(session_id)
+        if isinstance(meta, dict) and isinstance(meta.get("tokens"), int):  # room first
+            total = meta["tokens"]
+            n = total if self.max_kv_len is None else min(total, self.max_kv_len)
+            self._reserve(c, n * c.geo.session_token_bytes)
+            tb = c.geo.token_bytes
+            prefetch_cold(self.mount, session_id, c.num_layers, (total - n) * tb, total * tb)
+        c.load(dev)
+        self._register(c)
+        self._after_step(c)
+        return c
+
+    def _new_cache(self, session_id: str, model: Any) -> TieredCache:
+        return TieredCache(model, session_id=session_id, warm=self.warm, max_kv_len=self.max_kv_len,
+                           spiller=self.spiller, router=self, summary_dim=self.summary_dim,
+                           dtype=geometry(model).dtype)
+
+    def _register(self, c: TieredCache) -> None:
+        self._sessions[c.session_id] = c
+        self._accounted[c.session_id] = 0
+        self._account(c)
+        metrics.hot_sessions.set(self.hot_session_count())
+
+    def release(self, session_id: str, flush: bool = True) -> None:
+        """Drop a session from the device (after flushing it below, unless ``flush=False``).
+
+        The released cache object must not be used again; ``cache()``/``resume()`` rebuild it.
+        """
+        c = self._sessions.pop(session_id, None)
+        if c is None:
+            return
+        if flush:
+            c.flush()
+        self.hot_total -= self._accounted.pop(session_id, 0)
+        for lay in c.layers:
+            lay.keys = lay.values = lay.recall_keys = lay.recall_values = None
+            lay.held = 0
+            lay.is_initialized = False
+        c._router = None
+        metrics.hot_bytes.set(self.hot_total)
+        metrics.hot_sessions.set(self.hot_session_count())
+
+    def sessions(self) -> list[str]:
+        """Live session ids, least recently used first."""
+        return list(self._sessions)
+
+    def hot_session_count(self) -> int:
+        return sum(1 for c in self._sessions.values() if c.hot_bytes > 0)
+
+    # --- budget -------------------------------------------------------------------------------
+    @property
+    def limit(self) -> float | None:
+        return None if self.budget is None else self.watermark * self.budget
+
+    def _account(self, c: TieredCache) -> None:
+        now = c.hot_bytes
+        self.hot_total += now - self._accounted.get(c.session_id, 0)
+        self._accounted[c.session_id] = now
+        if self.hot_total > self.peak_hot_bytes:  # every change is seen, corrections included
+            self.peak_hot_bytes = self.hot_total
+
+    def _pressure(self, extra: int) -> bool:
+        lim = self.limit
+        if lim is None:
+            return False
+        if self._cuda:
+            alloc = torch.cuda.memory_allocated(self.device)
+            reserved = torch.cuda.memory_reserved(self.device)
+            # over the line now, or the step would have to grow the reserved pool past it
+            return alloc + extra > lim or (reserved + extra > lim and reserved - alloc < extra)
+        return self.hot_total + extra > lim
+
+    def _tokens_needed(self, c: TieredCache, extra: int) -> int:
+        """Tokens of ``c`` whose move would bring usage under the line (at least 1)."""
+        lim = self.limit or 0.0
+        used = torch.cuda.memory_allocated(self.device) if self._cuda else self.hot_total
+        over = used + extra - lim
+        return max(1, -(-int(over) // c.geo.session_token_bytes))
+
+    def _before_step(self, c: TieredCache, q: int) -> None:
+        self._sessions.move_to_end(c.session_id)
+        if self.limit is None:
+            return
+        lay = c.layers[0]
+        w, n = c.max_kv_len, lay.stored + q
+        after = n if w is None or n - w <= 1 else w  # tokens held after the step (see update)
+        extra = max(0, after - lay.held) * c.geo.session_token_bytes
+        if self._pressure(extra):
+            self._move_out(extra, exclude=c)
+
+    def _reserve(self, c: TieredCache, extra: int) -> None:
+        """Make room for ``extra`` bytes ``c`` is about to read back (refill, recall)."""
+        if self.limit is not None and self._pressure(extra):
+            self._move_out(extra, exclude=c)
+
+    def _after_step(self, c: TieredCache) -> None:
+        self._account(c)
+        if self.limit is not None and self._pressure(0):
+            self._move_out(0, exclude=None)
+        metrics.hot_bytes.set(self.hot_total)
+
+    def _move_out(self, extra: int, exclude: TieredCache | None) -> None:
+        """Move the oldest round of the least recently used sessions out until under the line."""
+        t0 = time.perf_counter()
+        moved = 0
+        progress = True
+        while progress and self._pressure(extra):
+            progress = False
+            for c in list(self._sessions.values()):  # LRU first, round-robin one round each
+                if c is exclude or c.hot_bytes == 0:
+                    continue
+                if c.evict_oldest_round(min_tokens=self._tokens_needed(c, extra)) > 0:
+                    progress = True
+                    moved += 1
+                    self._account(c)
+                    metrics.hot_watermark_moves.inc()
+                if not self._pressure(extra):
+                    break
+        if moved:
+            ms = (time.perf_counter() - t0) * 1e3
+            self.watermark_moves += moved
+            self.move_ms_total += ms
+            metrics.hot_sessions.set(self.hot_session_count())
+            log.debug("watermark: moved %d rounds out in %.2f ms (hot %d B)", moved, ms, self.hot_total)
+        if self._pressure(extra):
+            log.warning("device budget: nothing left to move out (hot %d B, extra %d B, limit %s)",
+                        self.hot_total, extra, self.limit)
+
+    # --- reporting ------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """kv_hot_hit_rate, hot bytes/peak/budget, moves, spill queue, warm usage, per session."""
+        steps = sum(c.steps for c in self._sessions.values())
+        hits = sum(c.hits for c in self._sessions.values())
+        metrics.update_hot_hit_rate()
+        metrics.hot_sessions.set(self.hot_session_count())
+        out: dict[str, Any] = {
+            "kv_hot_hit_rate": hits / steps if steps else 1.0,
+            "hot_bytes": self.hot_total, "peak_hot_bytes": self.peak_hot_bytes,
+            "budget_bytes": self.budget, "limit_bytes": self.limit, "watermark": self.watermark,
+            "sessions": len(self._sessions), "hot_sessions": self.hot_session_count(),
+            "watermark_moves": self.watermark_moves, "move_ms_total": round(self.move_ms_total, 3),
+            "spill": self.spiller.stats(),
+            "per_session": {sid: c.stats() for sid, c in self._sessions.items()},
+        }
+        if self._cuda:
+            out["cuda_memory_reserved"] = torch.cuda.memory_reserved(self.device)
+            out["cuda_memory_allocated"] = torch.cuda.memory_allocated(self.device)
+        try:
+            out["warm"] = self.warm.usage()
+        except Exception as e:  # noqa: BLE001 - reporting must not fail the caller
+            out["warm"] = {"error": str(e)}
+        return out
+
+    # --- durability -----------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Every token of every session (hot windows copied) is in the warm tier, msynced."""
+        self._check_open()
+        for c in self._sessions.values():
+            c.flush(wait=False)
+        self.spiller.wait()
+        self.warm.flush()
+
+    def close(self, to_cold: bool = False) -> None:
+        """Flush, stop the spill thread, close the warm tier if this router built it.
+
+        ``to_cold=True`` also migrates every warm session to the cold tier first (a node
+        shutting down: the mount then holds complete sessions on its own).
+        """
+        if self._closed:
+            return
+        try:
+            self.flush()
+            if to_cold and getattr(self.warm, "cold", True) is not None:
+                moved = self.warm.migrate(max(1, len(self.warm.sessions())))
+                log.info("close: %d sessions migrated to the cold tier", len(moved))
+        finally:
+            self._closed = True
+            self.spiller.close()
+            for c in self._sessions.values():
+                c._router = None
+            if self._own_warm:
+                self.warm.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("KVRouter is closed")
+
+    def __enter__(self) -> KVRouter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _model_device(model: Any, default: torch.device) -> torch.device:
+    if hasattr(model, "parameters"):
+        p = next(iter(model.parameters()), None)
+        if p is not None:
+            return p.device
+    return default

@@ -1,0 +1,299 @@
+"""The spill thread: hands K/V that fell out of the hot window to the warm tier.
+
+Owns one background thread per router (or per standalone cache) and an ordered queue of
+jobs. The forward pass only *submits*: on CPU it makes the token-major copy of the few tokens
+that fell out (so no job keeps a whole window's storage alive); on CUDA it starts a
+``non_blocking`` device-to-host copy into a pinned staging buffer and records an event,
+and the spill thread waits on that event. The forward pass never waits for disk; the
+queue is bounded in bytes (``max_pending_bytes``) and a full queue blocks the submitter
+(back-pressure) instead of growing memory.
+
+Jobs run in submission order per file, so appends to a (session, layer) file stay in
+token order, and a "call" job (``meta.json``, a round summary) runs after every append
+submitted before it. The thread lingers a little (``linger_s``, or until
+``linger_bytes`` are pending, or someone waits) and then writes each file's pending tokens
+as one append: one decode step hands over one token per layer, and per-token appends
+would cost the forward pass more in GIL and CPU time than the bytes are worth. ``wait(ticket)`` blocks until a given job (default: all) is done.
+A failed write is kept and re-raised as :class:`SpillError` by the next ``submit`` or
+``wait``; after a failure no further appends are attempted (the file would get a hole).
+
+Never imports transformers; never decides *what* to spill (``kvfs.torch.cache`` does).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvfs import metrics
+from kvfs.torch.fingerprint import kv_to_token_major, token_major_bytes
+
+log = logging.getLogger("kvfs.torch.spill")
+
+
+class SpillError(RuntimeError):
+    """A background append to the warm tier failed; the session's stored KV is incomplete."""
+
+
+class PinnedPool:
+    """Reusable pinned host buffers for device-to-host staging (CUDA only).
+
+    Buffers are bucketed by power-of-two size; at most ``keep`` bytes stay cached.
+    """
+
+    def __init__(self, keep: int = 64 << 20) -> None:
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._cached = 0
+        self._keep = keep
+        self._lock = threading.Lock()
+        self.allocations = 0
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        size = 1 << max(12, (nbytes - 1).bit_length())
+        with self._lock:
+            bucket = self._free.get(size)
+            if bucket:
+                self._cached -= size
+                return bucket.pop()
+        self.allocations += 1
+        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+
+    def put(self, buf: torch.Tensor) -> None:
+        size = buf.numel()
+        with self._lock:
+            if self._cached + size <= self._keep:
+                self._free.setdefault(size, []).append(buf)
+                self._cached += size
+
+
+class _Job:
+    """One queued append (CPU tensors or a staged pinned buffer) or one call."""
+
+    __slots__ = ("ticket", "nbytes", "sid", "layer", "start_byte", "k", "v", "staged", "event",
+                 "fn", "args")
+
+    def __init__(self, nbytes: int, sid: str = "", layer: int = -1, start_byte: int = 0,
+                 k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+                 staged: torch.Tensor | None = None, event: Any = None,
+                 fn: Callable[..., Any] | None = None, args: tuple = ()) -> None:
+        self.ticket = 0
+        self.nbytes, self.sid, self.layer, self.start_byte = nbytes, sid, layer, start_byte
+        self.k, self.v, self.staged, self.event = k, v, staged, event
+        self.fn, self.args = fn, args
+
+
+class Spiller:
+    """Ordered background writer of token-major KV bytes into a warm tier."""
+
+    def __init__(self, warm: Any, *, max_pending_bytes: int = 64 << 20, name: str = "kvfs-spill",
+                 linger_s: float = 0.25, linger_bytes: int = 1 << 20) -> None:
+        self.warm = warm
+        self.max_pending_bytes = int(max_pending_bytes)
+        self.linger_s = linger_s
+        self.linger_bytes = min(int(linger_bytes), self.max_pending_bytes // 2)
+        self._waiters = 0
+        self._q: deque[_Job] = deque()
+        self._cv = threading.Condition()
+        self._next_ticket = 0
+        self._done_ticket = -1
+        self._pending_bytes = 0
+        self._error: BaseException | None = None
+        self._closing = False
+        self._pool: PinnedPool | None = None
+        # statistics
+        self.submitted_bytes = 0
+        self.written_bytes = 0
+        self.appends = 0
+        self.stalls = 0  # submits that waited for room (back-pressure)
+        self.stall_s = 0.0
+        self.peak_pending_bytes = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # --- submitting (forward-pass side) ----------------------------------------------------
+    def submit_kv(self, sid: str, layer: int, start_byte: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Queue K/V ``[1,H,T,D]`` for appending at ``start_byte`` of (sid, layer); returns a ticket.
+
+        The tensors must not be modified in place afterwards (the cache never does).
+        """
+        nbytes = 2 * k.numel() * k.element_size()
+        if nbytes == 0:
+            return self._done_ticket
+        if k.is_cuda:
+            tm = kv_to_token_major(k, v)  # a small device tensor, freed stream-ordered
+            if self._pool is None:
+                self._pool = PinnedPool()
+            staged = self._pool.get(nbytes)
+            staged[:nbytes].view(tm.dtype).view(tm.shape).copy_(tm, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(k.device))
+            job = _Job(nbytes, sid, layer, start_byte, staged=staged, event=ev)
+        else:  # a token-major copy now: the job must not keep the window's storage alive
+            job = _Job(nbytes, sid, layer, start_byte, k=kv_to_token_major(k, v))
+        return self._put(job)
+
+    def submit_call(self, fn: Callable[..., Any], *args: Any) -> int:
+        """Queue ``fn(*args)`` to run after every job submitted so far; returns a ticket."""
+        return self._put(_Job(0, fn=fn, args=args))
+
+    def _put(self, job: _Job) -> int:
+        with self._cv:
+            self._raise_if_failed()
+            if self._closing:
+                raise SpillError("spill thread is closed")
+            if self._pending_bytes and self._pending_bytes + job.nbytes > self.max_pending_bytes:
+                self.stalls += 1
+                t0 = time.perf_counter()
+                self._waiters += 1
+                self._cv.notify_all()
+                try:
+                    while (self._pending_bytes and self._error is None
+                           and self._pending_bytes + job.nbytes > self.max_pending_bytes):
+                        self._cv.wait(0.5)
+                finally:
+                    self._waiters -= 1
+                self.stall_s += time.perf_counter() - t0
+                self._raise_if_failed()
+            job.ticket = self._next_ticket
+            self._next_ticket += 1
+            self._q.append(job)
+            self._pending_bytes += job.nbytes
+            self.submitted_bytes += job.nbytes
+            self.peak_pending_bytes = max(self.peak_pending_bytes, self._pending_bytes)
+            if len(self._q) == 1 or self._pending_bytes >= self.linger_bytes:
+                self._cv.notify_all()  # wake the thread only when it has something new to do
+            return job.ticket
+
+    def wait(self, ticket: int | None = None, timeout: float | None = None) -> None:
+        """Block until job ``ticket`` (default: every job submitted so far) has run."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            target = self._next_ticket - 1 if ticket is None else ticket
+            self._waiters += 1  # the thread stops lingering while anyone waits
+            self._cv.notify_all()
+            try:
+                while self._done_ticket < target and self._error is None:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise TimeoutError(f"spill queue did not drain in {timeout} s")
+                    self._cv.wait(0.5 if left is None else min(left, 0.5))
+            finally:
+                self._waiters -= 1
+            self._raise_if_failed()
+
+    @property
+    def pending_bytes(self) -> int:
+        return self._pending_bytes
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise SpillError(f"background spill to the warm tier failed: {self._error}") from self._error
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Drain the queue and stop the thread (idempotent). Raises a pending failure."""
+        with self._cv:
+            if self._closing:
+                return
+        try:
+            self.wait(timeout=timeout)
+        finally:
+            with self._cv:
+                self._closing = True
+                self._cv.notify_all()
+            self._thread.join(timeout)
+
+    # --- the thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._q and not self._closing:
+                    self._cv.wait()
+                if not self._q and self._closing:
+                    return
+                deadline = time.monotonic() + self.linger_s
+                while (not self._waiters and not self._closing
+                       and self._pending_bytes < self.linger_bytes):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cv.wait(left)
+                jobs = list(self._q)
+                self._q.clear()
+            failed = self._error is not None
+            if not failed:
+                try:
+                    self._execute(jobs)
+                except BaseException as e:  # noqa: BLE001 - kept and re-raised to the caller
+                    log.exception("spill job failed")
+                    failed = True
+                    with self._cv:
+                        self._error = e
+            with self._cv:
+                for j in jobs:
+                    self._pending_bytes -= j.nbytes
+                self._done_ticket = jobs[-1].ticket
+                self._cv.notify_all()
+
+    def _execute(self, jobs: list[_Job]) -> None:
+        """Run ``jobs``: appends grouped per file (order kept), call jobs as barriers."""
+        groups: dict[tuple[str, int], list[_Job]] = {}
+        for j in jobs:
+            if j.fn is not None:
+                self._write_groups(groups)
+                groups = {}
+                j.fn(*j.args)
+            else:
+                groups.setdefault((j.sid, j.layer), []).append(j)
+        self._write_groups(groups)
+
+    def _write_groups(self, groups: dict[tuple[str, int], list[_Job]]) -> None:
+        for (sid, layer), js in groups.items():
+            i = 0
+            while i < len(js):  # runs of jobs that continue each other
+                n = i + 1
+                end = js[i].start_byte + js[i].nbytes
+                while n < len(js) and js[n].start_byte == end:
+                    end += js[n].nbytes
+                    n += 1
+                run = js[i:n]
+                data = self._bytes_of_run(run)
+                new_size = self.warm.append(sid, layer, data)
+                for x in run:
+                    if x.staged is not None and self._pool is not None:
+                        self._pool.put(x.staged)
+                    x.k = x.v = x.staged = None
+                if new_size != end:
+                    raise SpillError(
+                        f"session {sid!r} layer {layer}: warm file is {new_size} bytes after an "
+                        f"append that should end at {end} (another writer, or a stale session?)")
+                self.appends += 1
+                self.written_bytes += data.nbytes
+                metrics.hot_spills.inc(data.nbytes)
+                i = n
+
+    def _bytes_of_run(self, run: list[_Job]) -> np.ndarray:
+        parts = [self._bytes_of(j) for j in run]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    @staticmethod
+    def _bytes_of(j: _Job) -> np.ndarray:
+        if j.staged is not None:
+            j.event.synchronize()
+            return j.staged[: j.nbytes].numpy()  # returned to the pool only after the append
+        assert j.k is not None  # CPU: already token-major
+        return token_major_bytes(j.k)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "submitted_bytes": self.submitted_bytes, "written_bytes": self.written_bytes,
+            "pending_bytes": self._pending_bytes, "peak_pending_bytes": self.peak_pending_bytes,
+            "appends": self.appends, "stalls": self.stalls, "stall_s": round(self.stall_s, 4),
+            "pinned_allocations": self._pool.allocations if self._pool else 0,
+        }

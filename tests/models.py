@@ -1,0 +1,133 @@
+"""Tiny random-weight decoder models for the hot-tier tests and the demo (no hub downloads).
+
+``tiny_llama(seed, dtype)`` always builds the same weights for the same arguments, in any
+process, so a subprocess can rebuild "the same model" to resume a session.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def tiny_config(**over: object) -> LlamaConfig:
+    kw: dict = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, intermediate_size=128, vocab_size=256,
+                    max_position_embeddings=4096, rms_norm_eps=1e-5, initializer_range=0.3,
+                    bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                    tie_word_embeddings=False)
+    kw.update(over)
+    return LlamaConfig(**kw)
+
+
+def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, **over: object) -> LlamaForCausalLM:
+    """A seeded random Llama (2 layers, 2 KV heads of 16 dims by default), eval mode.
+
+    ``initializer_range=0.3`` makes greedy outputs depend on the context (at the default 0.02
+    a random model repeats one token), so window and recall differences show in the tokens.
+    """
+    cfg = tiny_config(**over)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).to(dtype).eval()
+    # no eos (fixed-length turns) and no pad token (so no generated id is ever masked out)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    model.generation_config.bos_token_id = None
+    return model
+
+
+def prompt(seed: int, n: int, vocab: int = 256) -> torch.Tensor:
+    """``[1, n]`` random token ids."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (1, n), generator=g)
+
+
+# --- references for the exactness tests ----------------------------------------------------
+
+def generate_turns(model, cache, turns: list[torch.Tensor], new_tokens: int,
+                   end_round: bool = True) -> list[torch.Tensor]:
+    """Multi-turn greedy generation through ``model.generate(..., cache=cache)``.
+
+    ``turns``: the new user tokens of each turn (``[1, n]``). Each call passes the whole
+    conversation so far (generate slices off what the cache has seen). Returns the tokens
+    generated per turn.
+    """
+    dev = model.device
+    ids = torch.empty(1, 0, dtype=torch.long, device=dev)
+    outs = []
+    for t in turns:
+        ids = torch.cat([ids, t.to(dev)], dim=1)
+        full = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
+                              max_new_tokens=new_tokens, do_sample=False)
+        outs.append(full[:, ids.shape[1]:])
+        ids = full
+        if end_round and hasattr(cache, "end_round"):
+            cache.end_round()
+    return outs
+
+
+class WindowReference:
+    """A manual greedy loop that attends to exactly the last ``window`` cached tokens plus the
+    current input at every step (a DynamicCache truncated after each step, explicit position
+    ids); ``window=None`` keeps everything. ``history[l]`` holds every K/V ever produced.
+    ``prefix(l)`` (optional) returns extra K/V to prepend for the next steps (recall)."""
+
+    def __init__(self, model, window: int | None) -> None:
+        from transformers import DynamicCache
+
+        self.model, self.window = model, window
+        self.cache = DynamicCache(config=model.config)
+        self.pos = 0
+        self.pending: torch.Tensor | None = None  # last generated token, not yet fed
+        n = model.config.num_hidden_layers
+        self.hist_k: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        self.hist_v: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        self.prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    @torch.no_grad()
+    def _step(self, x: torch.Tensor) -> int:
+        from transformers import DynamicCache
+
+        q = x.shape[1]
+        cache = self.cache
+        if self.prefix is not None:  # recalled tokens in front of the window, this step only
+            data = [(torch.cat([pk, lay.keys], -2), torch.cat([pv, lay.values], -2))
+                    if lay.keys is not None else (pk, pv)
+                    for (pk, pv), lay in zip(self.prefix, self.cache.layers, strict=True)]
+            cache = DynamicCache(ddp_cache_data=data)
+        pos = torch.arange(self.pos, self.pos + q, device=x.device).unsqueeze(0)
+        out = self.model(input_ids=x, position_ids=pos, cache=cache, use_cache=True)
+        for i, lay in enumerate(cache.layers):
+            k, v = lay.keys[..., -q:, :], lay.values[..., -q:, :]
+            self.hist_k[i].append(k)
+            self.hist_v[i].append(v)
+            own = self.cache.layers[i]
+            if cache is not self.cache:
+                own.keys = k if own.keys is None else torch.cat([own.keys, k], -2)
+                own.values = v if own.values is None else torch.cat([own.values, v], -2)
+                own.is_initialized = True
+            if self.window is not None:
+                own.keys = own.keys[..., -self.window:, :]
+                own.values = own.values[..., -self.window:, :]
+        self.pos += q
+        return int(out.logits[0, -1].argmax())
+
+    def turn(self, new: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        dev = self.model.device
+        new = new.to(dev)
+        x = new if self.pending is None else torch.cat([self.pending, new], dim=1)
+        toks = [self._step(x)]
+        for _ in range(new_tokens - 1):
+            toks.append(self._step(torch.tensor([[toks[-1]]], device=dev)))
+        self.pending = torch.tensor([[toks[-1]]], device=dev)
+        return torch.tensor([toks], device=dev)
+
+    def history(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.cat(self.hist_k[layer], -2), torch.cat(self.hist_v[layer], -2)
+
+
+def token_major(k: torch.Tensor, v: torch.Tensor) -> bytes:
+    """The layer-file bytes of ``[1,H,T,D]`` K/V: per token K then V."""
+    tm = torch.stack((k[0].transpose(0, 1), v[0].transpose(0, 1)), dim=1).contiguous().cpu()
+    return tm.reshape(-1).view(torch.uint8).numpy().tobytes()

@@ -1,0 +1,284 @@
+"""Hot tier, one session: exactness against DynamicCache and a windowed reference, spill
+bytes, flush without duplicates, recall. Tiny random models, greedy decoding, CPU."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from transformers import DynamicCache  # noqa: E402
+
+from kvfs.torch import KVCorrupt, Spiller, SpillError, TieredCache  # noqa: E402
+from kvfs.torch.recall import summarize_keys  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from models import WindowReference, generate_turns, prompt, tiny_llama, token_major  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_warm(tmp_path: Path, name: str = "warm"):
+    from kvfs.warm import WarmTier
+
+    cold = tmp_path / "cold"
+    (cold / "sessions").mkdir(parents=True, exist_ok=True)  # the layout of a mounted volume
+    return WarmTier(cold_root=str(cold), root=str(tmp_path / name), shards=16)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=0)
+
+
+@pytest.fixture
+def warm(tmp_path):
+    w = make_warm(tmp_path)
+    yield w
+    w.close()
+
+
+def turns(n: int, length: int = 5, seed: int = 100) -> list:
+    return [prompt(seed + i, length) for i in range(n)]
+
+
+def test_import_kvfs_does_not_import_torch():
+    code = "import sys, kvfs; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_no_window_single_turn_matches_dynamic_cache(model, warm):
+    ids = prompt(1, 12)
+    ref = model.generate(ids, cache=DynamicCache(config=model.config), max_new_tokens=16, do_sample=False)
+    cache = TieredCache(model, warm=warm, session_id="single", max_kv_len=None)
+    out = model.generate(ids, cache=cache, max_new_tokens=16, do_sample=False)
+    assert torch.equal(out, ref)
+    assert cache.get_seq_length() == ids.shape[1] + 15
+    cache.close()
+
+
+def test_window_larger_than_conversation_multi_turn_matches_dynamic_cache(model, warm):
+    ts = turns(4, 7)
+    ref = generate_turns(model, DynamicCache(config=model.config), ts, 9)
+    cache = TieredCache(model, warm=warm, session_id="multi", max_kv_len=1000)
+    out = generate_turns(model, cache, ts, 9)
+    assert all(torch.equal(a, b) for a, b in zip(ref, out, strict=True))
+    assert cache.stored == cache.seen and len(cache.rounds) == 4
+    cache.close()
+
+
+@pytest.mark.parametrize("window", [6, 16])
+def test_window_matches_truncated_reference(model, warm, window):
+    """Every step attends to the last `window` cached tokens plus its input; the first prompt
+    (20 tokens) is longer than the window and is attended in full during its prefill."""
+    ts = [prompt(7, 20)] + turns(4, 6, seed=300)
+    ref = WindowReference(model, window)
+    expected = [ref.turn(t, 10) for t in ts]
+    cache = TieredCache(model, warm=warm, session_id=f"win{window}", max_kv_len=window)
+    out = generate_turns(model, cache, ts, 10)
+    assert all(torch.equal(a, b) for a, b in zip(expected, out, strict=True))
+    full = generate_turns(model, DynamicCache(config=model.config), ts, 10)
+    assert not all(torch.equal(a, b) for a, b in zip(full, out, strict=True)), "window had no effect"
+    # positions kept counting; the hot window is bounded
+    assert cache.seen == sum(t.shape[1] for t in ts) + 10 * len(ts) - 1
+    assert all(lay.keys.shape[-2] == window for lay in cache.layers)
+    # every token that fell out is below, exactly the bytes the reference produced
+    cache.flush()
+    for layer in range(cache.num_layers):
+        k, v = ref.history(layer)
+        assert warm.size(cache.session_id, layer) == cache.seen * cache.geo.token_bytes
+        got = warm.read(cache.session_id, layer, 0, cache.seen * cache.geo.token_bytes)
+        assert np.asarray(got).tobytes() == token_major(k, v)[: cache.seen * cache.geo.token_bytes]
+    cache.close()
+
+
+def test_manual_forward_loop_with_window(model, warm):
+    window = 5
+    cache = TieredCache(model, warm=warm, session_id="manual", max_kv_len=window)
+    ref = WindowReference(model, window)
+    x = prompt(3, 9)
+    expected = ref.turn(x, 12)
+    toks = []
+    with torch.no_grad():
+        for _ in range(12):
+            logits = model(input_ids=x, cache=cache, use_cache=True).logits
+            toks.append(int(logits[0, -1].argmax()))
+            x = torch.tensor([[toks[-1]]])
+    assert toks == expected[0].tolist()
+    assert cache.get_mask_sizes(1, 0) == (window + 1, cache.seen - window)
+    cache.close()
+
+
+def test_flush_then_continue_appends_nothing_twice(model, warm):
+    window = 8
+    cache = TieredCache(model, warm=warm, session_id="flushy", max_kv_len=window)
+    ref = WindowReference(model, window)
+    tb = cache.geo.token_bytes
+    ts = turns(5, 6, seed=500)
+    ids = torch.empty(1, 0, dtype=torch.long)
+    for i, t in enumerate(ts):
+        ref.turn(t, 7)
+        ids = torch.cat([ids, t], 1)
+        ids = model.generate(ids, cache=cache, max_new_tokens=7, do_sample=False)
+        cache.end_round()
+        if i % 2 == 0:  # window copied below while it stays hot
+            cache.flush()
+            assert warm.size("flushy", 0) == cache.seen * tb
+    cache.flush()
+    meta = warm.get_meta("flushy")
+    assert set(meta) == {"format", "model", "num_layers", "num_kv_heads", "head_dim", "dtype",
+                         "tokens", "rounds"}
+    assert meta["tokens"] == cache.seen and meta["rounds"] == cache.rounds
+    assert meta["dtype"] == "float32" and meta["num_kv_heads"] == 2 and meta["head_dim"] == 16
+    for layer in range(cache.num_layers):
+        got = np.asarray(warm.read("flushy", layer, 0, cache.seen * tb)).tobytes()
+        assert got == token_major(*ref.history(layer))[: cache.seen * tb]
+    cache.close()
+
+
+def test_rounds_and_summaries(model, warm):
+    cache = TieredCache(model, warm=warm, session_id="rounds", max_kv_len=8)
+    generate_turns(model, cache, turns(3, 4, seed=50), 5)
+    # 4 prompt + 4 fed of 5 sampled; then 1 pending + 4 + 4 (the last sampled token opens the next)
+    assert cache.rounds == [[0, 8], [8, 17], [17, 26]]
+    cache.flush()
+    summ = np.asarray(warm.summaries("rounds"))
+    assert summ.shape == (3, cache.summary_dim)
+    np.testing.assert_allclose(np.linalg.norm(summ, axis=1), 1.0, rtol=1e-5)
+    # a summary is the shared definition over the round's last-layer keys (as stored)
+    a, b = cache.rounds[0]
+    tb = cache.geo.token_bytes
+    raw = np.asarray(warm.read("rounds", cache.summary_layer, a * tb, b * tb)).tobytes()
+    keys = torch.frombuffer(bytearray(raw), dtype=torch.float32).view(b - a, 2, 2, 16)[:, 0]
+    np.testing.assert_allclose(summarize_keys(keys.reshape(b - a, -1).numpy(), cache.summary_dim),
+                               summ[0], atol=1e-5)
+    cache.close()
+
+
+def test_recall_restores_exact_round_bytes_and_attends_them(model, warm):
+    window = 8
+    cache = TieredCache(model, warm=warm, session_id="recall", max_kv_len=window)
+    ref = WindowReference(model, window)
+    ts = turns(5, 6, seed=700)
+    for t in ts:
+        ref.turn(t, 6)
+    outs = generate_turns(model, cache, ts, 6)
+    conv = torch.cat([x for t, o in zip(ts, outs, strict=True) for x in (t, o)], 1)
+    assert cache.rounds[1][1] <= cache.window_start  # round 1 has left the window
+    a, b = cache.rounds[1]
+    got = cache.recall(rounds=[1])
+    assert got == [1]
+    for layer, lay in enumerate(cache.layers):
+        hk, hv = ref.history(layer)
+        assert torch.equal(lay.recall_keys, hk[..., a:b, :])
+        assert torch.equal(lay.recall_values, hv[..., a:b, :])
+    assert cache.get_mask_sizes(1, 0) == ((b - a) + window + 1, cache.seen - window - (b - a))
+    # the next turn attends round 1 + the window + its input: same as the reference doing so
+    ref.prefix = [(lay.recall_keys, lay.recall_values) for lay in cache.layers]
+    nxt = prompt(999, 4)
+    expected = ref.turn(nxt, 6)
+    hits = cache.misses
+    out = model.generate(torch.cat([conv, nxt], 1), cache=cache, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out[:, -6:], expected)
+    assert cache.misses == hits + 1  # only the step right after the read from below
+    cache.end_round()  # recall ends with the round
+    assert cache.layers[0].recall_keys is None and cache.get_mask_sizes(1, 0)[0] == window + 1
+    cache.close()
+
+
+def test_recall_by_query_ranks_by_summary(model, warm):
+    cache = TieredCache(model, warm=warm, session_id="query", max_kv_len=6)
+    generate_turns(model, cache, turns(6, 5, seed=900), 5)
+    cache.flush()
+    summ = np.asarray(warm.summaries("query"))
+    for target in (0, 2, 3):
+        assert cache.recall(query=summ[target], k=1) == [target]
+    assert len(cache.recall(query=torch.from_numpy(summ[1]), k=3)) == 3
+    # a query in key space: the keys of round 2 themselves
+    a, b = cache.rounds[2]
+    tb = cache.geo.token_bytes
+    raw = np.asarray(warm.read("query", cache.summary_layer, a * tb, b * tb)).tobytes()
+    tm = torch.frombuffer(bytearray(raw), dtype=torch.float32).view(b - a, 2, 2, 16)
+    keys = tm[:, 0].reshape(b - a, -1).numpy()
+    np.testing.assert_allclose(summarize_keys(keys, cache.summary_dim), summ[2], atol=1e-4)
+    assert cache.recall(query=torch.from_numpy(keys), k=1) == [2]
+    cache.close()
+
+
+def test_recall_of_truncated_file_is_a_clear_error(model, warm):
+    cache = TieredCache(model, warm=warm, session_id="trunc", max_kv_len=4)
+    generate_turns(model, cache, turns(3, 5, seed=1), 5)
+    cache.flush()
+    warm.truncate("trunc", 1, cache.rounds[0][1] * cache.geo.token_bytes // 2)
+    with pytest.raises(KVCorrupt, match="truncated"):
+        cache.recall(rounds=[0])
+    cache.close()
+
+
+def test_bf16_window_and_bytes(warm):
+    m = tiny_llama(seed=3, dtype=torch.bfloat16)
+    ts = turns(3, 6, seed=40)
+    ref = WindowReference(m, 7)
+    expected = [ref.turn(t, 8) for t in ts]
+    cache = TieredCache(m, warm=warm, session_id="bf16", max_kv_len=7)
+    out = generate_turns(m, cache, ts, 8)
+    assert all(torch.equal(a, b) for a, b in zip(expected, out, strict=True))
+    cache.flush()
+    assert warm.get_meta("bf16")["dtype"] == "bfloat16"
+    tb = cache.geo.token_bytes
+    assert tb == 2 * 2 * 16 * 2
+    got = np.asarray(warm.read("bf16", 0, 0, cache.seen * tb)).tobytes()
+    assert got == token_major(*ref.history(0))[: cache.seen * tb]
+    cache.close()
+
+
+class _SlowWarm:
+    """Records appends; sleeps to make the queue fill; can fail on demand."""
+
+    def __init__(self, delay: float = 0.0, fail_at: int | None = None) -> None:
+        self.files: dict = {}
+        self.delay, self.fail_at, self.calls = delay, fail_at, 0
+
+    def append(self, sid, layer, data):
+        self.calls += 1
+        if self.fail_at is not None and self.calls >= self.fail_at:
+            raise OSError(28, "No space left on device")
+        time.sleep(self.delay)
+        buf = self.files.setdefault((sid, layer), bytearray())
+        buf += np.asarray(data).tobytes()
+        return len(buf)
+
+
+def test_spiller_back_pressure_keeps_order():
+    w = _SlowWarm(delay=0.002)
+    sp = Spiller(w, max_pending_bytes=4096)
+    k = torch.arange(2 * 16 * 4, dtype=torch.float32).view(1, 2, 16, 4)  # 16 tokens of 64 B
+    v = -k
+    for t in range(16):
+        sp.submit_kv("s", 0, t * 64, k[..., t:t + 1, :], v[..., t:t + 1, :])
+    sp.wait()
+    assert bytes(w.files[("s", 0)]) == token_major(k, v)
+    big = torch.zeros(1, 2, 64, 4)
+    for t in range(6):  # 4 KiB each: every submit after the first waits for room
+        sp.submit_kv("s", 1, t * 4096, big, big)
+    sp.close()
+    assert sp.stalls >= 1 and sp.peak_pending_bytes <= 4096 + 4096
+
+
+def test_spill_failure_surfaces_as_spill_error(model):
+    w = _SlowWarm(fail_at=1)
+    sp = Spiller(w)
+    cache = TieredCache(model, warm=w, session_id="bad", max_kv_len=2, spiller=sp)
+    with pytest.raises(SpillError, match="No space left"):
+        with torch.no_grad():
+            model(input_ids=prompt(1, 6), cache=cache, use_cache=True)
+            sp.wait()
+    with pytest.raises(SpillError):
+        sp.submit_call(print)

@@ -1,0 +1,246 @@
+"""Hot tier, many sessions: the router's budget and watermark, profiles, resume in a new
+process (bf16 and fp32, from warm and from cold), refusals (wrong model, truncated files)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("kvfs.warm")
+
+from transformers import DynamicCache  # noqa: E402
+
+from kvfs.torch import KVCorrupt, KVMismatch, KVRouter, TieredCache  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from models import WindowReference, generate_turns, prompt, tiny_llama  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+WARM_OPTS = {"shards": 16}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=0)
+
+
+def make_router(tmp_path: Path, **kw) -> KVRouter:
+    cold = tmp_path / "cold"
+    (cold / "sessions").mkdir(parents=True, exist_ok=True)  # the layout of a mounted volume
+    kw.setdefault("warm_options", WARM_OPTS)
+    return KVRouter(mount=str(cold), warm_root=str(tmp_path / "warm"), **kw)
+
+
+def conversation(ts, outs) -> torch.Tensor:
+    return torch.cat([x for t, o in zip(ts, outs, strict=True) for x in (t, o)], 1)
+
+
+def test_profile_values_and_explicit_overrides(tmp_path):
+    r = make_router(tmp_path, profile="ecommerce")
+    assert r.max_kv_len == 12 and r.watermark == pytest.approx(0.9)
+    r.close()
+    r = make_router(tmp_path / "b", profile="ecommerce", max_kv_len=None, watermark=0.5)
+    assert r.max_kv_len is None and r.watermark == 0.5
+    r.close()
+
+
+def test_budget_serves_many_sessions_under_one_sessions_full_kv(tmp_path, model):
+    """Budget = the full KV of one 12-round session; 6 such sessions run interleaved with the
+    gov window (24). The budget is never passed, rounds are moved out and read back, and
+    every session generates exactly what it generates alone with no budget."""
+    rounds, q_len, new, window, n = 12, 5, 6, 24, 6
+    qs = {f"agent-{j}": [prompt(1000 * j + r, q_len) for r in range(rounds)] for j in range(n)}
+    probe = TieredCache(model, max_kv_len=None)
+    generate_turns(model, probe, qs["agent-0"], new)
+    full_one = probe.hot_bytes
+    r = make_router(tmp_path, max_kv_len=window, device_budget_bytes=full_one)
+    convs = {s: torch.empty(1, 0, dtype=torch.long) for s in qs}
+    peak = 0
+    for rnd in range(rounds):
+        for s in qs:
+            c = r.cache(s, model)
+            ids = torch.cat([convs[s], qs[s][rnd]], 1)
+            convs[s] = model.generate(ids, cache=c, max_new_tokens=new, do_sample=False)
+            c.end_round()
+            peak = max(peak, r.hot_total)
+    st = r.stats()
+    assert st["peak_hot_bytes"] <= r.limit and peak <= r.limit  # at every step, not just between
+    assert st["watermark_moves"] > 0 and st["sessions"] == n
+    assert sum(p["refills"] for p in st["per_session"].values()) > 0
+    assert n * full_one > r.budget  # DynamicCache would hold all six full KVs at once
+    for s in qs:  # the budget changed where KV lived, never what was attended
+        alone = generate_turns(model, TieredCache(model, max_kv_len=window), qs[s], new)
+        assert torch.equal(convs[s], conversation(qs[s], alone)), s
+    r.flush()
+    tb = probe.geo.token_bytes
+    for s in qs:
+        c = r.cache(s, model)
+        assert c.seen == convs[s].shape[1] - 1
+        for layer in range(c.num_layers):
+            assert r.warm.size(s, layer) == c.seen * tb  # nothing lost, nothing twice
+        assert r.warm.get_meta(s)["tokens"] == c.seen
+    assert 0 < st["kv_hot_hit_rate"] < 1
+    r.close()
+
+
+def test_watermark_moves_the_least_recently_used_sessions_oldest_round(tmp_path, model):
+    stb = TieredCache(model).geo.session_token_bytes
+    r = make_router(tmp_path, max_kv_len=None, device_budget_bytes=10**9)
+    for s in ("a", "b", "c"):
+        generate_turns(model, r.cache(s, model), [prompt(1, 6), prompt(2, 6)], 4)
+    a, b, c = (r.cache(s, model) for s in ("a", "b", "c"))  # LRU order: a, b, c
+    hot_before = {s.session_id: s.stored for s in (a, b, c)}
+    r.budget = (r.hot_total + 3 * stb) / r.watermark  # the next 6-token prefill of c must fit
+    ids = torch.zeros(1, c.seen + 1 + 6, dtype=torch.long)
+    with torch.no_grad():
+        model(input_ids=ids[:, c.seen:], cache=c, use_cache=True)
+    assert a.stored == hot_before["a"] - a.rounds[0][1]  # a's oldest round went out first
+    assert b.stored == hot_before["b"]
+    assert r.hot_total <= r.limit
+    assert a.evicted_rounds == 1 and r.watermark_moves == 1
+    r.flush()
+    assert r.warm.size("a", 0) == a.seen * a.geo.token_bytes
+    r.close()
+
+
+def test_recall_and_window_come_back_after_budget_moves(tmp_path, model):
+    """A recalls a round; B's steps push A's recall and window out; A's next turn reads them
+    back first and attends exactly what it would have attended with no budget."""
+    window, new = 16, 6
+    r = make_router(tmp_path, max_kv_len=window)
+    ts = [prompt(40 + i, 6) for i in range(4)]
+    ref = WindowReference(model, window)
+    for t in ts:
+        ref.turn(t, new)
+    a = r.cache("A", model)
+    conv = conversation(ts, generate_turns(model, a, ts, new))
+    assert a.recall(rounds=[1]) == [1]
+    ref.prefix = [(lay.recall_keys.clone(), lay.recall_values.clone()) for lay in a.layers]
+    stb = a.geo.session_token_bytes
+    r.budget = (a.hot_bytes + stb) / r.watermark  # A fits alone, A and B do not
+    generate_turns(model, r.cache("B", model), [prompt(99, 20)], new)
+    assert a.layers[0].recall_keys is None and a.stored < window and a.evicted_rounds >= 1
+    nxt = prompt(77, 5)
+    expected = ref.turn(nxt, new)
+    misses = a.misses
+    out = model.generate(torch.cat([conv, nxt], 1), cache=a, max_new_tokens=new, do_sample=False)
+    assert torch.equal(out[:, -new:], expected)
+    assert a.refills >= 1 and a.misses > misses and a.recalled_rounds == [1]
+    assert r.peak_hot_bytes <= r.limit
+    r.close()
+
+
+CHILD = r"""
+import json, sys
+sys.path.insert(0, sys.argv[2])
+import torch
+from models import tiny_llama
+from kvfs.torch import KVRouter
+a = json.loads(sys.argv[1])
+r = KVRouter(mount=a["cold"], warm_root=a["warm"], max_kv_len=a["window"], warm_options={"shards": 16})
+out = {}
+for s in a["sessions"]:
+    m = tiny_llama(seed=s["seed"], dtype=getattr(torch, s["dtype"]))
+    cache = r.resume(s["sid"], m)
+    where = r.warm.where(s["sid"])
+    ids = torch.tensor([s["conv"]])
+    gen = []
+    for t in s["turns"]:
+        ids = m.generate(torch.cat([ids, torch.tensor([t])], 1), cache=cache,
+                         max_new_tokens=a["new"], do_sample=False)
+        gen.append(ids[0, -a["new"]:].tolist())
+        cache.end_round()
+    out[s["sid"]] = {"gen": gen, "seen": cache.seen, "where_before": where}
+r.close()
+print(json.dumps(out))
+"""
+
+
+def test_resume_in_a_new_process_continues_identically(tmp_path):
+    window, new = 10, 6
+    specs = [("s-fp32", 0, "float32"), ("s-bf16", 5, "bfloat16")]
+    before = [prompt(10 + i, 7) for i in range(3)]
+    after = [prompt(20 + i, 5) for i in range(2)]
+    r = make_router(tmp_path, max_kv_len=window)
+    sessions, expected = [], {}
+    for sid, seed, dt in specs:
+        m = tiny_llama(seed=seed, dtype=getattr(torch, dt))
+        outs = generate_turns(m, r.cache(sid, m), before, new)
+        sessions.append({"sid": sid, "seed": seed, "dtype": dt,
+                         "conv": conversation(before, outs)[0].tolist(),
+                         "turns": [t[0].tolist() for t in after]})
+        # the run that never stopped: same turns, one process, one cache
+        ref = generate_turns(m, TieredCache(m, max_kv_len=window), before + after, new)
+        expected[sid] = [t[0].tolist() for t in ref[len(before):]]
+        assert all(torch.equal(x, y) for x, y in zip(ref[: len(before)], outs, strict=True))
+    r.flush()
+    assert r.warm.migrate(1) == ["s-fp32"]  # the LRU session now lives in cold only
+    r.close()
+    args = {"cold": str(tmp_path / "cold"), "warm": str(tmp_path / "warm"), "window": window,
+            "new": new, "sessions": sessions}
+    p = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args), str(Path(__file__).parent)],
+                       capture_output=True, text=True, cwd=REPO, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["s-fp32"]["where_before"] in ("cold", "both", "warm")
+    for sid, _, _ in specs:
+        assert got[sid]["gen"] == expected[sid], sid
+
+
+def test_resume_refuses_another_model(tmp_path, model):
+    r = make_router(tmp_path, max_kv_len=8)
+    generate_turns(model, r.cache("s", model), [prompt(1, 9)], 4)
+    r.flush()
+    r.release("s")
+    other = tiny_llama(seed=0, num_hidden_layers=3)
+    with pytest.raises(KVMismatch, match="written by model"):
+        r.resume("s", other)
+    with pytest.raises(KVMismatch, match="dtype"):
+        r.resume("s", tiny_llama(seed=0, dtype=torch.bfloat16))
+    assert r.resume("s", model).seen == 12  # the right model still resumes
+    r.close()
+
+
+def test_resume_of_truncated_layer_file_is_a_clear_error(tmp_path, model):
+    r = make_router(tmp_path, max_kv_len=8)
+    generate_turns(model, r.cache("t", model), [prompt(1, 9), prompt(2, 9)], 4)
+    r.flush()
+    r.warm.migrate(1)
+    r.close()
+    layer1 = tmp_path / "cold" / "sessions" / "t" / "layer_1"
+    size = layer1.stat().st_size
+    os.truncate(layer1, size - 100)  # a torn tail: not even a whole token
+    r = make_router(tmp_path, max_kv_len=8)
+    with pytest.raises(KVCorrupt, match="layer_1.*truncated"):
+        r.resume("t", model)
+    r.close()
+
+
+def test_cache_resumes_stored_sessions_and_fresh_starts_over(tmp_path, model):
+    r = make_router(tmp_path, max_kv_len=8)
+    generate_turns(model, r.cache("x", model), [prompt(1, 5)], 3)
+    r.close()
+    r = make_router(tmp_path, max_kv_len=8)
+    assert r.cache("x", model).seen == 7
+    assert r.cache("x", model, fresh=True).seen == 0
+    assert r.warm.get_meta("x") is None
+    r.close()
+
+
+def test_no_window_router_matches_dynamic_cache(tmp_path, model):
+    ts = [prompt(i, 6) for i in range(3)]
+    r = make_router(tmp_path, max_kv_len=None)
+    out = generate_turns(model, r.cache("nw", model), ts, 5)
+    ref = generate_turns(model, DynamicCache(config=model.config), ts, 5)
+    assert all(torch.equal(a, b) for a, b in zip(out, ref, strict=True))
+    st = r.stats()
+    assert st["per_session"]["nw"]["hits"] == 15 and st["kv_hot_hit_rate"] == 1.0
+    r.close()
