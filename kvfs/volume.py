@@ -133,6 +133,12 @@ class VolumeFile:
             n = os.pwrite(self.fd, mv, off)
             mv, off = mv[n:], off + n
 
+    def pwritev(self, bufs: list[bytes | memoryview], off: int) -> None:
+        total = sum(len(b) for b in bufs)
+        n = os.pwritev(self.fd, bufs, off)
+        if n != total:  # a short gathered write: finish the rest plainly
+            self.pwrite(b"".join(bytes(b) for b in bufs)[n:], off + n)
+
     def dontneed(self, off: int, n: int) -> None:
         if self.fadvise:
             os.posix_fadvise(self.fd, off, n, os.POSIX_FADV_DONTNEED)
