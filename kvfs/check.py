@@ -87,10 +87,18 @@ def _check_store(store, res: CheckResult, repair: bool,
     if not store.counters["full_scans"]:
         for p in store.tree.check():
             res.problem(f"checkpoint tree: {p}")
-    names = store.list_sessions()
+    try:
+        names = store.list_sessions()
+    except Corrupt as e:  # a tree page recovery did not read: report it, never crash
+        res.problem(f"checkpoint tree: {e}: sessions cannot be listed from the checkpoint")
+        return
     res.sessions = len(names)
     for i, name in enumerate(names):
-        s = store.idx.find(name)
+        try:
+            s = store.idx.find(name)
+        except Corrupt as e:
+            res.problem(f"session {name!r}: its checkpoint record is unreadable: {e}")
+            continue
         if s is None:
             res.problem(f"session {name!r} listed but not loadable")
             continue

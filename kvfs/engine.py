@@ -34,6 +34,7 @@ Times in the API are float seconds; on disk they are integer nanoseconds.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -43,7 +44,7 @@ from . import metrics
 from .api import FileStat, SessionStat, StoreConfig, Usage
 from .btree import BTree, TreeFull, TreeRoot
 from .codec import Codec, decode
-from .errors import BadRange, Corrupt, Exists, NoSpace, NotAppend, NotFound
+from .errors import BadRange, Corrupt, Exists, IndexCorrupt, NoSpace, NotAppend, NotFound
 from .index import Index
 from .layout import (
     FMETA_FMT,
@@ -170,17 +171,17 @@ class Store:
     # ================================================================ writing entries
     def _emit(self, type_: int, s: Session, fno: int = 0, file_off: int = 0, payload: bytes = b"",
               flags: int = 0, raw_len: int = 0) -> tuple[int, int]:
-        self._ensure_room(self.ring.cost(len(payload)))
+        self._ensure_room(self.ring.cost(len(payload)), s)
         return self.ring.append(type_, flags, s.name_hash, s.sno, fno, file_off, raw_len, payload)
 
-    def _ensure_room(self, need: int) -> None:
+    def _ensure_room(self, need: int, keep: Session | None = None) -> None:
         if self.readonly:
             raise NoSpace("volume is open read-only")
         if self.ring.room() >= need + self.reserve:
             return
         from .reclaim import reclaim
 
-        reclaim(self, need + self.reserve)
+        reclaim(self, need + self.reserve, keep)  # never evicts ``keep``: it is being written
 
     def _smeta(self, s: Session) -> bytes:
         return SMETA_FMT.pack(s.mode, s.uid, s.gid, s.next_fno, s.ctime, s.mtime) + s.name.encode(
@@ -286,7 +287,7 @@ class Store:
         pieces = [mv[i: i + step] for i in range(0, len(mv), step)]
         # Room for the whole write first (raw size bounds the stored size): a write that
         # cannot fit fails before any of it is stored.
-        self._ensure_room(sum(self.ring.cost(len(p) + 64) for p in pieces))
+        self._ensure_room(sum(self.ring.cost(len(p) + 64) for p in pieces), s)
         for p in pieces:
             flags, stored = self.codec.encode(p)
             pos, esize = self._emit(T_DATA, s, f.fno, f.size, stored, flags, len(p))
@@ -459,3 +460,27 @@ class Store:
                 "entries_replayed": rep.entries, "corrupt_regions": len(rep.corrupt or []),
                 "torn_tail": rep.torn_tail},
         }
+
+
+def _rebuilds_on_bad_checkpoint(fn):  # noqa: ANN001, ANN202
+    """Run a Store operation; if the checkpoint tree proves bad, rebuild the index from the
+    ring and run it once more from the start. Every operation looks up before it writes,
+    so the first attempt left nothing half-done (what reclaim copied is in the ring)."""
+
+    @functools.wraps(fn)
+    def wrapper(self: Store, *a, **kw):  # noqa: ANN002, ANN003, ANN202
+        try:
+            return fn(self, *a, **kw)
+        except IndexCorrupt as e:
+            from .recovery import rebuild
+
+            rebuild(self, e)
+            return fn(self, *a, **kw)
+
+    return wrapper
+
+
+for _name in ("list_sessions", "create_session", "delete_session", "session_stat",
+              "set_session_attrs", "list_files", "create_file", "delete_file", "file_stat",
+              "set_file_attrs", "append", "truncate", "read", "checkpoint", "cleanup"):
+    setattr(Store, _name, _rebuilds_on_bad_checkpoint(getattr(Store, _name)))

@@ -41,6 +41,10 @@ class Corrupt(KVFSError):
     """A checksum or structure check failed for the bytes asked for (EIO)."""
 
 
+class IndexCorrupt(Corrupt):
+    """The checkpoint (a B+ tree page or session record) is bad: rebuild from the ring."""
+
+
 class FormatError(KVFSError):
     """The file is not a kvfs volume, or one of an unsupported version/size; refuse to open."""
 

@@ -9,12 +9,31 @@ number of sessions. Never writes the ring; never imports pyfuse3 or torch.
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 
 from .btree import BTree
+from .errors import Corrupt, IndexCorrupt
 from .model import _SESS, Session, chunk_key, name_hash, session_prefix, split_chunks
 
 BITMAP_CHUNK = 1000  # bytes of the bitmap per tree value (8000 sessions)
+
+
+def _checkpoint_reader(fn):  # noqa: ANN001, ANN202
+    """A bad tree page or session record becomes IndexCorrupt: the store then rebuilds the
+    index from the ring (the checkpoint is a shortcut, never the only truth)."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        try:
+            return fn(*a, **kw)
+        except IndexCorrupt:
+            raise
+        except Corrupt as e:
+            raise IndexCorrupt(f"checkpoint unreadable: {e}") from e
+
+    return wrapper
 
 
 class Index:
@@ -29,6 +48,9 @@ class Index:
         self.names: dict[str, int] = {}  # name -> sno for sessions in hot or pinned
         self.purge: dict[int, int] = {}  # deleted sno -> name hash: tree keys to drop
         self.atime_dirty: set[int] = set()  # read since the checkpoint (atime only)
+        # Every decoded session still referenced anywhere (e.g. by the engine call that is
+        # appending to it while reclaim runs): one object per session, never a second copy.
+        self.alive: weakref.WeakValueDictionary[int, Session] = weakref.WeakValueDictionary()
 
     # ---------------------------------------------------------------- bitmap
     def load_bitmap(self) -> None:
@@ -39,7 +61,7 @@ class Index:
                 bm.extend(bytes(i + len(val) - len(bm)))
             bm[i: i + len(val)] = val
         self.bitmap = bm
-        self.n_sessions = sum(bin(b).count("1") for b in bm)
+        self.n_sessions = int.from_bytes(bm, "little").bit_count()
 
     def live(self, sno: int) -> bool:
         i = sno >> 3
@@ -68,6 +90,7 @@ class Index:
 
     def remember(self, s: Session) -> None:
         self.names[s.name] = s.sno
+        self.alive[s.sno] = s
         if s.dirty:
             self.hot.pop(s.sno, None)
             self.pinned[s.sno] = s
@@ -107,12 +130,17 @@ class Index:
         self.__init__(tree, self.hot_cap)
 
     # --------------------------------------------------------------- lookup
+    @_checkpoint_reader
     def load(self, nh: int, sno: int) -> Session | None:
         """The live session ``sno`` (hash ``nh``) from memory or the checkpoint tree."""
         if not self.live(sno):
             return None
         s = self.cached(sno)
         if s is not None:
+            return s
+        s = self.alive.get(sno)
+        if s is not None:  # evicted from the LRU but still in use: the same object
+            self.remember(s)
             return s
         parts = [v for _, v in self.tree.scan(session_prefix(nh, sno))]
         if not parts:
@@ -121,6 +149,7 @@ class Index:
         self.remember(s)
         return s
 
+    @_checkpoint_reader
     def find(self, name: str) -> Session | None:
         sno = self.names.get(name)
         if sno is not None:
@@ -134,6 +163,7 @@ class Index:
                 return self.load(nh, sno)
         return None
 
+    @_checkpoint_reader
     def list_names(self) -> list[str]:
         names: dict[int, str] = {}
         for key, val in self.tree.scan(b"S"):
@@ -150,6 +180,7 @@ class Index:
     def has_changes(self) -> bool:
         return bool(self.pinned or self.purge or self.bitmap_dirty or self.atime_dirty)
 
+    @_checkpoint_reader
     def changes(self) -> dict[bytes, bytes | None]:
         """One tree commit: purged sessions' keys, dirty sessions' chunks, bitmap chunks."""
         out: dict[bytes, bytes | None] = {}

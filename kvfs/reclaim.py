@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 TOMBSTONE_RESERVE = 16 << 10
 
 
-def reclaim(store: Store, need: int) -> None:
+def reclaim(store: Store, need: int, keep: Session | None = None) -> None:
     """Make ``ring.room() >= need`` or raise NoSpace (what was done stays consistent)."""
     ring = store.ring
     if need > ring.size // 2:
@@ -37,7 +37,7 @@ def reclaim(store: Store, need: int) -> None:
     budget = ring.used() + ring.size // 4  # one trip round the ring, then give up
     store.counters["reclaims"] += 1
     while ring.room() < need:
-        moved = _step(store, target, evict)
+        moved = _step(store, target, evict, keep.sno if keep is not None else -1)
         budget -= moved
         store.checkpoint()  # the new tail is durable before the head passes the old one
         if ring.room() >= need:
@@ -54,7 +54,7 @@ def _in_retention(store: Store, s: Session) -> bool:
     return s.last_use_ns() >= (store.clock() - store.cfg.retention_s) * 1e9
 
 
-def _step(store: Store, target: int, evict: bool) -> int:
+def _step(store: Store, target: int, evict: bool, keep: int) -> int:
     ring = store.ring
     start_tail = ring.tail
     report = ScanReport()
@@ -62,7 +62,7 @@ def _step(store: Store, target: int, evict: bool) -> int:
     for item in ring.scan(ring.tail, ring.head, report):
         h = item.hdr
         ring.tail = h.pos  # pads and corrupt regions before it are dead
-        if not _handle(store, item, evict):
+        if not _handle(store, item, evict, keep):
             done = False
             break
         ring.tail = h.pos + h.size
@@ -74,7 +74,7 @@ def _step(store: Store, target: int, evict: bool) -> int:
     return ring.tail - start_tail
 
 
-def _handle(store: Store, item: ScanItem, evict: bool) -> bool:
+def _handle(store: Store, item: ScanItem, evict: bool, keep: int = -1) -> bool:
     """Copy forward or drop what is live in one tail entry; False when there is no room."""
     h = item.hdr
     if h.type not in (T_DATA, T_SMETA, T_FMETA):
@@ -93,7 +93,7 @@ def _handle(store: Store, item: ScanItem, evict: bool) -> bool:
         live = any(e[0] == h.pos for e in f.ext)
     if not live:
         return True
-    if evict or not _in_retention(store, s):
+    if s.sno != keep and (evict or not _in_retention(store, s)):  # never the one being written
         return _drop(store, s, evicted=evict)
     if h.type == T_SMETA:
         payloads = [store._smeta(s)]

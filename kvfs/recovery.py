@@ -47,6 +47,19 @@ def recover(store: Store) -> ScanReport:
     return report
 
 
+def rebuild(store: Store, err: Exception) -> None:
+    """At run time a checkpoint page turned out bad: rebuild the index by a full ring scan
+    (the ring holds every change) and, if writable, write a fresh checkpoint."""
+    log.error("%s: checkpoint unusable at run time (%s); rebuilding the index from the ring",
+              store.vol.path, err)
+    store.ring.flush()
+    _reset(store)
+    store.open_report = _replay(store, store.ring.tail, full=True)
+    store.counters["full_scans"] += 1
+    if not store.readonly:
+        store.checkpoint()
+
+
 def _reset(store: Store) -> None:
     """Forget everything the checkpoint said; start a fresh tree away from the old root."""
     old = store.tree.root
