@@ -180,6 +180,9 @@ class KVRouter:
         dev = device if device is not None else _model_device(model, self.device)
         self.spiller.wait()
         meta = self.warm.get_meta(session_id)
+        if meta is None and self.warm.where(session_id) is not None:
+            raise KVCorrupt(f"session {session_id!r} is stored but its meta.json is missing or "
+                            "does not parse; nothing was loaded")
         if isinstance(meta, dict) and isinstance(meta.get("tokens"), int):  # room first
             total = meta["tokens"]
             n = total if self.max_kv_len is None else min(total, self.max_kv_len)
