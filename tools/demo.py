@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -37,6 +36,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+from agentlib import Volume, mount_available, warm_dir  # noqa: E402 - after the path set-up
 
 log = logging.getLogger("kvfs.demo")
 
@@ -71,78 +73,6 @@ def question(sid: str, rnd: int, vocab: int):
     g = torch.Generator().manual_seed(zlib.crc32(f"{sid}/{rnd}".encode()))
     n = int(torch.randint(QUESTION[0], QUESTION[1] + 1, (1,), generator=g))
     return torch.randint(0, vocab, (1, n), generator=g)
-
-
-# --------------------------------------------------------------------------- the mount
-class Volume:
-    """``mount.py`` in the foreground in a subprocess, or a plain directory (--no-mount)."""
-
-    def __init__(self, base: Path, use_mount: bool) -> None:
-        self.base = base
-        self.mnt = base / "mnt"
-        self.mnt.mkdir()
-        self.volume = base / "volume.kvfs"
-        self.log = base / "mount.log"
-        self.proc: subprocess.Popen | None = None
-        self.use_mount = use_mount
-
-    def __enter__(self) -> Volume:
-        if not self.use_mount:
-            (self.mnt / "sessions").mkdir()  # the layout a mounted volume shows
-            print(f"cold tier: plain directory {self.mnt} (--no-mount)")
-            return self
-        args = [sys.executable, str(ROOT / "mount.py"), str(self.volume), str(self.mnt),
-                "--size", "256M", "--foreground", "--log", str(self.log)]
-        print("$ " + " ".join(["python", "mount.py", str(self.volume), str(self.mnt),
-                               "--size", "256M", "--foreground"]) + " &")
-        self.proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True)
-        deadline = time.monotonic() + 30
-        while not os.path.ismount(self.mnt):
-            if self.proc.poll() is not None:
-                out, err = self.proc.communicate()
-                raise SystemExit(f"mount.py exited with {self.proc.returncode}: {err.strip() or out.strip()}"
-                                 f"\n(see {self.log}; run with --no-mount to use a plain directory)")
-            if time.monotonic() > deadline:
-                self.proc.kill()
-                raise SystemExit("mount.py did not mount within 30 s")
-            time.sleep(0.05)
-        print(f"mounted {self.volume.name} at {self.mnt}")
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.proc is None:
-            return
-        print(f"$ fusermount3 -u {self.mnt}")
-        r = subprocess.run(["fusermount3", "-u", str(self.mnt)], capture_output=True, text=True)
-        if r.returncode != 0:
-            print(f"fusermount3 -u failed ({r.returncode}): {r.stderr.strip()}; stopping mount.py")
-            self.proc.terminate()
-        try:
-            rc = self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            rc = self.proc.wait()
-        print(f"mount.py exited with {rc} ({'clean unmount' if rc == 0 else 'see ' + str(self.log)})")
-        self.proc = None
-
-
-def mount_available() -> tuple[bool, str]:
-    if not (ROOT / "mount.py").exists():
-        return False, "mount.py is not there"
-    if not os.path.exists("/dev/fuse"):
-        return False, "/dev/fuse is missing"
-    if shutil.which("fusermount3") is None:
-        return False, "fusermount3 is not installed"
-    return True, ""
-
-
-def warm_dir(base: Path) -> Path:
-    """The warm tier lives on tmpfs (/dev/shm) when there is one, as in production."""
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK):
-        return Path(tempfile.mkdtemp(prefix="kvfs-demo-warm-", dir=shm))
-    return base / "warm"
 
 
 # --------------------------------------------------------------------------- the agents
