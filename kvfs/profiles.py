@@ -114,6 +114,8 @@ class Profile:
     cleanup_threshold: float = _spec("fraction", "ring usage that starts retention cleanup", 0.70)
     retention_s: float = _spec("seconds", "idle time after which cleanup may drop a session",
                                7 * DAY, min=1.0)
+    evict_when_full: bool = _spec("bool", "full volume: drop sessions at the ring tail whole "
+                                  "instead of answering ENOSPC", False)
     # alert rules
     alert_device_pct: float = _spec("fraction", "device_memory_high threshold", 0.92)
     alert_device_for_s: float = _spec("seconds", "device_memory_high duration", 30.0, min=0.0)
@@ -131,10 +133,12 @@ class Profile:
     # --- views for the components ----------------------------------------------------
     def store_config(self, **extra: Any) -> StoreConfig:
         """The engine's ``StoreConfig`` for this profile (``extra`` sets the other fields)."""
-        return StoreConfig(hot_sessions=self.hot_sessions,
-                           checkpoint_interval_s=self.checkpoint_interval_s,
-                           cleanup_threshold=self.cleanup_threshold,
-                           retention_s=self.retention_s, **extra)
+        kw: dict[str, Any] = dict(hot_sessions=self.hot_sessions,
+                                  checkpoint_interval_s=self.checkpoint_interval_s,
+                                  cleanup_threshold=self.cleanup_threshold,
+                                  retention_s=self.retention_s,
+                                  evict_when_full=self.evict_when_full)
+        return StoreConfig(**{**kw, **extra})
 
     def warm_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``kvfs.warm.WarmTier`` (see docs/contracts/warm-api.md)."""
@@ -176,6 +180,8 @@ def _allowed(f: dataclasses.Field) -> str:
         return "an absolute path"
     if kind == "int":
         return f"an integer from {lo}" + (f" to {hi}" if hi is not None else " up")
+    if kind == "bool":
+        return "true or false"
     return "a string"
 
 
@@ -189,7 +195,9 @@ def _check(f: dataclasses.Field, v: Any, origin: str, shown: Any) -> None:
     md = f.metadata
     kind = md["kind"]
     lo, hi = md.get("min"), md.get("max")
-    if kind in ("name", "str"):
+    if kind == "bool":
+        ok = isinstance(v, bool)
+    elif kind in ("name", "str"):
         ok = isinstance(v, str)
     elif kind == "path":
         ok = isinstance(v, str) and v.startswith("/")
@@ -210,6 +218,13 @@ def _check(f: dataclasses.Field, v: Any, origin: str, shown: Any) -> None:
 def _convert(f: dataclasses.Field, raw: Any, origin: str) -> Any:
     """Convert ``raw`` (a string from the command line or a JSON/TOML value) for ``f``."""
     kind = f.metadata["kind"]
+    if kind == "bool":
+        words = {"true": True, "yes": True, "on": True, "1": True,
+                 "false": False, "no": False, "off": False, "0": False}
+        v = raw if isinstance(raw, bool) else words.get(str(raw).strip().lower())
+        if v is None:
+            raise _fail(f, raw, origin)
+        return v
     if isinstance(raw, bool) or raw is None or isinstance(raw, list | dict):
         raise _fail(f, raw, origin)
     try:
