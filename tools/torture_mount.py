@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import conftest
 from conftest import Mount
 from torture import (
     MB,
@@ -38,7 +37,6 @@ from torture import (
     write_all,
 )
 
-from kvfs import profiles
 from kvfs.check import CheckResult, check_volume
 from kvfs.engine import Store
 from kvfs.layout import HDR_SIZE, PAGE, SB_SIZE, SB_SLOT, T_DATA
@@ -269,41 +267,6 @@ def _flip_read(m: Mount, want: dict[tuple[str, str], bytes], batch: list[Target]
 
 
 # ============================================================================ 4. full volume
-LAUNCHER = '''import runpy, sys
-sys.path.insert(0, {root!r})
-from kvfs import profiles
-_plain = profiles.Profile.store_config
-def store_config(self, **extra):
-    extra.setdefault("evict_when_full", True)
-    return _plain(self, **extra)
-profiles.Profile.store_config = store_config
-sys.argv[0] = {mount!r}
-runpy.run_path({mount!r}, run_name="__main__")
-'''
-
-
-class EvictMount(Mount):
-    """A mount with ``evict_when_full``: ``-o evict_when_full=true`` when the profiles know
-    the key; until then mount.py through a launcher that sets it in the StoreConfig."""
-
-    def __init__(self, work: Path, size: str) -> None:
-        native = "evict_when_full" in profiles.KEYS
-        super().__init__(work / "evict.kvfs", work / "evict.mnt", size,
-                         ("-o", "evict_when_full=true") if native else ())
-        self.launcher = None if native else work / "mount_evict.py"
-        if self.launcher is not None:
-            self.launcher.write_text(LAUNCHER.format(root=str(conftest.ROOT),
-                                                     mount=str(conftest.MOUNT_PY)))
-
-    def start(self) -> Mount:
-        saved = conftest.MOUNT_PY
-        conftest.MOUNT_PY = self.launcher or saved
-        try:
-            return super().start()
-        finally:
-            conftest.MOUNT_PY = saved
-
-
 def _filler(m: Mount, j: int, out: dict[int, tuple[int, int, int | None]]) -> None:
     """Append and fsync to fill-<j>/layer_0 until an error; (written, fsynced, errno)."""
     data = stream(seed_of("fill", j), 16 * MB)
@@ -403,7 +366,7 @@ def _evict_check(m: Mount, written: dict[str, dict[str, bytes]], res: Result, wh
 
 
 def _full_evict(work: Path, rng: random.Random, res: Result) -> None:
-    m = EvictMount(work, "32M")
+    m = Mount(work / "evict.kvfs", work / "evict.mnt", "32M", ("-o", "evict_when_full=true"))
     with mounted(m):
         _fill_evicting(m, rng, res)
     rc, text = fsck(m.volume)
