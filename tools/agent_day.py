@@ -48,6 +48,7 @@ RESTARTS_H = (9.5, 17.5)  # simulated hours of the two restarts
 RESUME_CHECKS = 3  # sessions per restart checked against a copy that never stopped
 DRILLS_H = {"device": (10.0, 2.0), "warm": (14.0, 4.0)}  # start hour, longest hours
 DRILL_AFTER_FIRE_S = 1800.0  # a drill ends this long after its alert first fired
+DRILL_RULES = {"device": "device_memory_high", "warm": "warm_usage_high"}  # the alert a drill wakes
 MODEL_SEED = 7
 DEFAULT_HEAD = "# A day of agent traffic\n\nWritten by `tools/agent_day.py` (see docs/agent-day.md)."
 
@@ -74,11 +75,11 @@ class Workload:
 
 WORKLOADS = {
     "gov": Workload(
-        "gov", 24, (10, 14), (3, 5), 4, 0.18, 0.1, 0.0, 4 << 20, 0.95, 256,
+        "gov", 24, (10, 14), (3, 5), 4, 0.15, 0.1, 0.0, 4 << 20, 0.95, 256,
         (.08, .06, .05, .05, .05, .08, .15, .4, .8, 1, 1, .95, .6, .85, 1, .95, .8, .55, .3,
          .2, .15, .12, .1, .08),
         "long case-worker sessions (~12 rounds of ~8 tokens: 3-5 question + 4 answer tokens); "
-        "from the 5th round on, 18 % of questions are deep follow-ups that recall an old round "
+        "from the 5th round on, 15 % of questions are deep follow-ups that recall an old round "
         "(half by summary similarity to the question, half by round number); 10 % of visits "
         "reopen an earlier case; office-hours load"),
     "ecommerce": Workload(
@@ -184,9 +185,11 @@ class Day:
         self.cold_lat = lib.Latencies()
         self.rows: list[dict[str, Any]] = []
         self.drill: str | None = None
-        self.drill_start = self.drill_end = 0.0
+        self.drill_start = self.drill_end = self.drill_peak = 0.0
+        self.drill_fired = False
         self.drills: list[tuple[str, float, float]] = []  # (kind, start h, end h)
         self.drill_log: list[str] = []
+        self.outside: dict[str, list[float]] = {}  # alerts outside the drills: rule -> hours
         self._mark: dict[str, Any] = {}
         self.offs = {"moves": 0, "migrations": 0, "promotions": 0}  # routers closed by restarts
         self.m0 = self._mount_metrics() or {}
@@ -436,10 +439,12 @@ class Day:
         if kind is None:
             r.watermark, warm.migrate_at = self.prof.device_watermark, self.prof.warm_migrate_at
             self.drills.append((self.drill, self.drill_start / 3600, now / 3600))
-            self.drill_log.append(f"{now / 3600:05.2f} h {self.drill} drill ends")
+            quiet = "" if self.drill_fired else f" (its alert did not fire: usage peaked at {self.drill_peak:.0%})"
+            self.drill_log.append(f"{now / 3600:05.2f} h {self.drill} drill ends{quiet}")
             self.drill = None
             return
         self.drill, self.drill_start, self.drill_end = kind, now, now + DRILLS_H[kind][1] * 3600
+        self.drill_fired, self.drill_peak = False, 0.0
         self._drill_settings()
         self.drill_log.append(f"{now / 3600:05.2f} h {kind} drill starts")
 
@@ -486,16 +491,24 @@ class Day:
         from kvfs import alerts
 
         r = self.router
-        events = self.alerts.tick({alerts.DEVICE_SIGNAL: r.hot_total / r.budget,
-                                   alerts.WARM_SIGNAL: r.warm.usage()["ratio"],
-                                   alerts.COLD_WRITE_SIGNAL: cold_write_ms})
+        signals = {alerts.DEVICE_SIGNAL: r.hot_total / r.budget, alerts.WARM_SIGNAL: r.warm.usage()["ratio"],
+                   alerts.COLD_WRITE_SIGNAL: cold_write_ms}
+        if self.drill:
+            self.drill_peak = max(self.drill_peak, signals[alerts.DEVICE_SIGNAL if self.drill == "device"
+                                                          else alerts.WARM_SIGNAL])
+        events = self.alerts.tick(signals)
         for rule, ev in events:
-            if ev == "firing":
-                self.c["alerts_in_drill" if self.drill else "alerts_outside"] += 1
-                now = self.clock()
+            if ev != "firing":
+                continue
+            now = self.clock()
+            if self.drill and rule == DRILL_RULES[self.drill]:  # the drill's alert: it ends soon
+                self.c["alerts_in_drill"] += 1
+                self.drill_fired = True
                 self.drill_log.append(f"{now / 3600:05.2f} h alert {rule} fired")
-                if self.drill:
-                    self.drill_end = min(self.drill_end, now + DRILL_AFTER_FIRE_S)
+                self.drill_end = min(self.drill_end, now + DRILL_AFTER_FIRE_S)
+            else:
+                self.c["alerts_outside"] += 1
+                self.outside.setdefault(rule, []).append(now / 3600)
 
     # --- sampling -------------------------------------------------------------------------
     def _sample(self, now: float) -> None:
@@ -515,17 +528,14 @@ class Day:
             "h": now / 3600, "active": len(self.active), "interactions": self.c["interactions"],
             "hit_rate": (self.c["hits"] - mk.get("hits", 0)) / steps if steps else None,
             "hot_ratio": r.hot_total / r.budget, "warm_ratio": wu["ratio"],
-            "cold_ratio": st["usage"]["used"] / st["usage"]["capacity"] if st else None,
             "cold_used": st["usage"]["used"] if st else None,
             "evict_ms": (ev_sum - mk["ev_sum"]) / (ev_n - mk["ev_n"]) if "ev_n" in mk and ev_n > mk["ev_n"] else None,
-            "cold_p50": p50, "cold_p99": p99, "cold_reads": len(self.cold_lat),
-            "engine_p99": mm.get("kv_cold_read_p99_ms") if mm else None, "cold_write_ms": cold_write,
+            "cold_p50": p50, "cold_p99": p99, "engine_p99": mm.get("kv_cold_read_p99_ms") if mm else None,
             "moves": r.watermark_moves + self.offs["moves"],
             "migrations": wu["migrations"] + self.offs["migrations"],
             "promotions": wu["promotions"] + self.offs["promotions"],
             "alerts": self.c["alerts_in_drill"] + self.c["alerts_outside"],
             "rss": lib.rss_bytes(), "mount_rss": lib.rss_bytes(self.vol.pid) if self.vol.pid else None,
-            "drill": self.drill,
         }
         self.rows.append(row)
         mk.update(steps=self.c["steps"], hits=self.c["hits"], reads=len(self.cold_lat), ev_sum=ev_sum, ev_n=ev_n)
@@ -575,7 +585,9 @@ class Day:
             "promotions": rows[-1]["promotions"], "rss": rss,
             "mount_rss": {"start": mrss[0], "end": mrss[-1], "max": max(mrss)} if mrss else None,
             "mismatches": sum(c[k] for k in ("bad_recall", "bad_window", "bad_stored", "bad_resume_gen")),
-            "events": self.drill_log, "drills": self.drills, "rows": rows,
+            "events": self.drill_log + [f"{rule} fired {len(hs)} times outside the drills ({hs[0]:05.2f} h to "
+                                        f"{hs[-1]:05.2f} h)" for rule, hs in self.outside.items()],
+            "drills": self.drills, "rows": rows,
         }
         res["goals"] = [
             ("OOMs", c["oom"] == 0), ("errors", c["errors"] == 0),
