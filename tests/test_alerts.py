@@ -183,7 +183,7 @@ def test_default_rules_actions_and_validation() -> None:
     assert set(rules) == {"device_memory_high", "warm_usage_high", "cold_write_slow"}
     assert rules["device_memory_high"].action is hot and rules["warm_usage_high"].action is warm
     assert (rules["device_memory_high"].threshold, rules["device_memory_high"].duration_s) == (0.92, 30)
-    assert (rules["warm_usage_high"].threshold, rules["warm_usage_high"].duration_s) == (0.88, 120)
+    assert (rules["warm_usage_high"].threshold, rules["warm_usage_high"].duration_s) == (0.95, 120)
     assert (rules["cold_write_slow"].threshold, rules["cold_write_slow"].duration_s) == (5.0, 60)
     with pytest.raises(ValueError, match="migrate_cold"):
         default_rules(prof, {"migrate_cold": hot})

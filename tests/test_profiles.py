@@ -22,7 +22,7 @@ TABLE = {  # the brief's table
                       keep_summary_rounds=1),
     "iot": dict(max_kv_len=6, warm_shards=262144, warm_migrate_at=0.90, lru_group=20,
                 ring_size=500 * GiB, checkpoint_interval_s=1800.0, shard_key="device",
-                keep_summary_rounds=0),
+                keep_summary_rounds=0, alert_warm_pct=0.95),  # above its 0.90 migration point
 }
 COMMON = dict(warm_cap_bytes=16 * GiB, retention_s=7 * 86400.0, cleanup_threshold=0.70,
               hot_sessions=100, summary_dim=128, device_watermark=0.90,
@@ -34,7 +34,7 @@ COMMON = dict(warm_cap_bytes=16 * GiB, retention_s=7 * 86400.0, cleanup_threshol
 def test_profile_values(name: str) -> None:
     p = load(name)
     assert p.name == name
-    for key, want in {**TABLE[name], **COMMON}.items():
+    for key, want in {**COMMON, **TABLE[name]}.items():
         assert getattr(p, key) == pytest.approx(want), key
     assert isinstance(p.max_kv_len, int) and isinstance(p.ring_size, int)
 

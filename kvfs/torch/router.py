@@ -282,6 +282,14 @@ class KVRouter:
         if self.limit is not None and self._pressure(0):
             self._move_out(0, exclude=None)
         metrics.hot_bytes.set(self.hot_total)
+        metrics.hot_device_usage.set(self.device_usage_ratio())
+
+    def device_usage_ratio(self) -> float:
+        """Device memory reserved (CUDA) or hot bytes (CPU) over the budget; 0 without one."""
+        if not self.budget:
+            return 0.0
+        used = torch.cuda.memory_reserved(self.device) if self._cuda else self.hot_total
+        return used / self.budget
 
     def _move_out(self, extra: int, exclude: TieredCache | None) -> None:
         """Move the oldest round of the least recently used sessions out until under the line."""
