@@ -12,47 +12,8 @@ Not thread-safe: one caller at a time (the engine serialises).
     root = tree.commit({b"k": b"v", b"gone": None})   # then fsync, then superblock
     tree.get(b"k"); list(tree.scan(prefix=b"s/")); tree.check()
 
-## B+ tree pages
-
-The index checkpoint is a copy-on-write B+ tree in a fixed region of `region_pages` pages of
-`page_size` bytes (4096 in volumes). The region is split into two halves of
-`half_pages = region_pages // 2` pages. A tree lives entirely in one half; page numbers in
-child pointers and in `TreeRoot.root` are relative to that half: page `p` of half `h` is at
-byte `region_offset + (h * half_pages + p) * page_size`. Integers are little-endian.
-
-Page header (24 bytes):
-
-| offset | size | field      | meaning                                                        |
-|-------:|-----:|------------|----------------------------------------------------------------|
-| 0      | 4    | magic      | `KVB1`                                                         |
-| 4      | 1    | kind       | 1 = leaf, 2 = branch                                           |
-| 5      | 1    | level      | 0 for a leaf; a branch is one above its children               |
-| 6      | 2    | nkeys      | leaf: entries; branch: separator keys (children = nkeys + 1)   |
-| 8      | 4    | page       | the page's own index in the region, `h * half_pages + p`       |
-| 12     | 8    | generation | the commit that wrote the page                                 |
-| 20     | 4    | crc32c     | CRC-32C of the whole page with this field zeroed               |
-
-Leaf body: `nkeys` x (`klen` u8, `vlen` u16, key, value), keys strictly increasing.
-Branch body: `child0` u32, then `nkeys` x (`klen` u8, key, `child` u32), keys strictly
-increasing; child i holds keys `k` with `key[i-1] <= k < key[i]`. Keys are 1..64 bytes,
-values 0..1024 bytes (less when one entry would not fit a page: `BTree.max_value`). The rest
-of the page is zero. A page that fails magic, kind/level, self index, checksum or structure
-is corrupt: readers raise, never guess.
-
-`TreeRoot` (40 bytes, in the superblock): `root` i64 (-1 = empty tree), `height` u32
-(0 = empty, 1 = a single leaf), `half` i8, `prev_half` i8 (half of the previous root, -1
-when that was empty), 2 pad bytes, `count` u64, `alloc` u64 (next free page in the half; a
-pointer at or beyond it is corruption), `generation` u64.
-
-Halves and compaction: a commit copies the root-to-leaf paths it touches (plus at most one
-sibling per changed node, to merge underfull nodes) and appends the new pages at `alloc` in
-the active half, in one write, children before parents. Old pages are never rewritten, so the
-previous root still reads its own state. When the active half cannot hold a commit's pages,
-the commit instead bulk-loads every live entry, merged with its changes, densely into the
-other half from page 0. Compaction into the half named by `prev_half` is refused (that half
-still holds the previous durable root), and so is a tree that does not fit a half: the
-commit fails with `TreeFull` and the tree stays at its old root. Pages beyond `alloc` are
-garbage.
+The page layout, the root record and the halves/compaction rule are specified in
+docs/format.md ("B+ tree pages"); keep the two in step.
 """
 
 from __future__ import annotations

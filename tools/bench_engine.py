@@ -323,6 +323,18 @@ def sessions_volume(n: int) -> tuple[Path | None, dict[str, Any]]:
     return path, info
 
 
+def sessions_volumes(counts: list[int]) -> tuple[dict[int, Path], dict[str, Any]]:
+    """The cached volumes of each session count that could be built, and how each was got."""
+    vols: dict[int, Path] = {}
+    info: dict[str, Any] = {}
+    for n in counts:
+        p, i = sessions_volume(n)
+        info[str(n)] = i
+        if p is not None:
+            vols[n] = p
+    return vols, info
+
+
 def open_child(path: str) -> dict[str, Any]:
     """Run in a fresh process: open ``path``, look one session up, close. Times and RSS."""
     Store, StoreConfig = _store()
@@ -362,13 +374,7 @@ def open_sessions(quick: bool = False, workdir: str | None = None) -> dict[str, 
     """Figure 7 (engine part): open time and RSS vs session count, each open in a new process."""
     counts = [1000, 10000] if quick else [10000, 100000, 1000000]
     reps = 2 if quick else 7
-    vols: dict[int, Path] = {}
-    info: dict[str, Any] = {}
-    for n in counts:
-        p, i = sessions_volume(n)
-        info[str(n)] = i
-        if p is not None:
-            vols[n] = p
+    vols, info = sessions_volumes(counts)
     me = str(Path(__file__).resolve())
     samples: dict[int, list[dict[str, Any]]] = {n: [] for n in vols}
 

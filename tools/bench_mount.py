@@ -319,19 +319,13 @@ def mount_time(quick: bool = False, workdir: str | None = None) -> dict[str, Any
     """Figure 7 (mount part): mount.py start to a live mount, then the first lookup + read
     of one session, and the mount process's RSS, vs the session count (the volumes of
     ``bench_engine.sessions_volume``; their pages dropped before each sample)."""
-    from bench_engine import sessions_volume
+    from bench_engine import sessions_volumes
 
     counts = [1000, 10000] if quick else [10000, 100000, 1000000]
     reps = 2 if quick else 3
     work = bench_dir(workdir) / "mount_time"
     _fresh(work)
-    vols: dict[int, Path] = {}
-    info: dict[str, Any] = {}
-    for n in counts:
-        p, i = sessions_volume(n)
-        info[str(n)] = i
-        if p is not None:
-            vols[n] = p
+    vols, info = sessions_volumes(counts)
     samples: dict[int, dict[str, list[float]]] = {
         n: {"mount_ms": [], "lookup_ms": [], "rss_mib": []} for n in vols}
 
