@@ -17,12 +17,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import agentlib
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-
-import agentlib  # noqa: E402
 
 PROFILES = ("gov", "ecommerce", "iot")
 HAVE_MOUNT = os.path.exists("/dev/fuse") and shutil.which("fusermount3") is not None

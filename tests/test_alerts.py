@@ -9,9 +9,9 @@ import threading
 
 import pytest
 
-from kvfs import alerts, metrics
-from kvfs.alerts import AlertEngine, MetricsSampler, Rule, default_rules
-from kvfs.profiles import load
+from kvfs.ops import alerts, metrics
+from kvfs.ops.alerts import AlertEngine, MetricsSampler, Rule, default_rules
+from kvfs.ops.profiles import load
 
 
 class FakeClock:

@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvfs import btree
-from kvfs.btree import TREE_ROOT_SIZE, BTree, PageCorrupt, TreeFull, TreeRoot
-from kvfs.errors import Corrupt, KVFSError
+from kvfs.engine import btree
+from kvfs.engine.btree import TREE_ROOT_SIZE, BTree, PageCorrupt, TreeFull, TreeRoot
+from kvfs.engine.errors import Corrupt, KVFSError
 
 SMALL = 512  # page size that makes splits, merges and compaction cheap to reach
 OFFSET = 3 * SMALL  # the region does not start at 0 in a volume either

@@ -1,4 +1,4 @@
-"""tools/doctor.py: real values on this host, and a fake /proc that needs fixing."""
+"""kvfs-doctor: real values on this host, and a fake /proc that needs fixing."""
 
 from __future__ import annotations
 
@@ -6,18 +6,14 @@ import importlib.util
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-from kvfs.profiles import load
+from kvfs.cli import doctor
+from kvfs.ops.profiles import load
 
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("kvfs_tool_doctor", ROOT / "tools" / "doctor.py")
-doctor = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = doctor  # dataclasses look their module up
-spec.loader.exec_module(doctor)
 
 SYSCTLS = {"vm.swappiness": ("==", 1), "vm.vfs_cache_pressure": ("==", 50),
            "fs.aio-max-nr": (">=", 65536)}

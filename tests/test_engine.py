@@ -6,10 +6,7 @@ import os
 
 import pytest
 
-from kvfs.api import StoreConfig
-from kvfs.check import check_volume
-from kvfs.engine import Store
-from kvfs.errors import (
+from kvfs.engine.errors import (
     BadName,
     BadRange,
     Exists,
@@ -20,7 +17,10 @@ from kvfs.errors import (
     NotFound,
     VolumeBusy,
 )
-from kvfs.layout import SB_SLOT
+from kvfs.engine.format import SB_SLOT
+from kvfs.engine.fsck import check_volume
+from kvfs.engine.store import Store
+from kvfs.engine.types import StoreConfig
 
 MB = 1 << 20
 

@@ -7,12 +7,12 @@ import random
 
 import pytest
 
-from kvfs.api import StoreConfig
-from kvfs.engine import Store
-from kvfs.errors import Corrupt, NotFound
-from kvfs.faults import FaultyVolume, PowerCut, inject
-from kvfs.layout import HDR_SIZE, SB_SLOT
-from kvfs.ring import ScanReport
+from kvfs.engine.errors import Corrupt, NotFound
+from kvfs.engine.faults import FaultyVolume, PowerCut, inject
+from kvfs.engine.format import HDR_SIZE, SB_SLOT
+from kvfs.engine.ring import ScanReport
+from kvfs.engine.store import Store
+from kvfs.engine.types import StoreConfig
 
 MB = 1 << 20
 

@@ -10,10 +10,10 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvfs.api import StoreConfig
-from kvfs.engine import Store
-from kvfs.errors import NoSpace, NotAppend
-from kvfs.faults import FaultyVolume, inject
+from kvfs.engine.errors import NoSpace, NotAppend
+from kvfs.engine.faults import FaultyVolume, inject
+from kvfs.engine.store import Store
+from kvfs.engine.types import StoreConfig
 
 SESSIONS = ["a", "b", "c", "dd"]
 FILES = ["layer_0", "layer_1", "meta.json"]

@@ -6,8 +6,8 @@ import errno
 
 import pytest
 
-from kvfs import errors
-from kvfs.fsnodes import FIRST_DYNAMIC, InodeTable, NameError_, check_name, errno_of
+from kvfs.engine import errors
+from kvfs.fuse.nodes import FIRST_DYNAMIC, InodeTable, NameError_, check_name, errno_of
 
 
 @pytest.mark.parametrize("raw, code", [

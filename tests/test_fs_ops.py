@@ -17,10 +17,10 @@ import pytest
 import trio
 from pyfuse3 import FUSEError
 
-from kvfs import errors
-from kvfs.engine import Store
-from kvfs.fs import ENTRY_MAX, Operations
-from kvfs.fsnodes import METRICS, SESSIONS, STATS
+from kvfs.engine import errors
+from kvfs.engine.store import Store
+from kvfs.fuse.nodes import METRICS, SESSIONS, STATS
+from kvfs.fuse.ops import ENTRY_MAX, Operations
 
 CTX = SimpleNamespace(uid=1234, gid=5678, pid=1, umask=0o022)
 

@@ -1,15 +1,14 @@
-"""The metrics registry's text, its names, values that move; tools/stat.py over a fake mount."""
+"""The metrics registry's text, its names, values that move; kvfs-stat over a fake mount."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvfs import metrics
+from kvfs.ops import metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,13 +75,12 @@ def test_values_move() -> None:
     metrics.alerts_firing.labels(rule="t_rule").set(0)
 
 
-# --- tools/stat.py ---------------------------------------------------------------------------
+# --- kvfs-stat ---------------------------------------------------------------------------
 
 def _stat_tool():
-    spec = importlib.util.spec_from_file_location("kvfs_tool_stat", ROOT / "tools" / "stat.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from kvfs.cli import stat
+
+    return stat
 
 
 STATS = {

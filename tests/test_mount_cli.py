@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import HAVE_FUSE, Mount, fusermount_u, run_mount_py, wait_unmounted
+from conftest import HAVE_FUSE, Mount, fusermount_u, run_mount, wait_unmounted
 
 pytestmark = pytest.mark.skipif(not HAVE_FUSE, reason="/dev/fuse is absent")
 
@@ -27,7 +27,7 @@ def refused(r, *words: str) -> None:
 
 def test_missing_volume_without_size(tmp_path: Path) -> None:
     (tmp_path / "mnt").mkdir()
-    r = run_mount_py(str(tmp_path / "vol"), str(tmp_path / "mnt"), "--foreground")
+    r = run_mount(str(tmp_path / "vol"), str(tmp_path / "mnt"), "--foreground")
     refused(r, "does not exist", "--size")
     assert not (tmp_path / "vol").exists() and not os.path.ismount(tmp_path / "mnt")
 
@@ -35,25 +35,25 @@ def test_missing_volume_without_size(tmp_path: Path) -> None:
 def test_wrong_format(tmp_path: Path) -> None:
     (tmp_path / "mnt").mkdir()
     (tmp_path / "vol").write_bytes(b"not a volume" * 100_000)
-    r = run_mount_py(str(tmp_path / "vol"), str(tmp_path / "mnt"), "--foreground")
+    r = run_mount(str(tmp_path / "vol"), str(tmp_path / "mnt"), "--foreground")
     refused(r, "not a usable kvfs volume")
     assert not os.path.ismount(tmp_path / "mnt")
 
 
 def test_missing_mountpoint_and_bad_options(tmp_path: Path) -> None:
     vol = str(tmp_path / "vol")
-    refused(run_mount_py(vol, str(tmp_path / "nope"), "--size", "16M"), "mountpoint")
+    refused(run_mount(vol, str(tmp_path / "nope"), "--size", "16M"), "mountpoint")
     (tmp_path / "mnt").mkdir()
     mnt = str(tmp_path / "mnt")
-    refused(run_mount_py(vol, mnt, "--size", "16M", "--profile", "bogus"), "profile")
-    refused(run_mount_py(vol, mnt, "--size", "16M", "-o", "no_such_key=1"), "no_such_key")
-    refused(run_mount_py(vol, mnt, "--size", "lots"), "--size")
+    refused(run_mount(vol, mnt, "--size", "16M", "--profile", "bogus"), "profile")
+    refused(run_mount(vol, mnt, "--size", "16M", "-o", "no_such_key=1"), "no_such_key")
+    refused(run_mount(vol, mnt, "--size", "lots"), "--size")
     assert not os.path.exists(vol)
 
 
 def test_already_mounted(kvfs: Mount, tmp_path: Path) -> None:
     (tmp_path / "mnt2").mkdir()
-    r = run_mount_py(str(kvfs.volume), str(tmp_path / "mnt2"), "--foreground")
+    r = run_mount(str(kvfs.volume), str(tmp_path / "mnt2"), "--foreground")
     refused(r, "already mounted")
     assert not os.path.ismount(tmp_path / "mnt2")
     assert os.listdir(kvfs.sessions) == []  # the live mount is untouched
@@ -98,7 +98,7 @@ def _volume_unlocked(path: Path, timeout: float = 20.0) -> None:
 def test_daemon_mode(tmp_path: Path) -> None:
     vol, mnt, log = tmp_path / "vol", tmp_path / "mnt", tmp_path / "log"
     mnt.mkdir()
-    r = run_mount_py(str(vol), str(mnt), "--size", "16M", "--log", str(log))
+    r = run_mount(str(vol), str(mnt), "--size", "16M", "--log", str(log))
     assert r.returncode == 0, r.stderr + log.read_text()
     try:
         assert os.path.ismount(mnt)  # live as soon as the parent returned
@@ -113,7 +113,7 @@ def test_daemon_mode(tmp_path: Path) -> None:
     m = Mount(vol, mnt, size=None).start()
     try:
         (tmp_path / "mnt2").mkdir()
-        refused(run_mount_py(str(vol), str(tmp_path / "mnt2")), "already mounted")
+        refused(run_mount(str(vol), str(tmp_path / "mnt2")), "already mounted")
         assert (mnt / "sessions" / "d" / "f").read_bytes() == b"daemon"
     finally:
         assert m.stop() == 0

@@ -10,9 +10,8 @@ import sys
 import threading
 import time
 
-from conftest import ROOT, Mount
+from conftest import Mount
 
-FSCK = ROOT / "tools" / "fsck.py"
 N_FILES = 4
 
 
@@ -76,7 +75,6 @@ def test_kill_9_during_writes_keeps_fsynced_bytes(make_mount) -> None:
         assert data == blob(j)[:len(data)], f"file {j}: wrong bytes after the crash"
     assert m.stop() == 0, m.log_text()
 
-    if FSCK.exists():
-        r = subprocess.run([sys.executable, str(FSCK), str(m.volume), "-q"],
-                           capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, r.stdout + r.stderr
+    r = subprocess.run([sys.executable, "-m", "kvfs.cli.fsck", str(m.volume), "-q"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-HELPER = ROOT / "tools" / "mount.fuse.kvfs"
-INSTALL = ROOT / "tools" / "install_mount_helper.sh"
+HELPER = ROOT / "deploy" / "mount.fuse.kvfs"
+INSTALL = ROOT / "deploy" / "install_mount_helper.sh"
 SBIN_HELPER = Path("/sbin/mount.fuse.kvfs")
 
 FAKE_MOUNT_PY = """\
@@ -140,14 +140,12 @@ def test_mount_t_finds_the_helper(tmp_path, installed_helper) -> None:
 
 
 def _skip_real_mount() -> None:
-    if not (ROOT / "mount.py").exists():
-        pytest.skip("mount.py does not exist yet")
     if not os.path.exists("/dev/fuse"):
         pytest.skip("/dev/fuse is missing (modprobe fuse, or run the container with --device /dev/fuse)")
 
 
 def _wait_daemon_gone(volume: Path, timeout: float = 15.0) -> None:
-    """After umount the mount.py daemon flushes and exits; wait so tmp_path can go."""
+    """After umount the mount daemon flushes and exits; wait so tmp_path can go."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         alive = False
@@ -156,13 +154,13 @@ def _wait_daemon_gone(volume: Path, timeout: float = 15.0) -> None:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if str(volume).encode() in cmd and any(c.endswith(b"mount.py") for c in cmd):
+            if str(volume).encode() in cmd and b"kvfs.cli.mount" in cmd:
                 alive = True
                 break
         if not alive:
             return
         time.sleep(0.05)
-    raise AssertionError(f"the mount.py daemon of {volume} did not exit after umount")
+    raise AssertionError(f"the mount daemon of {volume} did not exit after umount")
 
 
 def _mounted_then_umount(mnt: Path, volume: Path, log: Path, r: subprocess.CompletedProcess) -> None:

@@ -14,7 +14,7 @@ import pytest
 from conftest import Mount
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvfs.fs import ENTRY_MAX
+from kvfs.fuse.ops import ENTRY_MAX
 
 
 def kv_bytes(seed: int, n: int) -> bytes:

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from kvfs import profiles
-from kvfs.api import StoreConfig
-from kvfs.profiles import Profile, ProfileError, load, parse_overrides, parse_size
+from kvfs.engine.types import StoreConfig
+from kvfs.ops import profiles
+from kvfs.ops.profiles import Profile, ProfileError, load, parse_overrides, parse_size
 
 GiB, TiB = 1 << 30, 1 << 40
 

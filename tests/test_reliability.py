@@ -6,15 +6,13 @@ scenario's own failure messages."""
 from __future__ import annotations
 
 import random
-import sys
 import time
 from pathlib import Path
 
 import pytest
+import torture
+import torture_common
 from conftest import HAVE_FUSE
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-import torture  # noqa: E402
 
 need_fuse = pytest.mark.skipif(not HAVE_FUSE, reason="/dev/fuse is absent")
 
@@ -78,8 +76,8 @@ def test_append_whose_reclaim_reloads_the_session_keeps_its_copied_extents(tmp_p
     fsynced bytes lost for good at the next checkpoint)."""
     import os
 
-    from kvfs.api import StoreConfig
-    from kvfs.engine import Store
+    from kvfs.engine.store import Store
+    from kvfs.engine.types import StoreConfig
 
     s = Store.create(str(tmp_path / "v.kvfs"), 8 << 20, StoreConfig(hot_sessions=1, compression="none"))
     for n in ("b", "a", "c"):
@@ -107,8 +105,8 @@ def test_evict_when_full_never_evicts_the_session_being_written(tmp_path: Path) 
     """Found by ``full``: with evict_when_full the reclaim run by an append could drop the
     very session appended to (its entries had reached the tail after a round of copying
     forward); the mount then answered ENOENT to a write on an open file."""
-    from kvfs.api import StoreConfig
-    from kvfs.engine import Store
+    from kvfs.engine.store import Store
+    from kvfs.engine.types import StoreConfig
 
     rng = random.Random(1)
     s = Store.create(str(tmp_path / "v.kvfs"), 32 << 20, StoreConfig(evict_when_full=True))
@@ -118,7 +116,7 @@ def test_evict_when_full_never_evicts_the_session_being_written(tmp_path: Path) 
         for f in ("layer_0", "layer_1", "meta.json"):
             s.create_file(n, f)
             size = 1024 if f == "meta.json" else rng.randint(256 << 10, 3 << 19)
-            data = torture.stream(torture.seed_of("ev", i, f), size)
+            data = torture_common.stream(torture_common.seed_of("ev", i, f), size)
             for o in range(0, size, 256 << 10):
                 s.append(n, f, o, data[o:o + (256 << 10)])  # NotFound before the fix
             s.sync()
@@ -133,8 +131,8 @@ def test_fsck_reports_a_damaged_tree_page_it_meets_after_open(tmp_path: Path) ->
     ``list_sessions``: tools/fsck.py died with a traceback instead of reporting."""
     import os
 
-    from kvfs.check import check_volume
-    from kvfs.engine import Store
+    from kvfs.engine.fsck import check_volume
+    from kvfs.engine.store import Store
 
     path = str(tmp_path / "v.kvfs")
     s = Store.create(path, 16 << 20)

@@ -14,13 +14,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from transformers import DynamicCache  # noqa: E402
+from transformers import DynamicCache
 
-from kvfs.torch import KVCorrupt, Spiller, SpillError, TieredCache  # noqa: E402
-from kvfs.torch.recall import summarize_keys  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).parent))
-from models import WindowReference, generate_turns, prompt, tiny_llama, token_major  # noqa: E402
+from kvfs.torch import KVCorrupt, Spiller, SpillError, TieredCache
+from kvfs.torch.recall import summarize_keys
+from kvfs.torch.testing import WindowReference, generate_turns, prompt, tiny_llama, token_major
 
 REPO = Path(__file__).resolve().parents[1]
 

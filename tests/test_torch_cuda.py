@@ -7,7 +7,6 @@ kernels differ numerically), and the stored bytes with the K/V the reference pro
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,10 +18,8 @@ pytest.importorskip("kvfs.warm")
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-from kvfs.torch import KVRouter, Spiller, TieredCache  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).parent))
-from models import WindowReference, generate_turns, prompt, tiny_llama, token_major  # noqa: E402
+from kvfs.torch import KVRouter, Spiller, TieredCache
+from kvfs.torch.testing import WindowReference, generate_turns, prompt, tiny_llama, token_major
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("kvfs.warm")
 
-from transformers import DynamicCache  # noqa: E402
+from transformers import DynamicCache
 
-from kvfs.torch import KVCorrupt, KVMismatch, KVRouter, TieredCache  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).parent))
-from models import WindowReference, generate_turns, prompt, tiny_llama  # noqa: E402
+from kvfs.torch import KVCorrupt, KVMismatch, KVRouter, TieredCache
+from kvfs.torch.testing import WindowReference, generate_turns, prompt, tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
 WARM_OPTS = {"shards": 16}
@@ -139,9 +137,8 @@ def test_recall_and_window_come_back_after_budget_moves(tmp_path, model):
 
 CHILD = r"""
 import json, sys
-sys.path.insert(0, sys.argv[2])
 import torch
-from models import tiny_llama
+from kvfs.torch.testing import tiny_llama
 from kvfs.torch import KVRouter
 a = json.loads(sys.argv[1])
 r = KVRouter(mount=a["cold"], warm_root=a["warm"], max_kv_len=a["window"], warm_options={"shards": 16})

@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvfs import metrics
+from kvfs.ops import metrics
 from kvfs.warm import WarmError, WarmTier, summarize_keys
 from kvfs.warm.cold import ColdStore
 

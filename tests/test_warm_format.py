@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from kvfs.warm import WarmError, WarmTier, device_id, shard_of
+from kvfs.warm.format import ENTRY_SIZE, HEADER, HEADER_SLOT, K_LAYER, K_NAME, KEY_DEVICE
 from kvfs.warm.ids import shard_file_name
-from kvfs.warm.layout import ENTRY_SIZE, HEADER, HEADER_SLOT, K_LAYER, K_NAME, KEY_DEVICE
 from kvfs.warm.shardload import load_shard
 
 

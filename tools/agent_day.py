@@ -31,14 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import agentlib as lib
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT, ROOT / "tools", ROOT / "tests"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-
-import agentlib as lib  # noqa: E402 - after the path set-up
 
 log = logging.getLogger("kvfs.agent_day")
 
@@ -150,10 +146,10 @@ class Day:
 
     def __init__(self, w: Workload, args: argparse.Namespace, vol: lib.Volume, warm_root: Path) -> None:
         import torch
-        from models import tiny_llama
 
-        from kvfs import alerts, profiles
+        from kvfs.ops import alerts, profiles
         from kvfs.torch import geometry
+        from kvfs.torch.testing import tiny_llama
 
         torch.set_num_threads(1)
         self.torch = torch
@@ -488,7 +484,7 @@ class Day:
             self._serve(s)
 
     def _tick_alerts(self, cold_write_ms: float | None) -> None:
-        from kvfs import alerts
+        from kvfs.ops import alerts
 
         r = self.router
         signals = {alerts.DEVICE_SIGNAL: r.hot_total / r.budget, alerts.WARM_SIGNAL: r.warm.usage()["ratio"],
@@ -512,7 +508,7 @@ class Day:
 
     # --- sampling -------------------------------------------------------------------------
     def _sample(self, now: float) -> None:
-        from kvfs import metrics
+        from kvfs.ops import metrics
 
         r, mk = self.router, self._mark
         wu = r.warm.usage()
@@ -608,7 +604,7 @@ def run_profile(name: str, args: argparse.Namespace, argv: list[str]) -> dict[st
 
     import torch
 
-    from kvfs import profiles
+    from kvfs.ops import profiles
 
     w, prof = WORKLOADS[name], profiles.load(name)
     use_mount = not args.no_mount

@@ -64,9 +64,9 @@ class Volume:
             self.say(f"cold tier: plain directory {self.mnt} (--no-mount)")
             return self
         tail = ["--size", self.size, "--foreground", *self.options]
-        args = [sys.executable, str(ROOT / "mount.py"), str(self.volume), str(self.mnt), *tail,
+        args = [sys.executable, "-m", "kvfs.cli.mount", str(self.volume), str(self.mnt), *tail,
                 "--log", str(self.log)]
-        self.say("$ " + " ".join(["python", "mount.py", str(self.volume), str(self.mnt), *tail]) + " &")
+        self.say("$ " + " ".join(["kvfs-mount", str(self.volume), str(self.mnt), *tail]) + " &")
         self.proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True)
         deadline = time.monotonic() + 30
@@ -101,8 +101,6 @@ class Volume:
 
 
 def mount_available() -> tuple[bool, str]:
-    if not (ROOT / "mount.py").exists():
-        return False, "mount.py is not there"
     if not os.path.exists("/dev/fuse"):
         return False, "/dev/fuse is missing"
     if shutil.which("fusermount3") is None:
@@ -129,7 +127,7 @@ def mount_stats(mnt: Path) -> dict[str, Any] | None:
 
 def mount_metrics(mnt: Path) -> dict[str, float] | None:
     """``/.kvfs/metrics`` of a mounted volume, parsed (``kvfs.metrics.parse``)."""
-    from kvfs import metrics  # noqa: PLC0415 - keeps this module import-light
+    from kvfs.ops import metrics  # noqa: PLC0415 - keeps this module import-light
 
     try:
         return metrics.parse((mnt / ".kvfs" / "metrics").read_bytes())
@@ -316,7 +314,7 @@ def histogram_buckets(parsed: dict[str, float], name: str) -> dict[float, float]
 def local_histogram(name: str) -> tuple[dict[float, float], float, float]:
     """``({le: cumulative count}, sum, count)`` of histogram ``kvfs.metrics.<name>`` of this
     process (take two and subtract: the registry lives as long as the process)."""
-    from kvfs import metrics  # noqa: PLC0415
+    from kvfs.ops import metrics  # noqa: PLC0415
 
     h = getattr(metrics, name)
     buckets: dict[float, float] = {}

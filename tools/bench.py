@@ -34,11 +34,9 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import Result, describe_machine_md, fmt_ratio, fmt_value, machine_description
 
-from bench_common import Result, describe_machine_md, fmt_ratio, fmt_value, machine_description  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 log = logging.getLogger("bench")
 

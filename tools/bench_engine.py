@@ -45,11 +45,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import numpy as np  # noqa: E402
-from bench_common import (  # noqa: E402
+import numpy as np
+from bench_common import (
     KiB,
     MiB,
     Result,
@@ -61,7 +58,7 @@ from bench_common import (  # noqa: E402
     run_json_child,
     vm_rss_kib,
 )
-from bench_common import unlink as _unlink  # noqa: E402
+from bench_common import unlink as _unlink
 
 log = logging.getLogger("bench.engine")
 
@@ -71,8 +68,8 @@ SESSION_BUILD_LIMIT_S = 600.0
 
 
 def _store():
-    from kvfs.api import StoreConfig
-    from kvfs.engine import Store
+    from kvfs.engine.store import Store
+    from kvfs.engine.types import StoreConfig
 
     return Store, StoreConfig
 
@@ -244,8 +241,8 @@ def _source_key() -> str:
 @contextmanager
 def _tree_fraction(frac: float) -> Iterator[None]:
     """Format volumes with a larger index-region share (the default is 1/32 of the volume)."""
-    import kvfs.engine as eng
-    from kvfs.volume import geometry
+    import kvfs.engine.store as eng
+    from kvfs.engine.volume import geometry
 
     saved = eng.geometry
     eng.geometry = partial(geometry, tree_fraction=frac)
@@ -456,7 +453,7 @@ def model_kv(tokens: int) -> tuple[dict[str, bytes], str]:
 def _codec_speeds(chunks: list[bytes], codec: Any, cctx: Any, dctx: Any,
                   reps: int) -> tuple[dict[str, list[float]], dict[str, list]]:
     """MiB/s of kvfs's codec and plain zstd, compressing and decompressing, interleaved."""
-    from kvfs.codec import decode
+    from kvfs.engine.codec import decode
 
     mib = sum(len(c) for c in chunks) / MiB
     stored: dict[str, list] = {}
@@ -491,7 +488,7 @@ def compression(quick: bool = False, workdir: str | None = None) -> dict[str, An
     """Figure 8: kvfs codec (byte planes + zstd-1, per 96 KiB entry) vs plain zstd level 1."""
     import zstandard
 
-    from kvfs.codec import Codec, decode
+    from kvfs.engine.codec import Codec, decode
 
     data, desc = model_kv(512 if quick else 2048)
     reps = 2 if quick else 5

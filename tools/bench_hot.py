@@ -34,10 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_common import Result, bench_dir, drop_caches, interleave  # noqa: E402
+from bench_common import Result, bench_dir, drop_caches, interleave
 
 log = logging.getLogger("bench.hot")
 

@@ -41,12 +41,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import numpy as np  # noqa: E402
-from bench_common import (  # noqa: E402
+import numpy as np
+from bench_common import (
     KiB,
     MiB,
     Result,
@@ -55,6 +51,8 @@ from bench_common import (  # noqa: E402
     fadvise_dontneed,
     interleave,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 log = logging.getLogger("bench.mount")
 
@@ -83,7 +81,7 @@ def mounted(volume: Path, mountpoint: Path, size: int | None,
 def _mount_process(volume: Path, mountpoint: Path, size: int | None,
                    page_cache: bool = False) -> Iterator[tuple[Path, subprocess.Popen[str]]]:
     mountpoint.mkdir(parents=True, exist_ok=True)
-    args = [sys.executable, str(ROOT / "mount.py"), str(volume), str(mountpoint), "--foreground",
+    args = [sys.executable, "-m", "kvfs.cli.mount", str(volume), str(mountpoint), "--foreground",
             "--log", str(volume) + ".log"]
     if size is not None:
         args += ["--size", str(size)]
@@ -230,7 +228,7 @@ def _unshared_rounds(rounds: int, n: int) -> list[int]:
     """Up to ``n`` random rounds no two of which touch the same ring entry of a file written
     in 1 MiB writes (entries of ``ENTRY_MAX``): the engine's decoded-entry cache, which the
     benchmark cannot drop from outside, then never serves a sample."""
-    from kvfs.fs import ENTRY_MAX
+    from kvfs.fuse.ops import ENTRY_MAX
 
     used: set[int] = set()
     out = []

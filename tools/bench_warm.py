@@ -19,15 +19,12 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kvfs.warm import WarmTier  # noqa: E402
+from kvfs.warm import WarmTier
 
 
 def _ram_dir(tmp: str) -> str:

@@ -34,11 +34,9 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
+from agentlib import Volume, mount_available, warm_dir
 
-from agentlib import Volume, mount_available, warm_dir  # noqa: E402 - after the path set-up
+ROOT = Path(__file__).resolve().parents[1]
 
 log = logging.getLogger("kvfs.demo")
 

@@ -18,16 +18,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from conftest import Mount
-from torture import MB, Result, chunk_size, first_diff, fsck, seed_of, start, stop, stream
+from torture_common import MB, Result, chunk_size, first_diff, fsck, seed_of, start, stop, stream
 
-from kvfs import engine
-from kvfs.api import StoreConfig
-from kvfs.check import check_volume
-from kvfs.engine import Store
-from kvfs.errors import Corrupt, NoSpace
-from kvfs.faults import FaultyVolume, PowerCut
-from kvfs.layout import SB_SIZE, SB_SLOT, unpack_header
+from kvfs.engine import store as engine
+from kvfs.engine.errors import Corrupt, NoSpace
+from kvfs.engine.faults import FaultyVolume, PowerCut
+from kvfs.engine.format import SB_SIZE, SB_SLOT, unpack_header
+from kvfs.engine.fsck import check_volume
+from kvfs.engine.store import Store
+from kvfs.engine.types import StoreConfig
+from kvfs.testing import Mount
 
 # ============================================================================ 1. kill -9 loop
 K9_SESSIONS, K9_WRITERS, K9_CAP = 12, 4, 768 << 10

@@ -23,8 +23,7 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path
 
-from conftest import Mount
-from torture import (
+from torture_common import (
     MB,
     Result,
     alive,
@@ -39,6 +38,8 @@ from torture import (
     stop,
     stream,
 )
+
+from kvfs.testing import Mount
 
 
 # ============================================================================ 5. bad input
@@ -129,9 +130,9 @@ def _torch_cases(m: Mount, work: Path, res: Result,
     """The hot tier's refusals over this mount (skipped when torch is not installed)."""
     try:
         import torch  # noqa: PLC0415
-        from models import generate_turns, prompt, tiny_llama  # noqa: PLC0415
 
         from kvfs.torch import KVRouter  # noqa: PLC0415
+        from kvfs.torch.testing import generate_turns, prompt, tiny_llama  # noqa: PLC0415
     except ImportError as e:
         res.counts["torch_cases_skipped"] = 1
         print(f"badinput: hot-tier cases skipped: {e}", file=sys.stderr)

@@ -18,8 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from conftest import Mount
-from torture import (
+from torture_common import (
     MB,
     MountFailed,
     Result,
@@ -37,10 +36,11 @@ from torture import (
     write_all,
 )
 
-from kvfs.check import CheckResult, check_volume
-from kvfs.engine import Store
-from kvfs.layout import HDR_SIZE, PAGE, SB_SIZE, SB_SLOT, T_DATA
-from kvfs.ring import ScanReport
+from kvfs.engine.format import HDR_SIZE, PAGE, SB_SIZE, SB_SLOT, T_DATA
+from kvfs.engine.fsck import CheckResult, check_volume
+from kvfs.engine.ring import ScanReport
+from kvfs.engine.store import Store
+from kvfs.testing import Mount
 
 READ_CHUNK = 128 << 10
 

@@ -51,7 +51,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
-from kvfs import metrics
+from kvfs.ops import metrics
 from kvfs.torch.fingerprint import (
     KVCorrupt,
     KVGeometry,

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from kvfs import metrics
+from kvfs.ops import metrics
 from kvfs.torch.cache import TieredCache
 from kvfs.torch.fingerprint import KVCorrupt, KVMismatch, fingerprint, geometry
 from kvfs.torch.recall import prefetch_cold
@@ -62,7 +62,7 @@ def load_profile(name: str | Any) -> Any:
     if not isinstance(name, str):
         return name  # already a Profile
     try:
-        from kvfs import profiles  # noqa: PLC0415 - optional peer module
+        from kvfs.ops import profiles  # noqa: PLC0415 - optional peer module
     except ImportError:
         profiles = None
     if profiles is not None and hasattr(profiles, "load"):

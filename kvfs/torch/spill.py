@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvfs import metrics
+from kvfs.ops import metrics
 from kvfs.torch.fingerprint import kv_to_token_major, token_major_bytes
 
 log = logging.getLogger("kvfs.torch.spill")

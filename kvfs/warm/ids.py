@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from .layout import KEY_DEVICE, KEY_SESSION
+from .format import KEY_DEVICE, KEY_SESSION
 
 
 class WarmError(Exception):

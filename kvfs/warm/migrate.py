@@ -26,10 +26,11 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from .. import metrics
+from kvfs.ops import metrics
+
 from .cold import META, SUMMARIES, ColdStore, layer_name
+from .format import FLAG_MIGRATING, K_LAYER
 from .ids import WarmError, shard_file_name
-from .layout import FLAG_MIGRATING, K_LAYER
 from .records import Session, ShardCorrupt, Slot
 from .shard import ShardFile
 from .shardload import load_shard

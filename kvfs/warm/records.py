@@ -6,7 +6,7 @@ import json
 import threading
 from typing import TYPE_CHECKING
 
-from .layout import K_SUMMARY
+from .format import K_SUMMARY
 
 if TYPE_CHECKING:
     from .shard import ShardFile

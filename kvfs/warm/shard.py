@@ -22,7 +22,7 @@ import os
 import crc32c
 import numpy as np
 
-from .layout import (
+from .format import (
     ALIGN,
     DEAD,
     EMPTY,

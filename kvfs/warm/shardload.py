@@ -18,8 +18,7 @@ import os
 import crc32c
 import numpy as np
 
-from .ids import WarmError, check_sid
-from .layout import (
+from .format import (
     ALIGN,
     DEAD,
     ENTRY_SIZE,
@@ -35,6 +34,7 @@ from .layout import (
     MAGIC,
     VERSION,
 )
+from .ids import WarmError, check_sid
 from .records import Seg, Session, ShardCorrupt, Stream, tokens_of
 from .shard import DATA_START, ShardFile
 

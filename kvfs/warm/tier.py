@@ -30,10 +30,11 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from .. import metrics
+from kvfs.ops import metrics
+
 from .cold import META, SUMMARIES, ColdStore, layer_name
+from .format import K_LAYER, K_SUMMARY, KEY_DEVICE, KEY_SESSION
 from .ids import WarmError, check_shards, check_sid, shard_file_name, shard_of
-from .layout import K_LAYER, K_SUMMARY, KEY_DEVICE, KEY_SESSION
 from .migrate import Mover
 from .records import Session, Slot
 from .shard import ShardFile

@@ -37,7 +37,7 @@ class CheckResult:
 
 def check_volume(path: str, repair: bool = False,
                  progress: Callable[[int, int], None] | None = None) -> CheckResult:
-    from .engine import Store
+    from .store import Store
 
     res = CheckResult()
     try:

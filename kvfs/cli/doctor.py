@@ -24,11 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-try:
-    from kvfs import profiles
-except ImportError:  # run from a checkout without the package installed
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from kvfs import profiles
+from kvfs.ops import profiles
 
 SYSCTL_FILE = "/etc/sysctl.d/99-kvfs.conf"
 RAM_FS = {"tmpfs", "ramfs"}

@@ -16,7 +16,7 @@ import stat
 import time
 
 from .errors import FormatError, VolumeBusy
-from .layout import MIN_VOLUME, PAGE, RING_ALIGN, SB_SLOT, VOLUME_MAGIC, Superblock
+from .format import MIN_VOLUME, PAGE, RING_ALIGN, SB_SLOT, VOLUME_MAGIC, Superblock
 
 log = logging.getLogger(__name__)
 

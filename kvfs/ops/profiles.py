@@ -1,6 +1,6 @@
 """Deployment profiles: the article's production settings, as validated, frozen values.
 
-Owns the profile data files (``kvfs/profiles/<name>.json``), the override order
+Owns the profile data files (``kvfs/ops/profiles/<name>.json``), the override order
 (profile file < config file < ``-o key=value`` overrides) and the validation of every
 value. Every bad input raises :class:`ProfileError` whose message is one line naming the
 key and what is allowed, so ``mount.py`` can print it and exit without mounting anything.
@@ -20,7 +20,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from kvfs.api import StoreConfig
+from kvfs.engine.types import StoreConfig
 
 GiB = 1 << 30
 DAY = 24 * 3600.0
@@ -318,7 +318,7 @@ def profile_data(name: str) -> dict[str, Any]:
     if name not in PROFILE_NAMES:
         raise ProfileError(f"profile: unknown profile {name!r}; allowed: "
                            f"{', '.join(PROFILE_NAMES)}", key="profile")
-    res = resources.files("kvfs").joinpath("profiles", f"{name}.json")
+    res = resources.files("kvfs.ops").joinpath("profiles", f"{name}.json")
     try:
         return json.loads(res.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:  # a broken install, not user input

@@ -21,11 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-try:
-    from kvfs import metrics as kvmetrics
-except ImportError:  # run from a checkout without the package installed
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from kvfs import metrics as kvmetrics
+from kvfs.ops import metrics as kvmetrics
 
 
 class NotKvfs(Exception):

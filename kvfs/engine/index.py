@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 from .btree import BTree
 from .errors import Corrupt, IndexCorrupt
-from .model import _SESS, Session, chunk_key, name_hash, session_prefix, split_chunks
+from .records import _SESS, Session, chunk_key, name_hash, session_prefix, split_chunks
 
 BITMAP_CHUNK = 1000  # bytes of the bitmap per tree value (8000 sessions)
 

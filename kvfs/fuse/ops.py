@@ -35,8 +35,10 @@ import pyfuse3
 import trio
 from pyfuse3 import EntryAttributes, FileInfo, FUSEError, RequestContext, SetattrFields
 
-from . import errors, metrics
-from .fsfiles import (
+from kvfs.engine import errors
+from kvfs.ops import metrics
+
+from .files import (
     FIXED_TIMEOUT,
     Counters,
     ReadAhead,
@@ -49,7 +51,7 @@ from .fsfiles import (
     session_attr,
     stats_body,
 )
-from .fsnodes import (
+from .nodes import (
     FIXED,
     FIXED_CHILDREN,
     GENERATED,

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING
 
 from .codec import decode
 from .errors import NoSpace
-from .layout import F_COPY, T_DATA, T_DELS, T_FMETA, T_SMETA, T_TRUNC, entry_size
-from .model import Session
+from .format import F_COPY, T_DATA, T_DELS, T_FMETA, T_SMETA, T_TRUNC, entry_size
+from .records import Session
 from .ring import RingFull, ScanItem, ScanReport
 
 if TYPE_CHECKING:
-    from .engine import Store
+    from .store import Store
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,10 @@ from typing import Any, TypeVar
 import trio
 from pyfuse3 import EntryAttributes, FUSEError
 
-from . import errors, metrics
-from .fsnodes import NameError_, errno_of
+from kvfs.engine import errors
+from kvfs.ops import metrics
+
+from .nodes import NameError_, errno_of
 
 log = logging.getLogger("kvfs.fs")
 

@@ -18,7 +18,7 @@ import numpy as np
 import zstandard
 
 from .errors import Corrupt
-from .layout import F_PLANES, F_ZSTD
+from .format import F_PLANES, F_ZSTD
 
 _local = threading.local()
 MIN_COMPRESS = 1024  # below this a zstd frame's overhead eats the gain

@@ -1,9 +1,9 @@
 #!/bin/bash
-# Install the kvfs mount(8) helper: /sbin/mount.fuse.kvfs -> tools/mount.fuse.kvfs
+# Install the kvfs mount(8) helper: /sbin/mount.fuse.kvfs -> deploy/mount.fuse.kvfs
 # (mount -t fuse.kvfs looks for /sbin/mount.fuse.kvfs). Needs root.
-#   tools/install_mount_helper.sh              install (refuses to replace another helper)
-#   tools/install_mount_helper.sh --force      install, replacing whatever is there
-#   tools/install_mount_helper.sh --uninstall  remove it (only if it points here)
+#   deploy/install_mount_helper.sh              install (refuses to replace another helper)
+#   deploy/install_mount_helper.sh --force      install, replacing whatever is there
+#   deploy/install_mount_helper.sh --uninstall  remove it (only if it points here)
 # SBIN=/other/dir overrides the target directory.
 set -euo pipefail
 src=$(readlink -f -- "$(dirname -- "$0")/mount.fuse.kvfs")

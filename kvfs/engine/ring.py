@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import crc32c
 
 from .errors import Corrupt
-from .layout import (
+from .format import (
     ALIGN,
     ENTRY_MAGIC,
     HDR_SIZE,

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvfs import metrics
+from kvfs.ops import metrics
 
 log = logging.getLogger("kvfs.alerts")
 

@@ -40,13 +40,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from . import metrics
-from .api import FileStat, SessionStat, StoreConfig, Usage
+from kvfs.ops import metrics
+
 from .btree import BTree, TreeFull, TreeRoot
 from .codec import Codec, decode
 from .errors import BadRange, Corrupt, Exists, IndexCorrupt, NoSpace, NotAppend, NotFound
-from .index import Index
-from .layout import (
+from .format import (
     FMETA_FMT,
     MAX_ENTRY_RAW,
     SB_CLEAN,
@@ -60,8 +59,10 @@ from .layout import (
     Superblock,
     entry_size,
 )
-from .model import FileRec, Session, check_name, name_hash
+from .index import Index
+from .records import FileRec, Session, check_name, name_hash
 from .ring import Ring, ScanReport
+from .types import FileStat, SessionStat, StoreConfig, Usage
 from .volume import VolumeFile, geometry
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ import errno
 import stat
 from dataclasses import dataclass
 
-from . import errors
+from kvfs.engine import errors
 
 ROOT = 1  # pyfuse3.ROOT_INODE
 SESSIONS = 2

@@ -30,7 +30,7 @@ from operator import itemgetter
 
 import crc32c
 
-from kvfs.errors import Corrupt, KVFSError
+from kvfs.engine.errors import Corrupt, KVFSError
 
 log = logging.getLogger(__name__)
 

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING
 
 from .btree import BTree, TreeRoot
 from .errors import Corrupt
-from .layout import F_COPY, FMETA_FMT, SMETA_FMT, T_DATA, T_DELF, T_DELS, T_FMETA, T_SMETA, T_TRUNC
-from .model import FileRec, Session
+from .format import F_COPY, FMETA_FMT, SMETA_FMT, T_DATA, T_DELF, T_DELS, T_FMETA, T_SMETA, T_TRUNC
+from .records import FileRec, Session
 from .ring import ScanItem, ScanReport
 
 if TYPE_CHECKING:
-    from .engine import Store
+    from .store import Store
 
 log = logging.getLogger(__name__)
 

@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kvfs.engine import Store  # noqa: E402
-from kvfs.volume import VolumeFile  # noqa: E402
+from kvfs.engine.store import Store
+from kvfs.engine.volume import VolumeFile
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -67,7 +67,7 @@ class FaultyVolume(VolumeFile):
 @contextlib.contextmanager
 def inject() -> Iterator[type[FaultyVolume]]:
     """Within the block, the engine opens volumes as FaultyVolume."""
-    from . import engine
+    from . import store as engine
 
     saved = engine.VolumeFile
     engine.VolumeFile = FaultyVolume

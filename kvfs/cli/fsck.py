@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from kvfs.check import check_volume  # noqa: E402
+from kvfs.engine.fsck import check_volume
 
 
 def main(argv: list[str] | None = None) -> int:

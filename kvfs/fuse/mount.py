@@ -1,0 +1,269 @@
+#!/usr/bin/env python3
+"""Mount a kvfs volume as a filesystem.
+
+    python mount.py VOLUME MOUNTPOINT [--size SIZE] [--profile gov|ecommerce|iot]
+                    [--foreground] [--config FILE] [-o key=value ...] [--allow-other]
+                    [--metrics-port N] [--log FILE] [--debug] [--page-cache]
+
+The story, in order: parse the arguments, set up logging, load the profile, check the
+paths, daemonize (the parent waits on a pipe and exits 0 only once the mount is live),
+open or create the volume, mount it, then run the FUSE loop with a periodic checkpoint
+and the alert rules beside it until SIGINT/SIGTERM or ``umount``. On the way out, clean
+or not, the same steps run: unmount, flush buffered writes, close the store (flush,
+checkpoint, clean flag). Exit 0 after a clean unmount; a refusal is one line on stderr
+and a non-zero exit, with nothing mounted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+import pyfuse3
+import trio
+
+from kvfs.engine import errors
+from kvfs.engine.store import Store
+from kvfs.fuse.files import refresh_cold_gauges
+from kvfs.fuse.ops import Operations
+from kvfs.ops import metrics, profiles
+
+try:  # the alert rules are optional in the mount: only the cold-tier rule has data here
+    from kvfs.ops import alerts
+except ImportError:  # pragma: no cover
+    alerts = None  # type: ignore[assignment]
+
+log = logging.getLogger("kvfs.mount")
+
+PROG = "kvfs mount"
+CHECKPOINT_TICK_S = 5.0  # how often the store is asked whether a checkpoint is due
+
+
+class Refused(Exception):
+    """The mount cannot go ahead; ``str(e)`` is the one line the user sees."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="mount.py", description="Mount a kvfs volume.")
+    p.add_argument("volume", help="volume file or block device")
+    p.add_argument("mountpoint", help="an existing directory")
+    p.add_argument("--size", help="create VOLUME of this size when missing (e.g. 512M, 1.2T)")
+    p.add_argument("--profile", default="gov", help="gov (default), ecommerce or iot")
+    p.add_argument("--config", help="a .toml or .json file of profile overrides")
+    p.add_argument("-o", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one profile value (repeatable)")
+    p.add_argument("--foreground", action="store_true", help="do not daemonize")
+    p.add_argument("--allow-other", action="store_true",
+                   help="let other users reach the mount (permissions still apply)")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:N")
+    p.add_argument("--log", help="log to this file (default: stderr)")
+    p.add_argument("--debug", action="store_true", help="log every detail")
+    p.add_argument("--page-cache", action="store_true",
+                   help="serve file data through the page cache instead of direct I/O")
+    args = p.parse_args(argv)
+    # the daemon changes directory to /, so every path is made absolute now
+    args.volume = os.path.abspath(args.volume)
+    args.mountpoint = os.path.abspath(args.mountpoint)
+    return args
+
+
+def setup_logging(args: argparse.Namespace) -> None:
+    handler: logging.Handler
+    if args.log:
+        handler = logging.FileHandler(args.log)
+        level = logging.INFO
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        level = logging.WARNING  # stderr stays quiet: a refusal is exactly one line
+    handler.setFormatter(logging.Formatter(
+        "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG if args.debug else level)
+
+
+def load_profile(args: argparse.Namespace) -> tuple[profiles.Profile, int | None]:
+    try:
+        profile = profiles.load(args.profile, profiles.parse_overrides(args.overrides),
+                                args.config)
+        size = profiles.parse_size(args.size) if args.size is not None else None
+    except profiles.ProfileError as e:
+        raise Refused(str(e)) from None
+    except ValueError as e:
+        raise Refused(f"--size: {e}") from None
+    return profile, size
+
+
+def check_paths(args: argparse.Namespace, size: int | None) -> None:
+    if not os.path.isdir(args.mountpoint):
+        raise Refused(f"mountpoint {args.mountpoint} does not exist or is not a directory")
+    if not os.path.exists(args.volume) and size is None:
+        raise Refused(f"volume {args.volume} does not exist; give --size to create it")
+
+
+def daemonize() -> int:
+    """Fork; the parent exits 0 once the child reports the mount live, else 1 with its
+    reason. Returns, in the child, the pipe end to report on (see ``report``)."""
+    r, w = os.pipe()
+    if os.fork():
+        os.close(w)
+        with os.fdopen(r, "rb") as pipe:
+            msg = pipe.read().decode(errors="replace").strip()
+        if msg == "OK":
+            os._exit(0)
+        print(f"{PROG}: {msg or 'the mount process died before the mount was live'}",
+              file=sys.stderr)
+        os._exit(1)
+    os.close(r)
+    os.setsid()
+    os.chdir("/")
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    return w
+
+
+def report(pipe: int | None, message: str) -> None:
+    """Tell the waiting parent "OK" or why not, then detach from its stdout/stderr."""
+    if pipe is None:
+        return
+    os.write(pipe, message.encode() + b"\n")
+    os.close(pipe)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+
+
+def open_store(args: argparse.Namespace, size: int | None, profile: profiles.Profile) -> Any:
+    config = profile.store_config()
+    try:
+        if os.path.exists(args.volume):
+            return Store.open(args.volume, config)
+        assert size is not None
+        log.info("creating volume %s of %d bytes", args.volume, size)
+        return Store.create(args.volume, size, config)
+    except errors.VolumeBusy:
+        raise Refused(f"volume {args.volume} is already mounted (locked by another process)") from None
+    except errors.FormatError as e:
+        raise Refused(f"{args.volume} is not a usable kvfs volume: {e}") from None
+    except OSError as e:
+        raise Refused(f"cannot open volume {args.volume}: {e.strerror or e}") from None
+
+
+def fuse_options(args: argparse.Namespace) -> set[str]:
+    options = {"fsname=kvfs", "subtype=kvfs", "default_permissions"}
+    if args.allow_other:
+        options.add("allow_other")
+    return options
+
+
+async def checkpointer(ops: Operations, store: Any) -> None:
+    """Ask the store every few seconds whether a checkpoint is due; refresh the gauges."""
+    while True:
+        await trio.sleep(CHECKPOINT_TICK_S)
+        try:
+            await ops.call(store.maybe_checkpoint)
+            refresh_cold_gauges(await ops.call(store.usage))
+        except Exception:
+            log.exception("periodic checkpoint failed")
+
+
+async def alert_loop(engine: Any, interval_s: float) -> None:
+    sampler = alerts.MetricsSampler()
+    while True:
+        await trio.sleep(interval_s)
+        try:
+            engine.tick(sampler())
+        except Exception:
+            log.exception("alert evaluation failed")
+
+
+async def unmount_on_signal() -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            log.info("%s received: unmounting", signal.Signals(signum).name)
+            pyfuse3.terminate()
+            return
+
+
+async def serve(ops: Operations, store: Any, profile: profiles.Profile,
+                alert_engine: Any) -> None:
+    """The FUSE loop and its companions; returns after ``umount`` or a signal."""
+    async with trio.open_nursery() as nursery:
+        ops.readahead.nursery = nursery
+        nursery.start_soon(unmount_on_signal)
+        nursery.start_soon(checkpointer, ops, store)
+        if alert_engine is not None:
+            nursery.start_soon(alert_loop, alert_engine, profile.alert_interval_s)
+        await pyfuse3.main()
+        ops.readahead.nursery = None
+        nursery.cancel_scope.cancel()
+    await ops.flush_all()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup_logging(args)
+    pipe: int | None = None
+    try:
+        profile, size = load_profile(args)
+        check_paths(args, size)
+        if not args.foreground:
+            pipe = daemonize()
+        store = open_store(args, size, profile)
+    except Refused as e:
+        return refuse(args, pipe, str(e))
+
+    with contextlib.ExitStack() as stack:
+        stack.callback(close_store, store)  # runs last: flush, checkpoint, clean flag
+        alert_engine = alerts.for_profile(profile) if alerts is not None else None
+        ops = Operations(store, direct_io=not args.page_cache, allow_other=args.allow_other,
+                         alerts_state=alert_engine.state if alert_engine else None)
+        try:
+            if args.metrics_port:
+                metrics.serve(args.metrics_port)
+        except OSError as e:
+            return refuse(args, pipe, f"--metrics-port {args.metrics_port}: {e.strerror or e}")
+        try:
+            pyfuse3.init(ops, args.mountpoint, fuse_options(args))
+        except RuntimeError as e:
+            return refuse(args, pipe, f"cannot mount on {args.mountpoint}: {e}")
+        stack.callback(pyfuse3.close, unmount=True)  # runs first, also after a crash
+        log.info("mounted %s on %s (profile %s)", args.volume, args.mountpoint, profile.name)
+        report(pipe, "OK")
+        try:
+            trio.run(serve, ops, store, profile, alert_engine)
+        except Exception:  # a bug: still unmount and close the volume on the way out
+            log.exception("the mount loop failed; unmounting")
+            return 1
+    log.info("unmounted %s cleanly", args.mountpoint)
+    return 0
+
+
+def close_store(store: Any) -> None:
+    try:
+        store.close()
+    except Exception:
+        log.exception("closing the volume failed; run tools/fsck.py on it")
+        raise
+    log.info("volume closed cleanly")
+
+
+def refuse(args: argparse.Namespace, pipe: int | None, reason: str) -> int:
+    if args.log:
+        log.error("refusing to mount: %s", reason)
+    if pipe is not None:
+        report(pipe, reason)
+    else:
+        print(f"{PROG}: {reason}", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
