@@ -22,11 +22,15 @@ from kvfs.testing import (  # noqa: F401 - re-exported for the test modules
 
 ROOT = Path(__file__).resolve().parent.parent
 MOUNT_FIXTURES = {"make_mount", "kvfs", "shared_mount"}
+# modules whose tests start mounts themselves (kvfs.testing.Mount, the torture scenarios)
+MOUNT_MODULES = {"test_agent_day", "test_reliability"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if MOUNT_FIXTURES & set(getattr(item, "fixturenames", ())):
+        module = item.module.__name__.rpartition(".")[2] if item.module else ""
+        if (MOUNT_FIXTURES & set(getattr(item, "fixturenames", ()))
+                or module.startswith("test_mount") or module in MOUNT_MODULES):
             item.add_marker(pytest.mark.mount)
 
 

@@ -1,0 +1,108 @@
+"""The package's layering: no import cycles, and each layer loads only what it may."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import kvfs
+
+PKG = Path(kvfs.__file__).resolve().parent
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path, name: str) -> set[str]:
+    """kvfs modules imported at module level (function-level imports are lazy by intent)."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            out.add(mod)
+            out.update(f"{mod}.{a.name}" for a in node.names)  # "from pkg import submodule"
+    return {m for m in out if m == "kvfs" or m.startswith("kvfs.")}
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module_name(p): p for p in PKG.rglob("*.py")}
+    return {n: {m for m in _imports(p, n) if m in files and m != n} for n, p in files.items()}
+
+
+def test_no_import_cycles() -> None:
+    graph = _graph()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph[n]):
+            if state.get(m) == 1:
+                cycle = stack[stack.index(m):] + [m]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if m not in state:
+                visit(m)
+        stack.pop()
+        state[n] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n)
+
+
+def test_layers_import_only_downwards() -> None:
+    """engine < fuse, warm < torch; ops may use engine types; nothing below imports cli."""
+    allowed = {
+        "kvfs.engine": {"kvfs.engine"},
+        "kvfs.warm": {"kvfs.warm", "kvfs.ops"},
+        "kvfs.ops": {"kvfs.ops", "kvfs.engine"},
+        "kvfs.fuse": {"kvfs.fuse", "kvfs.engine", "kvfs.ops"},
+        "kvfs.torch": {"kvfs.torch", "kvfs.warm", "kvfs.ops"},
+    }
+    bad = []
+    for mod, deps in _graph().items():
+        layer = ".".join(mod.split(".")[:2])
+        for d in deps:
+            if d == "kvfs":
+                continue
+            dlayer = ".".join(d.split(".")[:2])
+            if layer in allowed and dlayer not in allowed[layer]:
+                bad.append(f"{mod} imports {d}")
+    assert not bad, "\n".join(sorted(bad))
+
+
+def _loaded_after(stmt: str) -> set[str]:
+    code = f"import sys\n{stmt}\nprint(' '.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return {m.split(".")[0] for m in out.stdout.split()}
+
+
+def test_engine_loads_neither_fuse_nor_torch() -> None:
+    heavy = _loaded_after("import kvfs.engine, kvfs.engine.fsck, kvfs.engine.faults") & {
+        "pyfuse3", "trio", "torch", "transformers", "prometheus_client"}
+    assert not heavy
+
+
+def test_warm_tier_loads_no_torch_or_fuse() -> None:
+    assert not _loaded_after("import kvfs.warm") & {"pyfuse3", "trio", "torch", "transformers"}
+
+
+def test_package_root_is_light() -> None:
+    assert not _loaded_after("import kvfs") & {"pyfuse3", "torch", "numpy"}
