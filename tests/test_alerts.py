@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from kvfs.ops import alerts, metrics
+from kvfs.ops import alerts, metrics, profiles
 from kvfs.ops.alerts import AlertEngine, MetricsSampler, Rule, default_rules
 from kvfs.ops.profiles import load
 
@@ -33,7 +33,7 @@ def _engine(actions: dict | None = None, **overrides):
     return AlertEngine(default_rules(prof, actions or {}), clock=clock), clock
 
 
-# (rule, signal, value above, value below, duration, action key) per the brief
+# (rule, signal, value above, value below, duration, action key)
 RULES = [
     ("device_memory_high", "device_memory_ratio", 0.95, 0.80, 30.0, "migrate_hot"),
     ("warm_usage_high", "warm_usage_ratio", 0.90, 0.50, 120.0, "migrate_warm"),
@@ -217,3 +217,19 @@ def test_continuous_evaluation_thread() -> None:
         eng.stop()
     assert eng.firing() == ["r"]
     assert alerts.for_profile(load("gov")).firing() == []
+
+
+@pytest.mark.parametrize("seconds,text", [(30.0, "30s"), (120.0, "2m"), (60.0, "1m"),
+                                          (7200.0, "2h"), (90.0, "90s"), (0.25, "250ms"),
+                                          (0.0, "0s")])
+def test_prom_duration(seconds: float, text: str) -> None:
+    assert alerts.prom_duration(seconds) == text
+    assert profiles.parse_duration(text) == seconds
+
+
+def test_prometheus_rules_follow_the_profile() -> None:
+    p = profiles.load("gov", {"alert_warm_pct": "0.8", "alert_warm_for_s": "90s"})
+    text = alerts.prometheus_rules([p])
+    assert "kv_warm_usage_ratio{profile=~\"gov|\"} > 0.8'" in text and "for: 90s" in text
+    custom = alerts.prometheus_rules([profiles.load("iot")])
+    assert 'kv_warm_usage_ratio{profile="iot"} > 0.95' in custom

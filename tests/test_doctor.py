@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvfs.cli import doctor
-from kvfs.ops.profiles import load
+from kvfs.ops.profiles import load, parse_size
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,6 +115,11 @@ def test_warm_room(tmp_path) -> None:
     assert big.status == "warn"
     assert any("mount -o remount,size=" in f and str(tmp_path) in f for f in big.fix)
     assert any("warm_cap_bytes=" in f for f in big.fix)
+    # every size it suggests is one kvfs-mount and mount(8) read back
+    remount = next(f for f in big.fix if "remount,size=" in f)
+    assert parse_size(remount.split("size=")[1].split()[0]) >= 1 << 60
+    cap = next(f for f in big.fix if "warm_cap_bytes=" in f).split("warm_cap_bytes=")[1]
+    assert 1 << 20 <= parse_size(cap) <= 1 << 60
     small = doctor.check_warm_room(tmp_path / "warm", 1 << 20, mounts)
     assert small.status == "ok" and "tmpfs" in small.current
     mounts.write_text("/dev/vda / ext4 rw 0 0\n")

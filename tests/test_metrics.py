@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ def _v(name: str, labels: dict | None = None) -> float:
     return 0.0 if v is None else v
 
 
-def test_text_parses_and_has_the_brief_names() -> None:
+def test_text_parses_and_has_the_documented_names() -> None:
     fams = _families()
     for name in ("kv_hot_hit_rate", "kv_warm_evict_latency_ms", "kv_cold_read_p99_ms"):
         assert name in fams, name
@@ -73,6 +74,39 @@ def test_values_move() -> None:
     metrics.alerts_firing.labels(rule="t_rule").set(1)
     assert metrics.parse(metrics.text())['kv_alert_firing{rule="t_rule"}'] == 1.0
     metrics.alerts_firing.labels(rule="t_rule").set(0)
+
+
+def test_sample_reads_through_the_public_api() -> None:
+    metrics.hot_misses.inc(2)
+    assert metrics.sample(metrics.hot_misses, "_total") == _v("kv_hot_misses_total")
+    metrics.warm_usage_ratio.set(0.25)
+    assert metrics.sample(metrics.warm_usage_ratio) == 0.25
+    metrics.cold_write_ms.observe(2.5)
+    assert metrics.sample(metrics.cold_write_ms, "_count") == _v("kv_cold_write_ms_count")
+    assert metrics.sample(metrics.hot_misses, "_nope") == 0.0
+    metrics.hot_hits.inc(3)
+    metrics.update_hot_hit_rate()
+    h, m = _v("kv_hot_hits_total"), _v("kv_hot_misses_total")
+    assert _v("kv_hot_hit_rate") == pytest.approx(h / (h + m))
+
+
+# prometheus_client's private state: reading it breaks on a library update
+PRIVATE = re.compile(r"\._(value|sum|count|buckets|created|metrics|child_samples|labelnames|"
+                     r"names_to_collectors|collector_to_names)\b")
+
+
+def test_no_private_prometheus_access() -> None:
+    assert PRIVATE.search("h = hot_hits._value.get()")  # what it catches
+    hits = []
+    for top in ("kvfs", "tools", "tests"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            text = path.read_text(errors="replace")
+            if "metrics" not in text and "prometheus" not in text:
+                continue
+            for n, line in enumerate(text.splitlines(), 1):
+                if PRIVATE.search(line) and "self._" not in line and "PRIVATE" not in line:
+                    hits.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not hits, "\n".join(hits)
 
 
 # --- kvfs-stat ---------------------------------------------------------------------------

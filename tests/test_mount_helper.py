@@ -1,4 +1,4 @@
-"""tools/mount.fuse.kvfs: option translation, installation, and `mount -t fuse.kvfs` for real."""
+"""deploy/mount.fuse.kvfs: option translation, installation, and `mount -t fuse.kvfs` for real."""
 
 from __future__ import annotations
 
@@ -39,14 +39,16 @@ def test_options_translate_to_mount_py_flags(tmp_path) -> None:
     env, argv_file = _fake_env(tmp_path)
     (tmp_path / "mnt").mkdir()
     r = _helper(["kv.vol", "mnt", "-n", "-o",
-                 "rw,profile=iot,size=64M,allow_other,metrics_port=9100,config=/etc/kvfs.toml,"
+                 "rw,profile=iot,size=64M,allow_other,metrics_port=9100,metrics_addr=::,"
+                 "config=/etc/kvfs.toml,"
                  "log=/var/log/kvfs.log,max_kv_len=8,_netdev,nofail,noauto,x-systemd.after=a,"
                  "nosuid,nodev,bogus"], env, tmp_path)
     assert r.returncode == 0, r.stderr
     assert "ignoring unknown option 'bogus'" in r.stderr
     assert json.loads(argv_file.read_text()) == [
         str(tmp_path / "kv.vol"), str(tmp_path / "mnt"), "--profile", "iot", "--size", "64M",
-        "--allow-other", "--metrics-port", "9100", "--config", "/etc/kvfs.toml",
+        "--allow-other", "--metrics-port", "9100", "--metrics-addr", "::",
+        "--config", "/etc/kvfs.toml",
         "--log", "/var/log/kvfs.log", "-o", "max_kv_len=8"]
 
 
@@ -56,6 +58,21 @@ def test_fake_and_verbose_print_the_command(tmp_path) -> None:
     r = _helper(["/dev/sdz", str(tmp_path / "m"), "-fv", "-o", "profile=gov"], env, tmp_path)
     assert r.returncode == 0 and not argv_file.exists()  # -f: fake, nothing run
     assert f"/dev/sdz {tmp_path / 'm'} --profile gov" in r.stderr
+
+
+def test_default_entry_is_the_package_module(tmp_path) -> None:
+    """Without KVFS_MOUNT_PY the helper runs the installed package: PYTHON -m kvfs.cli.mount."""
+    env = dict(os.environ, KVFS_PYTHON=sys.executable)
+    env.pop("KVFS_MOUNT_PY", None)
+    (tmp_path / "m").mkdir()
+    r = _helper(["kv.vol", "m", "-f", "-v", "-o", "profile=iot"], env, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert (f"{sys.executable} -m kvfs.cli.mount {tmp_path / 'kv.vol'} {tmp_path / 'm'} "
+            "--profile iot") in r.stderr
+    from kvfs.cli import mount as cli_mount
+    from kvfs.fuse import mount as fuse_mount
+
+    assert cli_mount.main is fuse_mount.main
 
 
 @pytest.mark.parametrize("args,code,text", [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -12,8 +13,9 @@ from kvfs.ops import profiles
 from kvfs.ops.profiles import Profile, ProfileError, load, parse_overrides, parse_size
 
 GiB, TiB = 1 << 30, 1 << 40
+ROOT = Path(__file__).resolve().parents[1]
 
-TABLE = {  # the brief's table
+TABLE = {  # the profile table of docs/operations.md
     "gov": dict(max_kv_len=24, warm_shards=65536, warm_migrate_at=0.85, lru_group=10,
                 ring_size=int(1.2 * TiB), checkpoint_interval_s=600.0, shard_key="session",
                 keep_summary_rounds=0),
@@ -116,9 +118,12 @@ def test_override_order(tmp_path, suffix: str) -> None:
 def test_replace_and_direct_construction_validate() -> None:
     p = load("gov").replace(max_kv_len="12", ring_size="8M")
     assert (p.max_kv_len, p.ring_size) == (12, 8 << 20)
-    assert Profile(name="t", checkpoint_interval_s=5).checkpoint_interval_s == 5.0
+    gov = profiles.profile_data("gov")
+    assert Profile(**{**gov, "checkpoint_interval_s": 5}).checkpoint_interval_s == 5.0
     with pytest.raises(ProfileError, match="max_kv_len"):
-        Profile(name="t", max_kv_len=0)
+        Profile(**{**gov, "max_kv_len": 0})
+    with pytest.raises(TypeError, match="max_kv_len"):  # no value is written in the code
+        Profile(name="t", **{k: v for k, v in gov.items() if k != "max_kv_len"})
     with pytest.raises(ProfileError, match="lru_group"):
         load("gov").replace(lru_group=0)
 
@@ -237,3 +242,64 @@ def test_profile_error_is_value_error_and_describe() -> None:
     assert "power of two" in profiles.describe("warm_shards")
     for name in profiles.PROFILE_NAMES:  # package data present and complete for the table
         assert set(TABLE[name]) <= set(profiles.profile_data(name))
+
+
+def test_values_live_only_in_the_data_files() -> None:
+    """Every key has exactly one source: a profile file sets the profile table's keys (and
+    may override a shared one), defaults.json the rest; no field carries a value in code."""
+    shared = profiles.defaults()
+    assert set(shared) <= set(profiles.KEYS)
+    for f in dataclasses.fields(Profile):
+        if f.name not in ("name", "description"):
+            assert f.default is dataclasses.MISSING, f.name
+    for name in profiles.PROFILE_NAMES:
+        own = json.loads((ROOT / "kvfs" / "ops" / "profiles" / f"{name}.json").read_text())
+        assert set(TABLE[name]) <= set(own) | {"alert_warm_pct"}
+        assert set(own) | set(shared) == set(profiles.KEYS)
+        repeated = {k for k in own if k in shared and own[k] == shared[k]}
+        assert not repeated, f"{name}.json repeats defaults.json: {repeated}"
+
+
+def test_broken_install_is_one_line(monkeypatch) -> None:
+    real = profiles._data_file
+    monkeypatch.setattr(profiles, "_data_file",
+                        lambda stem: {} if stem == "defaults" else real(stem))
+    with pytest.raises(ProfileError) as e:
+        load("gov")
+    assert "warm_cap_bytes" in _one_line(e, "broken install")
+
+
+def test_what_the_router_and_warm_tier_read() -> None:
+    """kvfs.torch.router reads these from ``load(name)``; WarmTier takes warm_kwargs()."""
+    import inspect
+
+    from kvfs.warm import WarmTier
+
+    params = inspect.signature(WarmTier).parameters
+    for name in profiles.PROFILE_NAMES:
+        p = load(name)
+        want = {**COMMON, **TABLE[name]}
+        for attr in ("max_kv_len", "device_watermark", "summary_dim", "warm_cap_bytes",
+                     "warm_migrate_at", "lru_group", "warm_shards", "shard_key"):
+            assert getattr(p, attr) == pytest.approx(want[attr]), (name, attr)
+        assert p.warm_root.startswith("/")
+        kw = p.warm_kwargs()
+        assert set(kw) <= set(params), set(kw) - set(params)
+        assert kw["shards"] == p.warm_shards and kw["group"] == p.lru_group
+
+
+@pytest.mark.parametrize("n,down,up", [(0, "0", "0"), (1000, "1000", "1000"),
+                                       (1 << 20, "1M", "1M"), ((1 << 20) + 1, "1M", "2M"),
+                                       (1610612736, "1G", "2G"), (15 << 30, "15G", "15G"),
+                                       (int(1.2 * (1 << 40)), "1T", "2T")])
+def test_size_arg(n: int, down: str, up: str) -> None:
+    assert (profiles.size_arg(n), profiles.size_arg(n, up=True)) == (down, up)
+    assert parse_size(profiles.size_arg(n)) <= n <= parse_size(profiles.size_arg(n, up=True))
+    with pytest.raises(ValueError):
+        profiles.size_arg(-1)
+
+
+def test_format_size() -> None:
+    assert profiles.format_size(512) == "512 B"
+    assert profiles.format_size(int(1.2 * (1 << 40))) == "1.2 TiB"
+    assert profiles.format_size(16 << 30) == "16.0 GiB"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything kvfs needs on a fresh Debian machine: FUSE (apt, when root and
-# missing), a venv in .venv, torch pinned to the CPU build on local disk, the package.
+# missing), promtool and systemd-analyze for the deploy/ tests (apt, when root), a venv in
+# .venv, torch pinned to the CPU build on local disk, the package.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 need_apt=()
@@ -11,6 +12,18 @@ if [ ${#need_apt[@]} -gt 0 ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse3 libfuse3-dev pkg-config
   else
     echo "kvfs: need apt packages: ${need_apt[*]} (run as root or install them)" >&2; exit 1
+  fi
+fi
+# test tools for deploy/ (promtool checks the alert rules, systemd-analyze the unit): installed
+# when root, otherwise those tests skip with the reason
+need_test=()
+command -v promtool >/dev/null 2>&1 || need_test+=(prometheus)
+command -v systemd-analyze >/dev/null 2>&1 || need_test+=(systemd)
+if [ ${#need_test[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_test[@]}"
+  else
+    echo "kvfs: optional apt packages missing: ${need_test[*]} (their tests will skip)" >&2
   fi
 fi
 PY=${PYTHON:-python3}

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""kvfs doctor: check this host against the kvfs checklist and say what to change.
+"""kvfs-doctor: check this host against the kvfs checklist and say what to change.
 
-    python tools/doctor.py [--profile gov] [--volume PATH] [--size SIZE] [--warm-root DIR] [--json]
+    kvfs-doctor [--profile gov] [--volume PATH] [--size SIZE] [--warm-root DIR] [--json]
 
 Checks: vm.swappiness = 1, vm.vfs_cache_pressure = 50, fs.aio-max-nr >= 65536 (tuning:
 warnings), /dev/fuse, fusermount3 and pyfuse3 (blocking: kvfs cannot mount without them),
@@ -46,14 +46,6 @@ class Check:
     blocking: bool = False  # a failure here stops kvfs from running at all
     fix: list[str] = field(default_factory=list)
     detail: str = ""
-
-
-def _short(n: int) -> str:
-    """A size for a command line, rounded down: ``16106127360`` -> ``"15G"``."""
-    for unit, mult in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20)):
-        if n >= mult:
-            return f"{n // mult}{unit}"
-    return str(n)
 
 
 def _sudo() -> str:
@@ -158,13 +150,13 @@ def check_warm_room(warm_root: str | Path, cap: int, mounts: str | Path) -> Chec
     wanted = f">= {fmt(cap)} free on tmpfs"
     fixes: list[str] = []
     if free + used < cap:
-        gib = -(-(total + cap - free - used) // (1 << 30))
         if fstype in RAM_FS:
-            fixes.append(f"{_sudo()}mount -o remount,size={gib}G {mnt}")
-        fixes.append(f"or lower the cap: -o warm_cap_bytes={_short(max(free + used, 1 << 20))}")
+            want = profiles.size_arg(total + cap - free - used, up=True)
+            fixes.append(f"{_sudo()}mount -o remount,size={want} {mnt}")
+        fixes.append(f"or lower the cap: -o warm_cap_bytes={profiles.size_arg(max(free + used, 1 << 20))}")
     if fstype not in RAM_FS:
         fixes.append(f"use a RAM-backed warm root: --warm-root /dev/shm/kvfs-warm "
-                     f"(or {_sudo()}mount -t tmpfs -o size={-(-cap // (1 << 30))}G tmpfs {root})")
+                     f"(or {_sudo()}mount -t tmpfs -o size={profiles.size_arg(cap, up=True)} tmpfs {root})")
     return Check("warm tier room", current, wanted, "warn" if fixes else "ok", fix=fixes,
                  detail=f"warm root {root}")
 
@@ -190,7 +182,7 @@ def check_volume_room(volume: str | Path | None, size: int) -> Check:
         return Check("volume room", "unreadable", f">= {fmt(size)} free", "warn", detail=str(e))
     ok = free >= size
     fix = [] if ok else [f"put the volume on a disk with {fmt(size)} free, or create it smaller: "
-                         f"--size {_short(free * 9 // 10)}"]
+                         f"--size {profiles.size_arg(free * 9 // 10)}"]
     return Check("volume room", f"{fmt(free)} free at {where}", f">= {fmt(size)} free",
                  "ok" if ok else "warn", fix=fix, detail=str(p))
 
@@ -238,11 +230,11 @@ def render(checks: list[Check]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="doctor.py", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="kvfs-doctor", description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", default="gov", help="profile whose sizes are checked (gov)")
     ap.add_argument("--config", help="config file (TOML or JSON) of profile overrides")
     ap.add_argument("-o", dest="opts", action="append", default=[], metavar="KEY=VALUE",
-                    help="profile override, as for mount.py")
+                    help="profile override, as for kvfs-mount")
     ap.add_argument("--warm-root", help="warm tier directory (default: the profile's)")
     ap.add_argument("--volume", help="volume path to check free disk for")
     ap.add_argument("--size", help="volume size to expect instead of the profile's ring_size")
@@ -254,10 +246,10 @@ def main(argv: list[str] | None = None) -> int:
         prof = profiles.load(args.profile, profiles.parse_overrides(args.opts), args.config)
         size = profiles.parse_size(args.size) if args.size else None
     except profiles.ProfileError as e:
-        print(f"doctor: {e}", file=sys.stderr)
+        print(f"kvfs-doctor: {e}", file=sys.stderr)
         return 2
     except ValueError as e:
-        print(f"doctor: --size: {e}", file=sys.stderr)
+        print(f"kvfs-doctor: --size: {e}", file=sys.stderr)
         return 2
     checks = run_checks(prof, warm_root=args.warm_root, volume=args.volume, size=size,
                         proc_sys=args.proc_sys, dev_fuse=args.dev_fuse)

@@ -1,11 +1,14 @@
 """Deployment profiles: the article's production settings, as validated, frozen values.
 
-Owns the profile data files (``kvfs/ops/profiles/<name>.json``), the override order
-(profile file < config file < ``-o key=value`` overrides) and the validation of every
+Owns the profile data files (``kvfs/ops/profiles/<name>.json`` over the shared
+``profiles/defaults.json``: the only place profile values are written), the override order
+(defaults < profile file < config file < ``-o key=value`` overrides) and the validation of every
 value. Every bad input raises :class:`ProfileError` whose message is one line naming the
-key and what is allowed, so ``mount.py`` can print it and exit without mounting anything.
+key and what is allowed, so ``kvfs-mount`` can print it and exit without mounting anything.
 
-Never imports the engine, pyfuse3 or torch (only ``kvfs.api`` for ``StoreConfig``).
+Also the one parser and formatter of byte sizes (:func:`parse_size`, :func:`format_size`,
+:func:`size_arg`) for every tool. Never imports pyfuse3 or torch, and of the engine only
+``kvfs.engine.types`` (for ``StoreConfig``).
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ from typing import Any
 
 from kvfs.engine.types import StoreConfig
 
-GiB = 1 << 30
 DAY = 24 * 3600.0
 
 #: profiles shipped as package data
@@ -81,50 +83,67 @@ def format_size(n: float) -> str:
     return f"{n:.1f} TiB"  # pragma: no cover
 
 
+def size_arg(n: int, up: bool = False) -> str:
+    """``n`` bytes as a size to type on a command line, in whole units of the largest unit
+    that fits: rounded down (``1610612736`` -> ``"1G"``) or, with ``up``, up (``"2G"``).
+    :func:`parse_size` reads the result back."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"not a byte count: {n!r}")
+    for unit in ("P", "T", "G", "M", "K"):
+        mult = _SIZE_UNITS[unit]
+        if n >= mult:
+            return f"{-(-n // mult) if up else n // mult}{unit}"
+    return str(n)
+
+
 # --- field kinds: how a value is converted and which values are allowed -------------------
 
-def _spec(kind: str, help: str, default: Any, **limits: Any) -> Any:
-    return field(default=default, metadata={"kind": kind, "help": help, **limits})
+def _spec(kind: str, help: str, **limits: Any) -> Any:
+    """A tunable without a value here: values come from ``profiles/*.json`` (see :func:`load`)."""
+    return field(metadata={"kind": kind, "help": help, **limits})
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Profile:
-    """All tunables of one deployment. Build with :func:`load`; every field is validated."""
+    """All tunables of one deployment. Build with :func:`load`; every field is validated.
+
+    No value is written here: each profile's file sets the keys of the profile table and
+    ``profiles/defaults.json`` the rest, so the data files are the only copy of them.
+    """
 
     name: str = field(default="custom", metadata={"kind": "name", "help": "profile name"})
-    description: str = _spec("str", "one line about the workload", "")
+    description: str = field(default="", metadata={"kind": "str",
+                                                   "help": "one line about the workload"})
     # hot tier
-    max_kv_len: int = _spec("int", "tokens per layer kept on the device (hot window)", 24, min=1)
-    device_watermark: float = _spec("fraction", "device memory ratio that moves rounds out", 0.90)
+    max_kv_len: int = _spec("int", "tokens per layer kept on the device (hot window)", min=1)
+    device_watermark: float = _spec("fraction", "device memory ratio that moves rounds out")
     keep_summary_rounds: int = _spec(
-        "int", "previous rounds kept findable by their summary (ecommerce: 1)", 0, min=0, max=1024)
+        "int", "previous rounds kept findable by their summary (ecommerce: 1)", min=0, max=1024)
     # warm tier
-    warm_shards: int = _spec("pow2", "warm .kvmap shard count", 65536, min=1, max=1 << 32)
-    shard_key: str = _spec("choice", "what picks a shard", "session", choices=("session", "device"))
-    warm_migrate_at: float = _spec("fraction", "warm usage ratio that migrates a group to cold", 0.85)
-    lru_group: int = _spec("int", "sessions migrated together (LRU group)", 10, min=1, max=1 << 20)
-    warm_cap_bytes: int = _spec("size", "warm tier capacity", 16 * GiB, min=1 << 20)
-    warm_root: str = _spec("path", "RAM-backed directory of the warm tier", "/dev/shm/kvfs-warm")
-    summary_dim: int = _spec("int", "floats in one round's summary vector", 128, min=1, max=1 << 16)
+    warm_shards: int = _spec("pow2", "warm .kvmap shard count", min=1, max=1 << 32)
+    shard_key: str = _spec("choice", "what picks a shard", choices=("session", "device"))
+    warm_migrate_at: float = _spec("fraction", "warm usage ratio that migrates a group to cold")
+    lru_group: int = _spec("int", "sessions migrated together (LRU group)", min=1, max=1 << 20)
+    warm_cap_bytes: int = _spec("size", "warm tier capacity", min=1 << 20)
+    warm_root: str = _spec("path", "RAM-backed directory of the warm tier")
+    summary_dim: int = _spec("int", "floats in one round's summary vector", min=1, max=1 << 16)
     # cold tier
-    ring_size: int = _spec("size", "volume (ring) size when one is created", int(1.2 * (1 << 40)),
-                           min=1 << 20)
-    checkpoint_interval_s: float = _spec("seconds", "index checkpoint period", 600.0, min=0.001)
-    hot_sessions: int = _spec("int", "sessions in the in-memory hot index", 100, min=1)
-    cleanup_threshold: float = _spec("fraction", "ring usage that starts retention cleanup", 0.70)
+    ring_size: int = _spec("size", "volume (ring) size when one is created", min=1 << 20)
+    checkpoint_interval_s: float = _spec("seconds", "index checkpoint period", min=0.001)
+    hot_sessions: int = _spec("int", "sessions in the in-memory hot index", min=1)
+    cleanup_threshold: float = _spec("fraction", "ring usage that starts retention cleanup")
     retention_s: float = _spec("seconds", "idle time after which cleanup may drop a session",
-                               7 * DAY, min=1.0)
+                               min=1.0)
     evict_when_full: bool = _spec("bool", "full volume: drop sessions at the ring tail whole "
-                                  "instead of answering ENOSPC", False)
+                                  "instead of answering ENOSPC")
     # alert rules
-    alert_device_pct: float = _spec("fraction", "device_memory_high threshold", 0.92)
-    alert_device_for_s: float = _spec("seconds", "device_memory_high duration", 30.0, min=0.0)
-    alert_warm_pct: float = _spec("fraction", "warm_usage_high threshold", 0.88)
-    alert_warm_for_s: float = _spec("seconds", "warm_usage_high duration", 120.0, min=0.0)
-    alert_cold_write_ms: float = _spec("ms", "cold_write_slow threshold (ms)", 5.0, min=0.001)
-    alert_cold_write_for_s: float = _spec("seconds", "cold_write_slow duration", 60.0, min=0.0)
-    alert_interval_s: float = _spec("seconds", "how often alert rules are evaluated", 5.0,
-                                    min=0.01)
+    alert_device_pct: float = _spec("fraction", "device_memory_high threshold")
+    alert_device_for_s: float = _spec("seconds", "device_memory_high duration", min=0.0)
+    alert_warm_pct: float = _spec("fraction", "warm_usage_high threshold")
+    alert_warm_for_s: float = _spec("seconds", "warm_usage_high duration", min=0.0)
+    alert_cold_write_ms: float = _spec("ms", "cold_write_slow threshold (ms)", min=0.001)
+    alert_cold_write_for_s: float = _spec("seconds", "cold_write_slow duration", min=0.0)
+    alert_interval_s: float = _spec("seconds", "how often alert rules are evaluated", min=0.01)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # converts (e.g. int -> float seconds) and checks
@@ -313,16 +332,34 @@ def read_config(path: str | Path) -> dict[str, Any]:
     return _coerce_all(data, origin)
 
 
+def _data_file(stem: str) -> dict[str, Any]:
+    res = resources.files("kvfs.ops").joinpath("profiles", f"{stem}.json")
+    try:
+        data = json.loads(res.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # a broken install, not user input
+        raise ProfileError(f"profile: data file {stem}.json is unreadable: {e}") from None
+    if not isinstance(data, dict):
+        raise ProfileError(f"profile: data file {stem}.json is not a JSON object")
+    return data
+
+
+def defaults() -> dict[str, Any]:
+    """The raw shared values (``profiles/defaults.json``) that a profile file may override."""
+    return _data_file("defaults")
+
+
 def profile_data(name: str) -> dict[str, Any]:
-    """The raw key/values of a shipped profile (ProfileError for an unknown name)."""
+    """The raw key/values of a shipped profile: the shared defaults, then its own file
+    (ProfileError for an unknown name or an incomplete install)."""
     if name not in PROFILE_NAMES:
         raise ProfileError(f"profile: unknown profile {name!r}; allowed: "
                            f"{', '.join(PROFILE_NAMES)}", key="profile")
-    res = resources.files("kvfs.ops").joinpath("profiles", f"{name}.json")
-    try:
-        return json.loads(res.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:  # a broken install, not user input
-        raise ProfileError(f"profile: data file of {name!r} is unreadable: {e}") from None
+    data = {**defaults(), **_data_file(name)}
+    missing = [k for k in KEYS if k not in data and FIELDS[k].default is dataclasses.MISSING]
+    if missing:
+        raise ProfileError(f"profile: {name}.json and defaults.json leave {', '.join(missing)} "
+                           "unset (a broken install)")
+    return data
 
 
 def load(name: str = "gov", overrides: dict[str, Any] | None = None,
