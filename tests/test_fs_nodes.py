@@ -7,7 +7,8 @@ import errno
 import pytest
 
 from kvfs.engine import errors
-from kvfs.fuse.nodes import FIRST_DYNAMIC, InodeTable, NameError_, check_name, errno_of
+from kvfs.fuse.errnos import Refused, Stale, errno_of
+from kvfs.fuse.nodes import FIRST_DYNAMIC, InodeTable, check_name, shown
 
 
 @pytest.mark.parametrize("raw, code", [
@@ -20,7 +21,7 @@ from kvfs.fuse.nodes import FIRST_DYNAMIC, InodeTable, NameError_, check_name, e
     ("é".encode() * 128, errno.ENAMETOOLONG),  # 256 bytes, 128 characters
 ])
 def test_bad_names(raw: bytes, code: int) -> None:
-    with pytest.raises(NameError_) as e:
+    with pytest.raises(Refused) as e:
         check_name(raw)
     assert e.value.errno == code
 
@@ -89,3 +90,25 @@ def test_unlink_session_detaches_its_files() -> None:
     t.unlink_session("s")
     assert t.get(s).unlinked and t.get(f).unlinked and not t.get(other).unlinked
     assert t.ino_of(("s",)) not in (s, f)
+
+
+def test_layer_refusals_have_their_errno() -> None:
+    assert errno_of(Stale("gone")) == errno.ESTALE
+    assert errno_of(Refused(errno.ENAMETOOLONG, "long")) == errno.ENAMETOOLONG
+    assert errno_of(RuntimeError("bug")) == errno.EIO
+
+
+def test_shown_names_cannot_split_log_lines() -> None:
+    assert shown(("s\nERROR forged", "layer_0")) == "'s\\nERROR forged/layer_0'"
+    assert "\r" not in shown("a\rb") and "\x1b" not in shown("a\x1b[2Jb")
+
+
+def test_unlink_keeps_last_stat_and_detaches() -> None:
+    t = InodeTable()
+    f = t.looked_up(("s", "x"))
+    t.opened(f)
+    t.unlink(("s", "x"), last="stat")
+    node = t.get(f)
+    assert node.unlinked and node.last == "stat"
+    t.unlink(("s", "x"))  # nothing named any more: a no-op
+    assert t.get(f).last == "stat"

@@ -42,6 +42,15 @@ async def _new_file(ops: Operations, session: str, name: str) -> tuple[int, int]
     return attr.st_ino, fi.fh
 
 
+async def _new_files(ops: Operations, session: str, n: int) -> list[tuple[int, int]]:
+    d = await ops.mkdir(SESSIONS, session.encode(), 0o777, CTX)
+    out = []
+    for i in range(n):
+        fi, attr = await ops.create(d.st_ino, f"f{i}".encode(), 0o644, os.O_WRONLY, CTX)
+        out.append((attr.st_ino, fi.fh))
+    return out
+
+
 def test_small_writes_are_gathered_into_entries(store) -> None:
     async def main() -> None:
         ops = Operations(store)
@@ -95,11 +104,11 @@ def test_truncate_inside_buffer_and_longer(store) -> None:
         await ops.write(fh, 0, b"0123456789")
         await ops.flush(fh)
         await ops.write(fh, 10, b"abcdef")
-        await ops.buffers.truncate(ino, ("s", "f"), 12)  # inside the unflushed tail
+        await ops.buffers.truncate(ops.inodes.get(ino), 12)  # inside the unflushed tail
         with pytest.raises(FUSEError) as e:
-            await ops.buffers.truncate(ino, ("s", "f"), 13)
+            await ops.buffers.truncate(ops.inodes.get(ino), 13)
         assert e.value.errno == errno.EINVAL
-        await ops.buffers.truncate(ino, ("s", "f"), 4)  # into the engine's part
+        await ops.buffers.truncate(ops.inodes.get(ino), 4)  # into the engine's part
         await ops.write(fh, 4, b"XY")
         await ops.release(fh)
         assert store.read("s", "f", 0, 100) == b"0123XY"
@@ -173,3 +182,93 @@ def test_generated_files_are_read_only(store) -> None:
         assert b"kv_cold_capacity_bytes" in await ops.read(fi.fh, 0, 1 << 20)
 
     run(main)
+
+
+def test_handles_of_an_unlinked_file_are_stale(store) -> None:
+    async def main() -> None:
+        ops = Operations(store)
+        ino, fh = await _new_file(ops, "s", "f")
+        await ops.write(fh, 0, b"old bytes")
+        d = ops.inodes.ino_of(("s",))
+        await ops.unlink(d, b"f", CTX)
+        new_fi, new_attr = await ops.create(d, b"f", 0o600, os.O_WRONLY, CTX)
+        assert new_attr.st_ino != ino
+        for call in (ops.read(fh, 0, 10), ops.write(fh, 0, b"X"), ops.fsync(fh, False)):
+            with pytest.raises(FUSEError) as e:
+                await call
+            assert e.value.errno == errno.ESTALE
+        a = await ops.getattr(ino, CTX)
+        assert (a.st_nlink, a.st_size) == (0, 9)  # the old file as it was
+        await ops.flush(fh)  # close succeeds: nothing of it is left to store
+        await ops.release(fh)
+        await ops.release(new_fi.fh)
+        assert store.read("s", "f", 0, 100) == b""
+        assert not ops.needs_fsck
+
+    run(main)
+
+
+def test_read_of_buffered_tail_never_exceeds_request_across_a_flush(store) -> None:
+    async def main() -> None:
+        ops = Operations(store)
+        ino, fh = await _new_file(ops, "s", "f")
+        data = bytes(range(256)) * 64  # 16 KiB
+        await ops.write(fh, 0, data[:8192])
+        await ops.flush(fh)
+        await ops.write(fh, 8192, data[8192:])  # buffered tail 8192..16384
+        p = ops.buffers.get(ino)
+        out: list[bytes] = []
+
+        async def reader() -> None:
+            out.append(await ops.read(fh, 8000, 4096))
+
+        async with trio.open_nursery() as n:
+            async with p.lock:  # a flush holds the file's lock while the read arrives
+                n.start_soon(reader)
+                await trio.sleep(0.01)
+                await ops.buffers._flush_locked(p)
+        assert out == [data[8000:8000 + 4096]]
+        assert p.base == 16384 and not p.buf
+        await ops.release(fh)
+
+    run(main)
+
+
+def test_unflushed_bytes_stay_under_the_mount_bound(store) -> None:
+    async def main() -> None:
+        ops = Operations(store, max_pending=64 << 10)
+        files = await _new_files(ops, "s", 10)
+        for r in range(8):
+            for i, (_, fh) in enumerate(files):
+                assert await ops.write(fh, r * 16384, bytes([i]) * 16384) == 16384
+                assert ops.buffers.pending_bytes <= 64 << 10
+        for i, (_, fh) in enumerate(files):
+            await ops.release(fh)
+            assert store.read("s", f"f{i}", 0, 1 << 20) == bytes([i]) * (8 * 16384)
+
+    run(main)
+
+
+def test_full_volume_refuses_at_write_and_keeps_what_was_acknowledged(store, caplog) -> None:
+    async def main() -> None:
+        ops = Operations(store)
+        files = await _new_files(ops, "s", 40)
+        acked = [0] * len(files)
+        refused = 0
+        piece = os.urandom(256 << 10)
+        for _ in range(4):
+            for i, (_, fh) in enumerate(files):
+                try:
+                    acked[i] += await ops.write(fh, acked[i], piece)
+                except FUSEError as e:
+                    assert e.errno == errno.ENOSPC
+                    refused += 1
+        assert refused and sum(acked) < 16 << 20
+        for i, (_, fh) in enumerate(files):
+            await ops.flush(fh)  # nothing acknowledged fails to store at close
+            await ops.release(fh)
+            assert store.file_stat("s", f"f{i}").size == acked[i]
+            assert store.read("s", f"f{i}", 0, acked[i]) == (piece * 4)[:acked[i]]
+
+    run(main)
+    assert "could not be stored" not in caplog.text

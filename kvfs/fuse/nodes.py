@@ -1,12 +1,16 @@
-"""The FUSE layer's bookkeeping: fixed inodes, the inode table, names, errno, pending writes.
+"""The FUSE layer's bookkeeping: fixed inodes, the inode table, names, open handles.
 
-Pure Python with no pyfuse3, trio or engine import, so it is tested without a kernel.
-``kvfs.fs`` builds its handlers on these pieces; nothing here touches the volume.
+Pure Python with no trio or engine call, so it is tested without a kernel. ``ops`` builds
+its handlers on these pieces; nothing here touches the volume.
 
 Inode numbers: 1 to 5 are the fixed tree (``/``, ``/sessions``, ``/.kvfs`` and its two
 generated files); sessions and their files get numbers from ``FIRST_DYNAMIC`` up, handed
 out on first sight and dropped when the kernel forgets them (lookup count 0, not open).
 They need not survive a remount.
+
+A dynamic inode stands for one incarnation of a name, never for the name: once the name
+is unlinked or created anew, the old inode is ``unlinked`` and every handle on it answers
+ESTALE (``ops``), so an old descriptor never reaches a new file of the same name.
 """
 
 from __future__ import annotations
@@ -14,8 +18,9 @@ from __future__ import annotations
 import errno
 import stat
 from dataclasses import dataclass
+from typing import Any
 
-from kvfs.engine import errors
+from .errnos import Refused
 
 ROOT = 1  # pyfuse3.ROOT_INODE
 SESSIONS = 2
@@ -41,38 +46,8 @@ FIXED_CHILDREN: dict[int, list[tuple[str, int]]] = {
 }
 GENERATED = (STATS, METRICS)
 
-#: engine exception -> errno; subclasses before their base (NameTooLong is a BadName)
-ERRNO: list[tuple[type[errors.KVFSError], int]] = [
-    (errors.NotFound, errno.ENOENT),
-    (errors.Exists, errno.EEXIST),
-    (errors.NameTooLong, errno.ENAMETOOLONG),
-    (errors.BadName, errno.EINVAL),
-    (errors.NotAppend, errno.EPERM),
-    (errors.BadRange, errno.EINVAL),
-    (errors.NotEmpty, errno.ENOTEMPTY),
-    (errors.NoSpace, errno.ENOSPC),
-    (errors.Corrupt, errno.EIO),
-]
-
-
-def errno_of(exc: errors.KVFSError) -> int:
-    """The errno a client sees for an engine error (EIO for anything unexpected)."""
-    for cls, code in ERRNO:
-        if isinstance(exc, cls):
-            return code
-    return errno.EIO
-
-
-class NameError_(Exception):
-    """A name the kernel passed that kvfs refuses; ``errno`` says how."""
-
-    def __init__(self, code: int, why: str) -> None:
-        super().__init__(why)
-        self.errno = code
-
-
 def check_name(raw: bytes) -> str:
-    """The engine's ``str`` for a directory entry name, or ``NameError_``.
+    """The engine's ``str`` for a directory entry name, or ``Refused``.
 
     Over 255 bytes -> ENAMETOOLONG (FUSE lets names up to 1024 bytes through); empty,
     ``.``, ``..``, or containing ``/`` or NUL -> EINVAL. Bytes that are not UTF-8 pass
@@ -80,24 +55,37 @@ def check_name(raw: bytes) -> str:
     The engine checks again.
     """
     if len(raw) > NAME_MAX:
-        raise NameError_(errno.ENAMETOOLONG, f"name of {len(raw)} bytes (max {NAME_MAX})")
+        raise Refused(errno.ENAMETOOLONG, f"name of {len(raw)} bytes (max {NAME_MAX})")
     if raw in (b"", b".", b"..") or b"/" in raw or b"\0" in raw:
-        raise NameError_(errno.EINVAL, f"name {raw!r} not allowed")
+        raise Refused(errno.EINVAL, f"name {raw!r} not allowed")
     return raw.decode("utf-8", "surrogateescape")
 
 
 Key = tuple[str, ...]  # (session,) for a session directory, (session, file) for a file
 
 
+def shown(key: Key | str) -> str:
+    """A name for a log line: quoted, with newlines and other control characters escaped,
+    so a name cannot forge or split lines."""
+    return repr(key if isinstance(key, str) else "/".join(key))
+
+
 @dataclass(slots=True)
 class Node:
-    """A dynamic inode: what it names, how often the kernel looked it up, open handles."""
+    """A dynamic inode: what it names, how often the kernel looked it up, open handles.
+
+    ``unlinked``: the name now belongs to another incarnation (or none); ``last`` is the
+    file's stat at unlink, answered (nlink 0) to fstat on a handle still open; ``sno``
+    the engine's never-reused number of a session, to notice one replaced behind us.
+    """
 
     ino: int
     key: Key
     lookups: int = 0
     opens: int = 0
     unlinked: bool = False
+    last: Any = None
+    sno: int = -1
 
     @property
     def is_dir(self) -> bool:
@@ -157,12 +145,14 @@ class InodeTable:
             node.opens = max(0, node.opens - 1)
             self._maybe_drop(node)
 
-    def unlink(self, key: Key) -> None:
-        """``key`` is gone from its directory; its inode lingers while referenced."""
+    def unlink(self, key: Key, last: Any = None) -> None:
+        """``key`` is gone from its directory (or names a new file now); its inode lingers
+        while referenced, detached: handles on it answer ESTALE."""
         ino = self._by_key.pop(key, None)
         if ino is not None:
             node = self._by_ino[ino]
             node.unlinked = True
+            node.last = last
             self._maybe_drop(node)
 
     def unlink_session(self, session: str) -> None:
@@ -179,10 +169,11 @@ class InodeTable:
 
 @dataclass(slots=True)
 class Handle:
-    """An open file: its inode and, for the generated files, the bytes made at open."""
+    """An open file: its inode (one incarnation) and, for the generated files, the bytes
+    made at open."""
 
     ino: int
     content: bytes | None = None
     writable: bool = False
     seq_end: int = 0  # where the last read ended: the next one there is sequential
-    ahead: object = None  # a read-ahead in flight or done (``fsfiles.Ahead``)
+    ahead: object = None  # a read-ahead in flight or done (``files.Ahead``)

@@ -13,10 +13,14 @@ Namespace::
     /.kvfs/stats, /.kvfs/metrics generated at open (read-only, direct I/O)
 
 Handlers are thin: validate, translate, delegate, translate the error (``@handler``,
-in ``fsfiles``).
-An engine error becomes its errno (``fsnodes.ERRNO``); any other exception is logged
-with its traceback, answered with EIO and sets ``needs_fsck`` -- it never escapes, since
-an exception other than ``FUSEError`` leaving a handler ends the mount.
+in ``errnos``). An engine error becomes its errno (``errnos.ERRNO``); any other exception
+is logged with its traceback, answered with EIO and sets ``needs_fsck`` -- it never
+escapes, since an exception other than ``FUSEError`` leaving a handler ends the mount.
+
+A handle is bound to its inode, and an inode to one incarnation of a name (inode numbers
+are never reused within a mount): once the file is unlinked or its session removed, the
+handle answers ESTALE to reads, writes and truncates -- it never reaches a new file of
+the same name -- and fstat shows the file as it was, with no links (docs/mount.md).
 """
 
 from __future__ import annotations
@@ -38,13 +42,14 @@ from pyfuse3 import EntryAttributes, FileInfo, FUSEError, RequestContext, Setatt
 from kvfs.engine import errors
 from kvfs.ops import metrics
 
+from .buffers import MAX_PENDING, WriteBuffers, on_live
+from .dirs import Directories
+from .errnos import Stale, handler
 from .files import (
     FIXED_TIMEOUT,
     Counters,
     ReadAhead,
-    WriteBuffers,
     file_attr,
-    handler,
     make_attr,
     metrics_body,
     negative,
@@ -61,7 +66,9 @@ from .nodes import (
     Handle,
     InodeTable,
     Key,
+    Node,
     check_name,
+    shown,
 )
 
 log = logging.getLogger("kvfs.fs")
@@ -71,14 +78,13 @@ T = TypeVar("T")
 FLUSH_AT = 1 << 20  # a file's write buffer is handed to the engine at this size
 ENTRY_MAX = 256 << 10  # cut into ring entries of at most this size (docs/mount.md)
 PRIVATE = 0o077  # group/other bits dropped from modes asked at creation: KV bytes are private
-READDIR_BATCH = 64
 
 
 def _is_write(flags: int) -> bool:
     return (flags & os.O_ACCMODE) != os.O_RDONLY
 
 
-class Operations(pyfuse3.Operations):
+class Operations(Directories, pyfuse3.Operations):
     """The kvfs filesystem over one open ``Store`` (see the module docstring)."""
 
     supports_dot_lookup = True
@@ -86,7 +92,7 @@ class Operations(pyfuse3.Operations):
 
     def __init__(self, store: Any, *, direct_io: bool = True, allow_other: bool = False,
                  flush_at: int = FLUSH_AT, entry_max: int = ENTRY_MAX,
-                 alerts_state: Callable[[], Any] | None = None) -> None:
+                 max_pending: int = MAX_PENDING, alerts_state: Callable[[], Any] | None = None) -> None:
         super().__init__()
         self.store = store
         self.direct_io = direct_io
@@ -97,7 +103,8 @@ class Operations(pyfuse3.Operations):
         self._limiter = trio.CapacityLimiter(1)  # the Store is not thread-safe
         self._handles: dict[int, Handle] = {}
         self._dirs: dict[int, list[tuple[str, Key | int]]] = {}
-        self.buffers = WriteBuffers(store, self.call, self.counters, flush_at, entry_max)
+        self.buffers = WriteBuffers(store, self.call, self.counters, flush_at, entry_max,
+                                    max_pending)
         self.readahead = ReadAhead(store, self.call, self.counters)  # mount.py sets its nursery
         self._next_fh = 1
         self._uid, self._gid = os.getuid(), os.getgid()
@@ -116,6 +123,8 @@ class Operations(pyfuse3.Operations):
         self.counters.errors += 1
         self.needs_fsck = True
         metrics.cold_errors.inc()
+        # thread-safe: only sets the mark; the next engine call writes it to the superblock
+        self.store.mark_needs_fsck(f"internal error in {where}: {type(e).__name__}: {e}")
 
     def _new_fh(self, handle: Handle) -> int:
         fh = self._next_fh
@@ -123,17 +132,28 @@ class Operations(pyfuse3.Operations):
         self._handles[fh] = handle
         return fh
 
-    def _key(self, ino: int) -> Key:
+    def _node(self, ino: int) -> Node:
         node = self.inodes.get(ino)
         if node is None:
             raise FUSEError(errno.ENOENT)
+        return node
+
+    def _key(self, ino: int) -> Key:
+        """What a directory or file inode names; ENOENT once removed (names looked up in
+        a removed session are not those of a new session of the same name)."""
+        node = self._node(ino)
+        if node.unlinked:
+            raise FUSEError(errno.ENOENT)
         return node.key
 
-    def _file_key(self, ino: int) -> Key:
-        key = self._key(ino)
-        if len(key) != 2:
+    def _file(self, ino: int) -> Node:
+        """The file behind a handle; ESTALE once it was unlinked or replaced."""
+        node = self._node(ino)
+        if len(node.key) != 2:
             raise FUSEError(errno.EISDIR)
-        return key
+        if node.unlinked:
+            raise Stale(shown(node.key))
+        return node
 
     def _session_of(self, parent: int) -> str:
         """The session a new file goes into; EROFS in /.kvfs, EPERM elsewhere outside one."""
@@ -174,8 +194,11 @@ class Operations(pyfuse3.Operations):
     async def _attr_of(self, ino: int) -> EntryAttributes:
         if ino in FIXED:
             return await self._fixed_attr(ino)
+        node = self._node(ino)
+        if node.unlinked and node.last is not None:  # fstat of an open, unlinked file
+            return file_attr(ino, node.last, None, nlink=0)
         key = self._key(ino)
-        return self._dyn_attr(ino, key, await self.call(self._stat_sync, key))
+        return self._dyn_attr(ino, key, await self.call(on_live, node, self._stat_sync, key))
 
     async def _generate(self, ino: int) -> bytes:
         def body() -> bytes:
@@ -183,7 +206,8 @@ class Operations(pyfuse3.Operations):
                 return metrics_body(self.store.usage())
             fs = {**asdict(self.counters), "open_files": len(self._handles),
                   "inodes": len(self.inodes), "direct_io": self.direct_io,
-                  "pending_bytes": self.buffers.pending_bytes}
+                  "pending_bytes": self.buffers.pending_bytes,
+                  "max_pending": self.buffers.max_pending}
             return stats_body(self.store.stats(), self.store.usage(), fs, self.needs_fsck,
                               self.alerts_state)
 
@@ -213,11 +237,25 @@ class Operations(pyfuse3.Operations):
                 st = await self.call(self._stat_sync, key)
             except errors.NotFound:
                 return negative()
+            if len(key) == 1:
+                self._bind_session(key[0], st.sno)
             return self._dyn_attr(self.inodes.looked_up(key), key, st)
         attr = await self._attr_of(ino)
         if ino not in FIXED:
             self.inodes.looked_up(self._key(ino))
         return attr
+
+    def _bind_session(self, name: str, sno: int) -> None:
+        """Tie ``name``'s inode to the engine's session ``sno``: if the inode stood for an
+        earlier session of that name (dropped by the engine, made anew), detach it and
+        its files first, so the new session gets new inodes."""
+        node = self.inodes.get(self.inodes.ino_of((name,)))
+        assert node is not None
+        if node.sno not in (-1, sno):
+            self.inodes.unlink_session(name)
+            node = self.inodes.get(self.inodes.ino_of((name,)))
+            assert node is not None
+        node.sno = sno
 
     def _parent_of(self, ino: int) -> int:
         if ino in FIXED:
@@ -238,6 +276,9 @@ class Operations(pyfuse3.Operations):
                       fh: int | None, ctx: RequestContext) -> EntryAttributes:
         if inode in FIXED:
             raise FUSEError(errno.EROFS if inode in (KVFS_DIR, *GENERATED) else errno.EPERM)
+        node = self._node(inode)
+        if node.unlinked and len(node.key) == 2:
+            raise Stale(shown(node.key))  # ftruncate, fchmod, futimens of an unlinked file
         key = self._key(inode)
         changes = {
             "mode": attr.st_mode & 0o7777 if fields.update_mode else None,
@@ -249,13 +290,14 @@ class Operations(pyfuse3.Operations):
         if fields.update_size:
             if len(key) == 1:
                 raise FUSEError(errno.EISDIR)
-            await self.buffers.truncate(inode, key, attr.st_size)
+            await self.buffers.truncate(node, attr.st_size)
+            self.buffers.space_freed()
             ReadAhead.forget(self._handles.values(), inode)
         elif len(key) == 2:  # written bytes land first, so e.g. tar's futimens sticks
-            await self._flush(inode)
+            await self.buffers.flush(node)
         if any(v is not None for v in changes.values()):
             setter = self.store.set_session_attrs if len(key) == 1 else self.store.set_file_attrs
-            await self.call(functools.partial(setter, *key, **changes))
+            await self.call(on_live, node, functools.partial(setter, *key, **changes))
         return await self._attr_of(inode)
 
     # ------------------------------------------------------------------ namespace changes
@@ -270,6 +312,8 @@ class Operations(pyfuse3.Operations):
             return self.store.session_stat(key[0])
 
         st = await self.call(make)
+        self.inodes.unlink_session(key[0])  # inodes of an earlier session of this name
+        self._bind_session(key[0], st.sno)
         return session_attr(self.inodes.looked_up(key), st)
 
     @handler
@@ -284,15 +328,26 @@ class Operations(pyfuse3.Operations):
 
         await self.call(remove)
         self.inodes.unlink_session(sname)
+        self.buffers.space_freed()
 
     @handler
     async def unlink(self, parent_inode: int, name: bytes, ctx: RequestContext) -> None:
         key = (self._session_of(parent_inode), check_name(name))
-        await self.call(self.store.delete_file, *key)
-        dropped = self.buffers.drop(self.inodes.ino_of(key))
+
+        def delete() -> Any:  # the last stat answers fstat on a handle still open
+            last = self.store.file_stat(*key)
+            self.store.delete_file(*key)
+            return last
+
+        last = await self.call(delete)
+        ino = self.inodes.ino_of(key)
+        dropped = self.buffers.drop(ino)
         if dropped:
-            log.warning("unlink %s/%s: %d unflushed bytes of an open file dropped", *key, dropped)
-        self.inodes.unlink(key)
+            log.warning("unlink %s: %d unflushed bytes of an open file dropped", shown(key),
+                        dropped)
+        last.size += dropped  # the size its readers saw
+        self.buffers.space_freed()
+        self.inodes.unlink(key, last)
 
     async def _new_file(self, parent: int, name: bytes, mode: int,
                         ctx: RequestContext) -> tuple[int, EntryAttributes]:
@@ -303,6 +358,7 @@ class Operations(pyfuse3.Operations):
             return self.store.file_stat(*key)
 
         st = await self.call(make)
+        self.inodes.unlink(key)  # an inode of an earlier file of this name stays its own
         ino = self.inodes.looked_up(key)
         return ino, file_attr(ino, st, None)
 
@@ -346,9 +402,9 @@ class Operations(pyfuse3.Operations):
             return FileInfo(fh=self._new_fh(Handle(inode, content=body)), direct_io=True)
         if inode in FIXED:
             raise FUSEError(errno.EISDIR)
-        key = self._file_key(inode)
+        node = self._file(inode)
         if flags & os.O_TRUNC:
-            await self.buffers.truncate(inode, key, 0)
+            await self.buffers.truncate(node, 0)
             ReadAhead.forget(self._handles.values(), inode)
         return self._open_file(inode, flags)
 
@@ -357,11 +413,15 @@ class Operations(pyfuse3.Operations):
         h = self._handles[fh]
         if h.content is not None:
             return h.content[off:off + size]
-        key = self._file_key(h.ino)
+        node = self._file(h.ino)
         p = self.buffers.get(h.ino)
         data = await self.readahead.read(
-            h, key, off, size, lambda: self.buffers.read(h.ino, key, off, size),
+            h, node, off, size, lambda: self.buffers.read(node, off, size),
             p.base if p is not None else None)
+        if len(data) > size:  # FUSE refuses a reply larger than the request: a bug here
+            self._internal_error("read", AssertionError(
+                f"{len(data)} bytes read for a request of {size} at {off}"))
+            data = data[:size]
         self.counters.reads += 1
         self.counters.read_bytes += len(data)
         return data
@@ -371,23 +431,20 @@ class Operations(pyfuse3.Operations):
         h = self._handles[fh]
         if h.content is not None:
             raise FUSEError(errno.EROFS)
-        return await self.buffers.write(h.ino, self._file_key(h.ino), off, buf)
-
-    async def _flush(self, ino: int) -> None:
-        if self.buffers.get(ino) is not None:
-            await self.buffers.flush(ino, self._file_key(ino))
+        return await self.buffers.write(self._file(h.ino), off, buf)
 
     @handler
     async def flush(self, fh: int) -> None:
         h = self._handles[fh]
-        if h.content is None:
-            await self._flush(h.ino)
+        node = self.inodes.get(h.ino)
+        if h.content is None and node is not None and not node.unlinked:
+            await self.buffers.flush(node)  # close of an unlinked file: nothing left to store
 
     @handler
     async def fsync(self, fh: int, datasync: bool) -> None:
         h = self._handles[fh]
         if h.content is None:
-            await self._flush(h.ino)
+            await self.buffers.flush(self._file(h.ino))
             await self.call(self.store.sync)
 
     @handler
@@ -398,100 +455,20 @@ class Operations(pyfuse3.Operations):
         node = self.inodes.get(h.ino)
         try:
             if node is not None and not node.unlinked:
-                await self._flush(h.ino)
+                await self.buffers.flush(node)
         finally:
             if node is None or node.opens <= 1:
                 lost = self.buffers.drop(h.ino)
                 if lost:
-                    log.error("inode %d closed with %d bytes that could not be stored: lost",
-                              h.ino, lost)
+                    log.error("%s (inode %d) closed with %d bytes that could not be stored: "
+                              "lost", shown(node.key) if node else "?", h.ino, lost)
             self.inodes.closed(h.ino)
-
-    # ------------------------------------------------------------------ directories
-    @handler
-    async def opendir(self, inode: int, ctx: RequestContext) -> int:
-        entries: list[tuple[str, Key | int]] = [(".", inode), ("..", self._parent_of(inode))]
-        if inode in FIXED_CHILDREN:
-            entries += FIXED_CHILDREN[inode]
-        elif inode == SESSIONS:
-            entries += [(n, (n,)) for n in await self.call(self.store.list_sessions)]
-        elif inode in FIXED:
-            raise FUSEError(errno.ENOTDIR)
-        else:
-            key = self._key(inode)
-            if len(key) != 1:
-                raise FUSEError(errno.ENOTDIR)
-            names = await self.call(self.store.list_files, key[0])
-            entries += [(n, (key[0], n)) for n in names]
-        fh = self._new_fh(Handle(inode))
-        self._dirs[fh] = entries  # a snapshot: offsets stay valid while entries change
-        return fh
-
-    @handler
-    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
-        entries = self._dirs[fh]
-        i = start_id
-        while i < len(entries):
-            batch = entries[i:i + READDIR_BATCH]
-            attrs = await self._batch_attrs(batch)
-            for name, ref in batch:
-                i += 1
-                attr = attrs.get(name)
-                if attr is None:  # removed since opendir
-                    continue
-                if not pyfuse3.readdir_reply(token, os.fsencode(name), attr, i):
-                    for a in attrs.values():  # drop numbers the kernel never saw
-                        self.inodes.forget(a.st_ino, 0)
-                    return
-                if isinstance(ref, tuple):
-                    self.inodes.looked_up(ref)
-
-    async def _batch_attrs(self, batch: list[tuple[str, Key | int]]) -> dict[str, EntryAttributes]:
-        """Attributes of a slice of a listing, with one worker call for the dynamic ones."""
-        keys = [ref for _, ref in batch if isinstance(ref, tuple)]
-
-        def stats() -> list[Any]:
-            out = []
-            for key in keys:
-                try:
-                    out.append(self._stat_sync(key))
-                except errors.NotFound:
-                    out.append(None)
-            return out
-
-        found = await self.call(stats) if keys else []
-        attrs = {key[-1]: self._dyn_attr(self.inodes.ino_of(key), key, st)
-                 for key, st in zip(keys, found, strict=True) if st is not None}
-        for name, ref in batch:
-            if isinstance(ref, int):  # ".", ".." and the fixed tree: never counted
-                attrs[name] = await self._attr_of(ref)
-        return attrs
-
-    async def releasedir(self, fh: int) -> None:
-        self._dirs.pop(fh, None)
-        self._handles.pop(fh, None)
-
-    @handler
-    async def fsyncdir(self, fh: int, datasync: bool) -> None:
-        await self.call(self.store.sync)
-
-    @handler
-    async def statfs(self, ctx: RequestContext) -> pyfuse3.StatvfsData:
-        u = await self.call(self.store.usage)
-        s = pyfuse3.StatvfsData()
-        s.f_bsize = s.f_frsize = 4096
-        s.f_blocks = u.capacity // 4096
-        s.f_bfree = s.f_bavail = max(0, u.capacity - u.used) // 4096
-        s.f_files = u.sessions + len(FIXED)
-        s.f_ffree = s.f_favail = 1 << 20
-        s.f_namemax = 255
-        return s
 
     # ------------------------------------------------------------------ shutdown
     async def flush_all(self) -> None:
         """Hand every buffered byte to the engine (at unmount; failures are logged)."""
-        for ino in self.buffers.inodes():
+        for p in self.buffers.pending():
             try:
-                await self._flush(ino)
-            except (errors.KVFSError, FUSEError) as e:
-                log.error("flush at unmount failed for inode %d: %s", ino, e)
+                await self.buffers.flush(p.node)
+            except (errors.KVFSError, Stale) as e:
+                log.error("flush at unmount failed for %s: %r", shown(p.node.key), e)

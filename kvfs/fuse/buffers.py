@@ -1,0 +1,284 @@
+"""The write buffers of the open files: many small kernel writes -> one engine append.
+
+Owns every byte the mount has acknowledged but the engine does not hold yet, and the
+bounds on them:
+
+- per file: a buffer becomes one ``Store.append`` (ring entries of at most ``entry_max``)
+  when it reaches ``flush_at``, and on flush, fsync and close;
+- per mount: the unflushed bytes of all files stay under ``max_pending`` (memory) and under
+  the ring space the engine is known to have free (``headroom``), so a write that cannot
+  be stored fails at write() with ENOSPC, not later at close. Past either bound the other
+  files' buffers are flushed first (largest first), then this file's; if the bound still
+  does not hold, this write goes straight through to the engine: stored before it is
+  acknowledged, or taken back and answered with the engine's error. After the engine refused an append for want of space, writes that
+would need it are refused with ENOSPC for ``FULL_RETRY_S`` without asking it again (each
+refusal costs the engine a trip round the ring on the single worker), or until space is
+freed through the mount (``space_freed``).
+
+The buffers reach the ``Store`` solely through ``call`` (the layer's single worker), and
+only while the inode still names its file (``on_live``): bytes of an unlinked or replaced
+file never reach a new file of the same name.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import trio
+from pyfuse3 import FUSEError
+
+from kvfs.engine import errors
+
+from .errnos import Stale
+from .nodes import Node, shown
+
+log = logging.getLogger("kvfs.fs")
+
+Call = Callable[..., Awaitable[Any]]
+T = TypeVar("T")
+
+MAX_PENDING = 256 << 20  # default bound on the mount's unflushed bytes
+ENTRY_OVERHEAD = 1024  # ring bytes an entry may take beyond its payload (header, alignment)
+FULL_RETRY_S = 1.0  # after the engine said "full", new bytes are refused this long untried
+
+
+def default_max_pending() -> int:
+    """``MAX_PENDING``, or an eighth of the machine's RAM where that is less."""
+    try:
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return MAX_PENDING
+    return max(1 << 20, min(MAX_PENDING, ram // 8))
+
+
+def on_live(node: Node, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` (on the worker), only while ``node`` still names its file.
+
+    Checked on the worker right before the engine call, so an unlink and a new file of
+    the same name queued in between cannot slip under it."""
+    if node.unlinked:
+        raise Stale(f"{shown(node.key)} was unlinked or replaced")
+    return fn(*args)
+
+
+@dataclass(eq=False)
+class Pending:
+    """Bytes appended to one file (one inode) through the mount, not yet in the engine.
+
+    The engine holds ``base`` bytes; the file's visible size is ``base + len(buf)``. The
+    lock orders writes, flushes, truncates and reads of the buffered tail of this file.
+    """
+
+    node: Node
+    base: int
+    buf: bytearray = field(default_factory=bytearray)
+    lock: trio.Lock = field(default_factory=trio.Lock)
+
+    @property
+    def size(self) -> int:
+        return self.base + len(self.buf)
+
+
+class WriteBuffers:
+    """The write buffers of the open files, by inode (see the module docstring).
+
+    A write must land at the file's visible end (EPERM and a log line otherwise, nothing
+    changed). A failed append keeps the bytes buffered and reports the engine's error; the
+    last handle's release drops what still cannot be stored, with a log line.
+    """
+
+    def __init__(self, store: Any, call: Call, counters: Any, flush_at: int, entry_max: int,
+                 max_pending: int = MAX_PENDING) -> None:
+        self.store, self.call, self.counters = store, call, counters
+        self.flush_at, self.entry_max, self.max_pending = flush_at, entry_max, max_pending
+        self._by_ino: dict[int, Pending] = {}
+        self._headroom: int | None = None  # free ring bytes at the last look, less the reserve
+        self._full_until = 0.0  # trio clock: until then a full engine is not asked again
+
+    def space_freed(self) -> None:
+        """A file or session was deleted or truncated: the engine may have room again."""
+        self._full_until = 0.0
+
+    def get(self, ino: int) -> Pending | None:
+        return self._by_ino.get(ino)
+
+    def drop(self, ino: int) -> int:
+        """Forget a file's buffer (unlinked, last handle closed); returns bytes dropped."""
+        p = self._by_ino.pop(ino, None)
+        return len(p.buf) if p is not None else 0
+
+    def pending(self) -> list[Pending]:
+        return list(self._by_ino.values())
+
+    @property
+    def pending_bytes(self) -> int:
+        return sum(len(p.buf) for p in self._by_ino.values())
+
+    # ------------------------------------------------------------------ the global bound
+    def _need(self, n: int) -> int:
+        """Ring bytes, conservatively, that storing all buffers plus ``n`` bytes takes."""
+        total = self.pending_bytes + n
+        entries = total // self.entry_max + len(self._by_ino) + 1
+        return total + entries * ENTRY_OVERHEAD + self.entry_max  # + one pad at the lap end
+
+    def _fits(self, n: int) -> bool:
+        return (self.pending_bytes + n <= self.max_pending and self._headroom is not None
+                and self._need(n) <= self._headroom)
+
+    def _headroom_now(self) -> int:
+        u = self.store.usage()
+        return u.capacity - u.used - int(getattr(self.store, "reserve", 0))
+
+    async def _make_room(self, mine: Pending, n: int) -> None:
+        """Flush other files' buffers, largest first, until ``n`` more bytes fit the bounds.
+
+        Holds no lock of ``mine`` and one other lock at a time, so two writers making room
+        cannot wait on each other. Stops at the first engine refusal (a full volume refuses
+        the others too); those bytes stay buffered and are retried later."""
+        self._headroom = await self.call(self._headroom_now)
+        if self._fits(n):
+            return
+        for q in sorted(self._by_ino.values(), key=lambda q: len(q.buf), reverse=True):
+            if q is mine or not q.buf:
+                continue
+            async with q.lock:
+                try:
+                    await self._flush_locked(q)
+                except Stale:
+                    continue
+                except errors.KVFSError:
+                    return
+            if self._fits(n):
+                return
+
+    # ------------------------------------------------------------------ writes
+    async def write(self, node: Node, off: int, buf: bytes) -> int:
+        """Accept ``buf`` at ``off``: the bytes accepted, or raise; never drop silently.
+
+        The buffer is flushed before it would pass ``flush_at`` or the mount's bound, and
+        when this write fills it. If that append fails (ENOSPC), the part of this write
+        that did not reach the engine is taken back: a short write when some of it did,
+        the error when none did. So what the kernel is told was written is always exactly
+        buffered (within the bounds) or stored.
+        """
+        n = len(buf)
+        p = self._by_ino.get(node.ino)
+        if p is None:
+            st = await self.call(on_live, node, self.store.file_stat, *node.key)
+            p = self._by_ino.setdefault(node.ino, Pending(node, st.size))
+        if not self._fits(n):
+            if trio.current_time() < self._full_until:
+                raise errors.NoSpace("volume full")
+            await self._make_room(p, n)
+        async with p.lock:
+            if node.unlinked:
+                raise Stale(shown(node.key))
+            if off != p.size:
+                self.counters.refused_writes += 1
+                log.warning("write to %s at offset %d refused with EPERM: the file ends at "
+                            "%d and only appends are allowed", shown(node.key), off, p.size)
+                raise FUSEError(errno.EPERM)
+            if p.buf and (len(p.buf) + n > self.flush_at or not self._fits(n)):
+                await self._flush_locked(p)
+            through = not self._fits(n)  # no room to promise: store it before saying yes
+            p.buf += buf
+            accepted = n
+            if through or len(p.buf) >= self.flush_at:
+                try:
+                    await self._flush_locked(p)
+                except errors.KVFSError:
+                    unstored = min(n, len(p.buf))  # this write's tail left in the buffer
+                    del p.buf[len(p.buf) - unstored:]
+                    accepted = n - unstored
+                    if not accepted:
+                        raise
+            self.counters.writes += 1
+            self.counters.write_bytes += accepted
+            return accepted
+
+    async def flush(self, node: Node) -> None:
+        """Append the buffer to the engine; on failure it stays buffered and the error rises."""
+        p = self._by_ino.get(node.ino)
+        if p is not None and p.buf:
+            async with p.lock:
+                await self._flush_locked(p)
+
+    async def _flush_locked(self, p: Pending) -> None:
+        if not p.buf:
+            return
+        data = bytes(p.buf)
+        done, err, headroom = await self.call(self._append_pieces, p.node, p.base, data)
+        del p.buf[:done]  # what was stored leaves the buffer; the rest stays for a retry
+        p.base += done
+        self._headroom = headroom
+        if isinstance(err, errors.NoSpace):
+            self._full_until = trio.current_time() + FULL_RETRY_S
+        if err is not None:
+            if not isinstance(err, Stale):
+                log.error("append of %d bytes to %s at %d failed after %d, rest kept "
+                          "buffered: %r", len(data), shown(p.node.key), p.base - done, done, err)
+            raise err
+
+    def _append_pieces(self, node: Node, base: int,
+                       data: bytes) -> tuple[int, BaseException | None, int | None]:
+        """(bytes stored, error, headroom after) of appending ``data`` as entries of at most
+        ``entry_max`` bytes; stops at the first failure (on the worker thread)."""
+        mv = memoryview(data)
+        done = 0
+        err: BaseException | None = None
+        try:
+            while done < len(data):
+                n = min(self.entry_max, len(data) - done)
+                on_live(node, self.store.append, *node.key, base + done, mv[done:done + n])
+                done += n
+                self.counters.appends += 1
+        except Exception as e:
+            err = e
+        try:
+            headroom: int | None = self._headroom_now()
+        except Exception:  # the next write looks again
+            headroom = None
+        return done, err, headroom
+
+    async def truncate(self, node: Node, length: int) -> None:
+        """Drop the tail of a file (an agent retrying a turn); longer -> EINVAL."""
+        p = self._by_ino.get(node.ino)
+        if p is None:
+            await self.call(on_live, node, self.store.truncate, *node.key, length)
+            return
+        async with p.lock:
+            if node.unlinked:
+                raise Stale(shown(node.key))
+            if length > p.size:
+                raise FUSEError(errno.EINVAL)
+            if length >= p.base:  # the cut is in the unflushed tail: the engine never saw it
+                del p.buf[length - p.base:]
+                return
+            p.buf.clear()
+            await self.call(on_live, node, self.store.truncate, *node.key, length)
+            p.base = length
+
+    async def read(self, node: Node, off: int, size: int) -> bytes:
+        """Bytes of the file as this mount sees it: the engine's, then the buffered tail.
+
+        Never more than ``size``. Whether the range reaches the buffer is decided under the
+        file's lock: a flush in between moves bytes from the buffer into the engine."""
+        p = self._by_ino.get(node.ino)
+        if p is None or off + size <= p.base:  # the engine's part only: it never shrinks
+            return await self.call(on_live, node, self.store.read, *node.key, off, size)
+        async with p.lock:
+            if off + size <= p.base or not p.buf:
+                return await self.call(on_live, node, self.store.read, *node.key, off, size)
+            head = b""
+            if off < p.base:
+                want = p.base - off
+                head = await self.call(on_live, node, self.store.read, *node.key, off, want)
+                if len(head) < want:  # the engine holds less than it said: no splice
+                    return head
+            start = off + len(head) - p.base
+            return head + bytes(p.buf[start:start + size - len(head)])

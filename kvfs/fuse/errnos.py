@@ -1,0 +1,93 @@
+"""Every errno the FUSE layer answers, decided in one place.
+
+Engine exceptions map through ``ERRNO``; the layer's own refusals are ``Refused`` (a name
+the kernel passed that kvfs will not take) and ``Stale`` (a handle whose file was unlinked
+or replaced). ``handler`` wraps each ``Operations`` handler: a ``FUSEError`` passes, the
+exceptions above become their errno, and anything else is a bug -- logged with its
+traceback, answered with EIO, the volume marked as needing fsck -- because an exception
+other than ``FUSEError`` leaving a handler ends the whole mount.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from pyfuse3 import FUSEError
+
+from kvfs.engine import errors
+
+log = logging.getLogger("kvfs.fs")
+
+T = TypeVar("T")
+
+#: engine exception -> errno; subclasses before their base (NameTooLong is a BadName)
+ERRNO: list[tuple[type[errors.KVFSError], int]] = [
+    (errors.NotFound, errno.ENOENT),
+    (errors.Exists, errno.EEXIST),
+    (errors.NameTooLong, errno.ENAMETOOLONG),
+    (errors.BadName, errno.EINVAL),
+    (errors.NotAppend, errno.EPERM),
+    (errors.BadRange, errno.EINVAL),
+    (errors.NotEmpty, errno.ENOTEMPTY),
+    (errors.NoSpace, errno.ENOSPC),
+    (errors.Corrupt, errno.EIO),
+]
+
+
+def errno_of(exc: BaseException) -> int:
+    """The errno a client sees for an exception (EIO for anything unexpected)."""
+    if isinstance(exc, FUSEError):
+        return exc.errno
+    if isinstance(exc, Refused):
+        return exc.errno
+    if isinstance(exc, Stale):
+        return errno.ESTALE
+    for cls, code in ERRNO:
+        if isinstance(exc, cls):
+            return code
+    return errno.EIO
+
+
+class Refused(Exception):
+    """Input the FUSE layer refuses before the engine sees it; ``errno`` says how."""
+
+    def __init__(self, code: int, why: str) -> None:
+        super().__init__(why)
+        self.errno = code
+
+
+class Stale(Exception):
+    """The file behind a handle was unlinked or replaced: ESTALE, never the new file."""
+
+
+def handler(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """Translate what escapes a handler: known exception -> errno, anything else -> EIO.
+
+    ``self`` (the ``Operations``) provides ``counters`` and ``_internal_error``.
+    """
+
+    @functools.wraps(fn)
+    async def wrapper(self: Any, *args: Any) -> T:
+        try:
+            return await fn(self, *args)
+        except FUSEError:
+            raise
+        except (Refused, Stale) as e:
+            raise FUSEError(errno_of(e)) from None
+        except errors.KVFSError as e:
+            code = errno_of(e)
+            if isinstance(e, errors.Corrupt):
+                log.error("%s: corrupt data, answering EIO: %r", fn.__name__, e)
+                self.counters.corrupt_reads += 1
+            elif code == errno.EIO:
+                self._internal_error(fn.__name__, e)
+            raise FUSEError(code) from None
+        except Exception as e:
+            self._internal_error(fn.__name__, e)
+            raise FUSEError(errno.EIO) from None
+
+    return wrapper
