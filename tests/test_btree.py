@@ -16,25 +16,31 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvfs.engine import btree
 from kvfs.engine.btree import TREE_ROOT_SIZE, BTree, PageCorrupt, TreeFull, TreeRoot
 from kvfs.engine.errors import Corrupt, KVFSError
+from kvfs.engine.volume import VolumeFile
 
 SMALL = 512  # page size that makes splits, merges and compaction cheap to reach
 OFFSET = 3 * SMALL  # the region does not start at 0 in a volume either
 
 
+def zeroed(path: str, size: int) -> VolumeFile:
+    """A volume object over a zeroed file (the tree reads and writes through it)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, size)
+    return VolumeFile(path, fd, size, False)
+
+
 @pytest.fixture
 def region(tmp_path):
-    """open(region_pages, page_size) -> fd of a zeroed file holding OFFSET + the region."""
-    fds = []
+    """open(region_pages, page_size) -> volume of a zeroed file holding OFFSET + the region."""
+    vols = []
 
-    def open_(pages: int, page_size: int = SMALL) -> int:
-        fd = os.open(tmp_path / f"vol{len(fds)}", os.O_RDWR | os.O_CREAT, 0o600)
-        os.ftruncate(fd, OFFSET + pages * page_size)
-        fds.append(fd)
-        return fd
+    def open_(pages: int, page_size: int = SMALL) -> VolumeFile:
+        vols.append(zeroed(str(tmp_path / f"vol{len(vols)}"), OFFSET + pages * page_size))
+        return vols[-1]
 
     yield open_
-    for fd in fds:
-        os.close(fd)
+    for v in vols:
+        v.close()
 
 
 def key(i: int) -> bytes:
@@ -46,9 +52,9 @@ def dump(t: BTree) -> dict[bytes, bytes]:
     return dict(t.scan())
 
 
-def flip_byte(fd: int, off: int) -> None:
-    b = os.pread(fd, 1, off)
-    os.pwrite(fd, bytes([b[0] ^ 0x40]), off)
+def flip_byte(vol: VolumeFile, off: int) -> None:
+    b = vol.pread(1, off)
+    vol.pwrite(bytes([b[0] ^ 0x40]), off)
 
 
 # ---- the root record ----
@@ -82,18 +88,19 @@ class TreeMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.fd, self.path = tempfile.mkstemp(prefix="kvfs-btree-")
-        os.ftruncate(self.fd, OFFSET + self.PAGES * SMALL)
+        fd, self.path = tempfile.mkstemp(prefix="kvfs-btree-")
+        os.close(fd)
+        self.vol = zeroed(self.path, OFFSET + self.PAGES * SMALL)
         self.tree = self._open(TreeRoot.empty())
         self.model: dict[bytes, bytes] = {}
         self.pending: dict[bytes, bytes | None] = {}
         self.prev: tuple[TreeRoot, dict[bytes, bytes]] | None = None
 
     def _open(self, root: TreeRoot) -> BTree:
-        return BTree(self.fd, OFFSET, self.PAGES, root, page_size=SMALL, cache_pages=8)
+        return BTree(self.vol, OFFSET, self.PAGES, root, page_size=SMALL, cache_pages=8)
 
     def teardown(self):
-        os.close(self.fd)
+        self.vol.close()
         os.unlink(self.path)
 
     @rule(i=st.integers(0, KEYS), n=st.integers(0, 120))
@@ -176,8 +183,8 @@ test_model = TreeMachine.TestCase
 
 def test_random_long_run_covers_all_paths(region):
     """Deterministic long walk; asserts that splits, merges and compactions all happened."""
-    fd = region(60)
-    t = BTree(fd, OFFSET, 60, TreeRoot.empty(), page_size=SMALL, cache_pages=16)
+    vol = region(60)
+    t = BTree(vol, OFFSET, 60, TreeRoot.empty(), page_size=SMALL, cache_pages=16)
     rng = random.Random(7)
     model: dict[bytes, bytes] = {}
     halves, heights, full = set(), set(), 0
@@ -200,7 +207,7 @@ def test_random_long_run_covers_all_paths(region):
                 model[k] = v
         halves.add(t.root.half)
         heights.add(t.root.height)
-        assert dump(BTree(fd, OFFSET, 60, prev_root, page_size=SMALL)) == prev_model
+        assert dump(BTree(vol, OFFSET, 60, prev_root, page_size=SMALL)) == prev_model
         assert t.check() == []
     assert dump(t) == model
     assert halves == {0, 1} and max(heights) >= 3 and min(heights) <= 2
@@ -209,8 +216,8 @@ def test_random_long_run_covers_all_paths(region):
 # ---- scans ----
 
 def test_scan_prefix_and_start(region):
-    fd = region(64, 4096)
-    t = BTree(fd, OFFSET, 64, TreeRoot.empty())
+    vol = region(64, 4096)
+    t = BTree(vol, OFFSET, 64, TreeRoot.empty())
     names = [b"a", b"ab", b"abc", b"abd", b"b", b"ba", b"bb\xff", b"c"]
     t.commit({k: k.upper() for k in names})
     keys = lambda **kw: [k for k, _ in t.scan(**kw)]  # noqa: E731
@@ -226,8 +233,8 @@ def test_scan_prefix_and_start(region):
 
 
 def test_scan_across_many_leaves(region):
-    fd = region(400)
-    t = BTree(fd, OFFSET, 400, TreeRoot.empty(), page_size=SMALL)
+    vol = region(400)
+    t = BTree(vol, OFFSET, 400, TreeRoot.empty(), page_size=SMALL)
     t.commit({b"%04d" % i: b"v" * 20 for i in range(2000)})
     assert t.root.height >= 3
     assert [k for k, _ in t.scan(prefix=b"12")] == [b"%04d" % i for i in range(1200, 1300)]
@@ -238,8 +245,8 @@ def test_scan_across_many_leaves(region):
 # ---- commits, compaction, TreeFull ----
 
 def test_empty_and_noop_commits_keep_the_root(region):
-    fd = region(20)
-    t = BTree(fd, OFFSET, 20, TreeRoot.empty(), page_size=SMALL)
+    vol = region(20)
+    t = BTree(vol, OFFSET, 20, TreeRoot.empty(), page_size=SMALL)
     assert t.commit({}) == TreeRoot.empty()
     assert t.commit({b"absent": None}) == TreeRoot.empty()
     r = t.commit({b"a": b"1"})
@@ -251,12 +258,12 @@ def test_empty_and_noop_commits_keep_the_root(region):
 
 
 def test_commit_writes_few_pages_in_one_pwrite(region, monkeypatch):
-    fd = region(2000)
-    t = BTree(fd, OFFSET, 2000, TreeRoot.empty(), page_size=SMALL)
+    vol = region(2000)
+    t = BTree(vol, OFFSET, 2000, TreeRoot.empty(), page_size=SMALL)
     t.commit({key(i): b"x" * 30 for i in range(3000)})
     writes = []
-    real = os.pwrite
-    monkeypatch.setattr(btree.os, "pwrite", lambda f, d, o: writes.append(len(d)) or real(f, d, o))
+    real = vol.pwrite
+    monkeypatch.setattr(vol, "pwrite", lambda d, o: writes.append(len(d)) or real(d, o))
     before = t.root.alloc
     t.commit({key(1500): b"new", key(10): None, key(2999): b"y"})
     assert len(writes) == 1  # the new pages are one contiguous run
@@ -266,8 +273,8 @@ def test_commit_writes_few_pages_in_one_pwrite(region, monkeypatch):
 
 
 def test_compaction_switches_half_and_keeps_data(region):
-    fd = region(40)
-    t = BTree(fd, OFFSET, 40, TreeRoot.empty(), page_size=SMALL)
+    vol = region(40)
+    t = BTree(vol, OFFSET, 40, TreeRoot.empty(), page_size=SMALL)
     model = {key(i): b"v%d" % i for i in range(30)}
     t.commit(model)
     for n in range(40):  # rewrite one key at a time: garbage piles up in half 0
@@ -283,26 +290,26 @@ def test_compaction_switches_half_and_keeps_data(region):
     assert (r.half, r.prev_half) == (1, 0)
     assert r.alloc < 20  # dense: the live tree only
     assert dump(t) == model and t.check() == []
-    assert dump(BTree(fd, OFFSET, 40, before, page_size=SMALL)) != model  # old state, intact
-    assert BTree(fd, OFFSET, 40, before, page_size=SMALL).check() == []
+    assert dump(BTree(vol, OFFSET, 40, before, page_size=SMALL)) != model  # old state, intact
+    assert BTree(vol, OFFSET, 40, before, page_size=SMALL).check() == []
 
 
 def test_tree_full_when_previous_root_holds_other_half(region):
-    fd = region(40)
-    t = BTree(fd, OFFSET, 40, TreeRoot.empty(), page_size=SMALL)
+    vol = region(40)
+    t = BTree(vol, OFFSET, 40, TreeRoot.empty(), page_size=SMALL)
     t.commit({key(i): b"v" * 20 for i in range(30)})
     # a root in half 0 whose previous root also lives in half 1: no room to compact
     r = t.root
     stuck = TreeRoot(r.root, r.height, r.count, 0, 20, 1, r.generation)
-    t2 = BTree(fd, OFFSET, 40, stuck, page_size=SMALL)
+    t2 = BTree(vol, OFFSET, 40, stuck, page_size=SMALL)
     with pytest.raises(TreeFull):
         t2.commit({key(1): b"changed"})
     assert t2.root == stuck and t2.get(key(1)) == b"v" * 20 and t2.check() == []
 
 
 def test_tree_full_when_it_does_not_fit_a_half(region):
-    fd = region(20)
-    t = BTree(fd, OFFSET, 20, TreeRoot.empty(), page_size=SMALL)
+    vol = region(20)
+    t = BTree(vol, OFFSET, 20, TreeRoot.empty(), page_size=SMALL)
     t.commit({key(i): b"v" * 10 for i in range(20)})
     before = t.root
     with pytest.raises(TreeFull) as e:
@@ -318,19 +325,19 @@ def test_tree_full_when_it_does_not_fit_a_half(region):
 # ---- corruption ----
 
 def test_corrupt_page_raises_and_check_reports(region):
-    fd = region(200)
-    t = BTree(fd, OFFSET, 200, TreeRoot.empty(), page_size=SMALL)
+    vol = region(200)
+    t = BTree(vol, OFFSET, 200, TreeRoot.empty(), page_size=SMALL)
     t.commit({key(i): b"v%d" % i for i in range(300)})
     assert t.root.height >= 2
     target = key(150)
     # find the leaf holding target by walking down, then flip a byte in its body
-    fresh = BTree(fd, OFFSET, 200, t.root, page_size=SMALL)
+    fresh = BTree(vol, OFFSET, 200, t.root, page_size=SMALL)
     node, page = fresh._read(t.root, t.root.root, t.root.height - 1), t.root.root
     while node.level:
         page = node.kids[bisect.bisect_right(node.keys, target)]
         node = fresh._read(t.root, page, node.level - 1)
-    flip_byte(fd, OFFSET + (t.root.half * 100 + page) * SMALL + 40)
-    bad = BTree(fd, OFFSET, 200, t.root, page_size=SMALL)
+    flip_byte(vol, OFFSET + (t.root.half * 100 + page) * SMALL + 40)
+    bad = BTree(vol, OFFSET, 200, t.root, page_size=SMALL)
     with pytest.raises(PageCorrupt):
         bad.get(target)
     with pytest.raises(PageCorrupt):
@@ -342,20 +349,20 @@ def test_corrupt_page_raises_and_check_reports(region):
 
 @pytest.mark.parametrize("mutate", ["garbage", "zero", "header", "pointer"])
 def test_garbage_pages_never_crash(region, mutate):
-    fd = region(20)
-    t = BTree(fd, OFFSET, 20, TreeRoot.empty(), page_size=SMALL)
+    vol = region(20)
+    t = BTree(vol, OFFSET, 20, TreeRoot.empty(), page_size=SMALL)
     t.commit({key(i): b"v" for i in range(40)})
     root = t.root
     off = OFFSET + root.root * SMALL
     if mutate == "garbage":
-        os.pwrite(fd, random.Random(1).randbytes(SMALL), off)
+        vol.pwrite(random.Random(1).randbytes(SMALL), off)
     elif mutate == "zero":
-        os.pwrite(fd, bytes(SMALL), off)
+        vol.pwrite(bytes(SMALL), off)
     elif mutate == "header":
-        flip_byte(fd, off + 5)  # level byte
+        flip_byte(vol, off + 5)  # level byte
     else:  # a root pointing at a never-written (zero) page
         root = TreeRoot(root.root + 1, root.height, root.count, 0, 20, -1, root.generation)
-    bad = BTree(fd, OFFSET, 20, root, page_size=SMALL)
+    bad = BTree(vol, OFFSET, 20, root, page_size=SMALL)
     with pytest.raises(PageCorrupt):
         bad.get(key(3))
     assert bad.check()
@@ -363,10 +370,10 @@ def test_garbage_pages_never_crash(region, mutate):
 
 def test_checksummed_garbage_is_corrupt_not_a_crash(region):
     """Mutate valid pages and fix up the crc: structure checks must catch what crc cannot."""
-    fd = region(100)
-    t = BTree(fd, OFFSET, 100, TreeRoot.empty(), page_size=SMALL)
+    vol = region(100)
+    t = BTree(vol, OFFSET, 100, TreeRoot.empty(), page_size=SMALL)
     t.commit({key(i): bytes(i % 30) for i in range(150)})
-    pages = [os.pread(fd, SMALL, OFFSET + p * SMALL) for p in range(t.root.alloc)]
+    pages = [vol.pread(SMALL, OFFSET + p * SMALL) for p in range(t.root.alloc)]
     rng = random.Random(3)
     for _ in range(1500):
         p = rng.randrange(len(pages))
@@ -385,15 +392,15 @@ def test_checksummed_garbage_is_corrupt_not_a_crash(region):
 
 
 def test_pointer_beyond_alloc_is_corrupt(region):
-    fd = region(20)
-    t = BTree(fd, OFFSET, 20, TreeRoot.empty(), page_size=SMALL)
+    vol = region(20)
+    t = BTree(vol, OFFSET, 20, TreeRoot.empty(), page_size=SMALL)
     t.commit({b"a": b"1"})
     r = t.root
-    lying = BTree(fd, OFFSET, 20, TreeRoot(r.root, 1, 1, 0, 0, -1, 1), page_size=SMALL)
+    lying = BTree(vol, OFFSET, 20, TreeRoot(r.root, 1, 1, 0, 0, -1, 1), page_size=SMALL)
     with pytest.raises(PageCorrupt):
         lying.get(b"a")
     assert lying.check()
-    wrong_count = BTree(fd, OFFSET, 20, TreeRoot(r.root, 1, 5, 0, r.alloc, -1, 1),
+    wrong_count = BTree(vol, OFFSET, 20, TreeRoot(r.root, 1, 5, 0, r.alloc, -1, 1),
                         page_size=SMALL)
     assert any("count" in p or "keys" in p for p in wrong_count.check())
 
@@ -402,17 +409,17 @@ def test_pointer_beyond_alloc_is_corrupt(region):
 
 def test_100k_keys_then_one_get_reads_height_pages(region, monkeypatch):
     pages = 2400
-    fd = region(pages, 4096)
-    t = BTree(fd, OFFSET, pages, TreeRoot.empty())
+    vol = region(pages, 4096)
+    t = BTree(vol, OFFSET, pages, TreeRoot.empty())
     n = 100_000
     t.commit({b"sess/%08d" % i: b"%016d" % i for i in range(n)})
     root = TreeRoot.unpack(t.root.pack())
     assert root.count == n and root.height == 3
 
     reads = []
-    real = os.pread
-    monkeypatch.setattr(btree.os, "pread", lambda f, s, o: reads.append(o) or real(f, s, o))
-    t2 = BTree(fd, OFFSET, pages, root)
+    real = vol.pread
+    monkeypatch.setattr(vol, "pread", lambda n, o: reads.append(o) or real(n, o))
+    t2 = BTree(vol, OFFSET, pages, root)
     assert reads == []  # opening is lazy
     assert t2.get(b"sess/%08d" % 76543) == b"%016d" % 76543
     assert len(reads) == root.height
@@ -432,8 +439,8 @@ def test_100k_keys_then_one_get_reads_height_pages(region, monkeypatch):
     ({b"ok": "v"}, TypeError),
 ])
 def test_bad_sizes_change_nothing(region, changes, exc):
-    fd = region(20, 4096)
-    t = BTree(fd, OFFSET, 20, TreeRoot.empty())
+    vol = region(20, 4096)
+    t = BTree(vol, OFFSET, 20, TreeRoot.empty())
     r = t.commit({b"a": b"1"})
     with pytest.raises(exc):
         t.commit(changes)
@@ -444,8 +451,8 @@ def test_bad_sizes_change_nothing(region, changes, exc):
 
 
 def test_small_pages_cap_value_size(region):
-    fd = region(20)
-    t = BTree(fd, OFFSET, 20, TreeRoot.empty(), page_size=SMALL)
+    vol = region(20)
+    t = BTree(vol, OFFSET, 20, TreeRoot.empty(), page_size=SMALL)
     assert t.max_value < 1024
     t.commit({b"k" * 64: b"x" * t.max_value})
     with pytest.raises(ValueError):
@@ -460,8 +467,8 @@ def test_bad_geometry(region):
 
 
 def test_stats(region):
-    fd = region(40)
-    t = BTree(fd, OFFSET, 40, TreeRoot.empty(), page_size=SMALL)
+    vol = region(40)
+    t = BTree(vol, OFFSET, 40, TreeRoot.empty(), page_size=SMALL)
     t.commit({key(i): b"v" for i in range(10)})
     s = t.stats()
     assert s["pages_used"] + s["pages_free"] == 20
@@ -474,15 +481,15 @@ def _full(r: TreeRoot, half_pages: int, prev_half: int = -1) -> TreeRoot:
 
 
 def test_large_compaction_streams_in_chunks(region, monkeypatch):
-    fd = region(400)
-    t = BTree(fd, OFFSET, 400, TreeRoot.empty(), page_size=SMALL)
+    vol = region(400)
+    t = BTree(vol, OFFSET, 400, TreeRoot.empty(), page_size=SMALL)
     model = {b"%05d" % i: b"v" * (i % 50) for i in range(1500)}
     t.commit(model)
-    t = BTree(fd, OFFSET, 400, _full(t.root, 200), page_size=SMALL)
+    t = BTree(vol, OFFSET, 400, _full(t.root, 200), page_size=SMALL)
     monkeypatch.setattr(btree, "COMPACT_CHUNK", 4)
     writes = []
-    real = os.pwrite
-    monkeypatch.setattr(btree.os, "pwrite", lambda f, d, o: writes.append(len(d)) or real(f, d, o))
+    real = vol.pwrite
+    monkeypatch.setattr(vol, "pwrite", lambda d, o: writes.append(len(d)) or real(d, o))
     t.commit({b"00007": None, b"99999": b"new"})
     del model[b"00007"]
     model[b"99999"] = b"new"
@@ -493,8 +500,8 @@ def test_large_compaction_streams_in_chunks(region, monkeypatch):
 
 
 def test_scan_refuses_to_read_a_half_compacted_over(region):
-    fd = region(40)
-    t = BTree(fd, OFFSET, 40, TreeRoot.empty(), page_size=SMALL)
+    vol = region(40)
+    t = BTree(vol, OFFSET, 40, TreeRoot.empty(), page_size=SMALL)
     t.commit({key(i): b"v" for i in range(30)})
     it = t.scan()
     next(it)

@@ -400,3 +400,15 @@ def test_read_of_buffered_entry_then_more_writes(vol):
     s.append("s", "f", 4096, b"tail")
     assert s.read("s", "f", 4090, 100) == kv_bytes(4096)[4090:] + b"tail"
     s.close()
+
+
+def test_engine_imports_nothing_above_it():
+    """The engine is the bottom layer: importing it loads no FUSE, torch or metrics code."""
+    import subprocess
+    import sys
+
+    heavy = ("pyfuse3", "torch", "transformers", "prometheus_client", "trio")
+    code = ("import sys, kvfs.engine, kvfs.engine.fsck, kvfs.engine.faults; "
+            f"print(','.join(m for m in {heavy!r} if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "", f"kvfs.engine loaded: {r.stdout.strip()}"

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from kvfs.engine.errors import Corrupt, NotFound
-from kvfs.engine.faults import FaultyVolume, PowerCut, inject
+from kvfs.engine.faults import FaultyVolume, PowerCut
 from kvfs.engine.format import HDR_SIZE, SB_SLOT
 from kvfs.engine.ring import ScanReport
 from kvfs.engine.store import Store
@@ -24,20 +24,19 @@ def snapshot(store: Store) -> dict[str, dict[str, bytes]]:
 
 def test_torn_last_entry_at_every_byte(tmp_path):
     path = str(tmp_path / "v.kvvol")
-    with inject():
-        s = Store.create(path, 4 * MB, StoreConfig(compression="none"))
-        s.create_session("s")
-        s.create_file("s", "layer_0")
-        s.append("s", "layer_0", 0, b"a" * 3000)
-        s.sync()
-        before = snapshot(s)
-        payload = os.urandom(1000)
-        s.append("s", "layer_0", 3000, payload)
-        s.flush()
-        vol = s.vol
-        assert isinstance(vol, FaultyVolume) and vol.unsynced() == 1
-        off, pre, data = vol.journal[0]
-        s.crash()
+    s = Store.create(path, 4 * MB, StoreConfig(compression="none"), volume=FaultyVolume)
+    s.create_session("s")
+    s.create_file("s", "layer_0")
+    s.append("s", "layer_0", 0, b"a" * 3000)
+    s.sync()
+    before = snapshot(s)
+    payload = os.urandom(1000)
+    s.append("s", "layer_0", 3000, payload)
+    s.flush()
+    vol = s.vol
+    assert isinstance(vol, FaultyVolume) and vol.unsynced() == 1
+    off, pre, data = vol.journal[0]
+    s.crash()
     fd = os.open(path, os.O_RDWR)
     try:
         complete = HDR_SIZE + len(payload)
@@ -70,15 +69,14 @@ def test_torn_last_entry_at_every_byte(tmp_path):
 
 def test_failpoint_before_superblock_write(tmp_path):
     path = str(tmp_path / "v.kvvol")
-    with inject():
-        s = Store.create(path, 8 * MB)
-        s.create_session("s")
-        s.create_file("s", "f")
-        s.append("s", "f", 0, b"x" * 10_000)
-        s.vol.fail_before_superblock = True
-        with pytest.raises(PowerCut):
-            s.checkpoint()  # the ring was synced; the superblock never written
-        s.vol.power_cut(0)
+    s = Store.create(path, 8 * MB, volume=FaultyVolume)
+    s.create_session("s")
+    s.create_file("s", "f")
+    s.append("s", "f", 0, b"x" * 10_000)
+    s.vol.fail_before_superblock = True
+    with pytest.raises(PowerCut):
+        s.checkpoint()  # the ring was synced; the superblock never written
+    s.vol.power_cut(0)
     s = Store.open(path)
     assert s.read("s", "f", 0, 10**9) == b"x" * 10_000
     s.close()
@@ -86,17 +84,16 @@ def test_failpoint_before_superblock_write(tmp_path):
 
 def test_failpoint_mid_write_drops_only_unsynced(tmp_path):
     path = str(tmp_path / "v.kvvol")
-    with inject():
-        s = Store.create(path, 8 * MB, StoreConfig(write_buffer=8192))
-        s.create_session("s")
-        s.create_file("s", "f")
-        s.append("s", "f", 0, b"k" * 5000)
-        s.sync()
-        s.vol.fail_after_writes = 2
-        with pytest.raises(PowerCut):
-            for i in range(100):
-                s.append("s", "f", 5000 + i * 3000, os.urandom(3000))
-        s.vol.power_cut(keep=1, tear=100)
+    s = Store.create(path, 8 * MB, StoreConfig(write_buffer=8192), volume=FaultyVolume)
+    s.create_session("s")
+    s.create_file("s", "f")
+    s.append("s", "f", 0, b"k" * 5000)
+    s.sync()
+    s.vol.fail_after_writes = 2
+    with pytest.raises(PowerCut):
+        for i in range(100):
+            s.append("s", "f", 5000 + i * 3000, os.urandom(3000))
+    s.vol.power_cut(keep=1, tear=100)
     s = Store.open(path)
     got = s.read("s", "f", 0, 10**9)
     assert got.startswith(b"k" * 5000) and len(got) % 1000 == 0

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvfs.engine.errors import NoSpace, NotAppend
-from kvfs.engine.faults import FaultyVolume, inject
+from kvfs.engine.faults import FaultyVolume, PowerCut
 from kvfs.engine.store import Store
 from kvfs.engine.types import StoreConfig
 
@@ -25,8 +25,7 @@ class StoreMachine(RuleBasedStateMachine):
         super().__init__()
         self.dir = tempfile.mkdtemp(prefix="kvfs-model-")
         self.path = os.path.join(self.dir, "v.kvvol")
-        with inject():
-            self.store = Store.create(self.path, 8 << 20, CFG)
+        self.store = Store.create(self.path, 8 << 20, CFG, volume=FaultyVolume)
         self.model: dict[str, dict[str, bytes]] = {}  # what reads must return
         self.synced: dict[str, dict[str, bytes]] = {}  # what must survive a crash
         self.hist: dict[tuple[str, str], list[bytes]] = {}  # states of each file since the sync
@@ -56,8 +55,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.shrunk = set()
 
     def _reopen(self) -> None:
-        with inject():
-            self.store = Store.open(self.path, CFG)
+        self.store = Store.open(self.path, CFG, volume=FaultyVolume)
 
     @rule(name=st.sampled_from(SESSIONS))
     def create_session(self, name: str) -> None:
@@ -162,6 +160,26 @@ class StoreMachine(RuleBasedStateMachine):
         self.store.ring.flush()
         keep = min(keep, vol.unsynced())
         vol.power_cut(keep, tear)
+        self._check_after_cut()
+
+    @rule(at_sync=st.integers(0, 2), keep=st.integers(0, 8), tear=st.integers(0, 3 * 4096))
+    def power_cut_in_checkpoint(self, at_sync: int, keep: int, tear: int) -> None:
+        """Power fails inside a checkpoint: at the ring's fsync (0), after the B+ tree pages
+        were written but before their fsync (1: they are kept in part, torn or lost), or
+        before the superblock's fsync (2: it tears). The previous checkpoint must hold."""
+        vol = self.store.vol
+        assert isinstance(vol, FaultyVolume)
+        vol.fail_at_sync = at_sync
+        try:
+            self.store.checkpoint()
+        except PowerCut:
+            pass
+        else:  # fewer syncs than that (nothing to commit): cut after it anyway
+            vol.fail_at_sync = None
+        vol.power_cut(min(keep, vol.unsynced()), tear)
+        self._check_after_cut()
+
+    def _check_after_cut(self) -> None:
         self._reopen()
         # Every file must hold a prefix of some state it had since the sync (never bytes it
         # never had), and synced bytes survive unless the file shrank since.
@@ -223,6 +241,8 @@ def test_model_wraps_the_ring() -> None:
                 m.crash_after_sync()
             if i % 53 == 0:
                 m.power_cut(i % 5, (i * 31) % 600)
+            if i % 29 == 0:
+                m.power_cut_in_checkpoint(i % 3, i % 4, (i * 977) % 9000)
             i += 1
         m.reads_match()
         assert m.store.ring.head > 4 * m.store.ring.size

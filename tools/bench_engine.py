@@ -174,9 +174,7 @@ def cold_read(quick: bool = False, workdir: str | None = None) -> dict[str, Any]
         for p in every:
             fadvise_dontneed(p, sync=False)  # all synced when written
         for s in stores.values():  # the engine's decoded-entry cache would serve re-reads
-            getattr(s, "_decoded", {}).clear()
-            if hasattr(s, "_decoded_bytes"):
-                s._decoded_bytes = 0
+            s.drop_caches()
 
     warm = 10
     order = rng.sample(range(rounds), min(rounds, samples + warm))  # no round read twice

@@ -14,13 +14,11 @@ import os
 import random
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from torture_common import MB, Result, chunk_size, first_diff, fsck, seed_of, start, stop, stream
 
-from kvfs.engine import store as engine
 from kvfs.engine.errors import Corrupt, NoSpace
 from kvfs.engine.faults import FaultyVolume, PowerCut
 from kvfs.engine.format import SB_SIZE, SB_SLOT, unpack_header
@@ -189,32 +187,8 @@ class TortureVolume(FaultyVolume):
     def write_superblock(self, sb) -> None:  # noqa: ANN001
         if self.tear_superblock:  # the write reaches the journal, its fsync never happens
             self.pwrite(sb.pack()[:SB_SIZE], (sb.seq % 2) * SB_SLOT)
-            raise PowerCut("failpoint: after the superblock write, before its fsync")
+            raise self.cut("after the superblock write, before its fsync")
         super().write_superblock(sb)
-
-
-@contextlib.contextmanager
-def torture_volumes() -> Iterator[None]:
-    saved, engine.VolumeFile = engine.VolumeFile, TortureVolume
-    try:
-        yield
-    finally:
-        engine.VolumeFile = saved
-
-
-def power_cut(vol: FaultyVolume, keep: int, tear: int | None) -> None:
-    """``FaultyVolume.power_cut`` that also works after the engine closed the fd."""
-    fd = os.open(vol.path, os.O_RDWR)
-    try:
-        for i in range(len(vol.journal) - 1, keep - 1, -1):
-            off, pre, data = vol.journal[i]
-            os.pwrite(fd, pre, off)
-            if i == keep and tear is not None:
-                os.pwrite(fd, data[:tear], off)
-    finally:
-        os.close(fd)
-    vol.journal.clear()
-    vol.close()
 
 
 class FaultModel:
@@ -330,62 +304,61 @@ def faults(work: Path, n: int, deadline: float, rng: random.Random) -> Result:
     res = Result("faults", n)
     path = str(work / "faults.kvfs")
     cfg = StoreConfig(write_buffer=rng.choice((8 << 10, 64 << 10, 1 << 20)), hot_sessions=2)
-    with torture_volumes():
-        model = FaultModel(Store.create(path, 8 * MB, cfg), rng)
-        for trial in range(n):
-            if time.monotonic() > deadline:
-                break
-            for _ in range(rng.randint(1, 40)):
-                model.op(res)
-            mode = rng.choice(("cut", "cut", "write_fail", "sb_fail", "sb_tear", "recovery_fail"))
-            res.add(f"mode_{mode}")
-            vol = model.s.vol
+    model = FaultModel(Store.create(path, 8 * MB, cfg, volume=TortureVolume), rng)
+    for trial in range(n):
+        if time.monotonic() > deadline:
+            break
+        for _ in range(rng.randint(1, 40)):
+            model.op(res)
+        mode = rng.choice(("cut", "cut", "write_fail", "sb_fail", "sb_tear", "recovery_fail"))
+        res.add(f"mode_{mode}")
+        vol = model.s.vol
+        try:
+            if mode == "write_fail":
+                vol.fail_after_writes = rng.randint(0, 6)
+            elif mode == "sb_fail":
+                vol.fail_before_superblock = True
+            elif mode == "sb_tear":
+                vol.tear_superblock = True
+            armed = mode in ("write_fail", "sb_fail", "sb_tear")
+            if mode in ("sb_fail", "sb_tear") and rng.random() < 0.5:
+                model.s.checkpoint()  # raises after the ring and tree are synced
+            for _ in range(300 if armed else 0):
+                model.op(res)  # until the failpoint fires (reclaim checkpoints too)
+            if armed:
+                model.s.sync()
+                model.s.checkpoint()
+                res.add("failpoint_not_reached")
+            elif rng.random() < 0.5:
+                model.s.flush()
+        except PowerCut:
+            res.add("failpoints_fired")
+        keep = rng.randint(0, len(vol.journal))
+        tear = rng.randint(0, len(vol.journal[keep][2])) if keep < len(vol.journal) else None
+        if mode == "sb_tear" and vol.journal and unpack_header(vol.journal[-1][2]) is None:
+            keep, tear = len(vol.journal) - 1, rng.randint(0, SB_SIZE)  # tear the superblock
+            res.add("torn_superblocks")
+        res.add("torn_writes" if tear is not None else "clean_cuts")
+        vol.power_cut(keep, tear)
+        if mode == "recovery_fail":  # a second power cut, inside the reopen's checkpoint
+            TortureVolume.arm_on_open = 0  # its superblock write fails
             try:
-                if mode == "write_fail":
-                    vol.fail_after_writes = rng.randint(0, 6)
-                elif mode == "sb_fail":
-                    vol.fail_before_superblock = True
-                elif mode == "sb_tear":
-                    vol.tear_superblock = True
-                armed = mode in ("write_fail", "sb_fail", "sb_tear")
-                if mode in ("sb_fail", "sb_tear") and rng.random() < 0.5:
-                    model.s.checkpoint()  # raises after the ring and tree are synced
-                for _ in range(300 if armed else 0):
-                    model.op(res)  # until the failpoint fires (reclaim checkpoints too)
-                if armed:
-                    model.s.sync()
-                    model.s.checkpoint()
-                    res.add("failpoint_not_reached")
-                elif rng.random() < 0.5:
-                    model.s.flush()
+                Store.open(path, cfg, volume=TortureVolume).crash()
             except PowerCut:
-                res.add("failpoints_fired")
-            keep = rng.randint(0, len(vol.journal))
-            tear = rng.randint(0, len(vol.journal[keep][2])) if keep < len(vol.journal) else None
-            if mode == "sb_tear" and vol.journal and unpack_header(vol.journal[-1][2]) is None:
-                keep, tear = len(vol.journal) - 1, rng.randint(0, SB_SIZE)  # tear the superblock
-                res.add("torn_superblocks")
-            res.add("torn_writes" if tear is not None else "clean_cuts")
-            power_cut(vol, keep, tear)
-            if mode == "recovery_fail":  # a second power cut, inside the reopen's checkpoint
-                TortureVolume.arm_on_open = 0  # its superblock write fails
-                try:
-                    Store.open(path, cfg).crash()
-                except PowerCut:
-                    res.add("recovery_cuts")
-                    v = FaultyVolume.last
-                    keep = rng.randint(0, len(v.journal))
-                    power_cut(v, keep, rng.randint(0, 600) if keep < len(v.journal) else None)
-                TortureVolume.arm_on_open = None
-            model.check(Store.open(path, cfg), res, f"trial {trial} ({mode})")
-            res.done += 1
-            if trial % 25 == 24 or trial == n - 1:
-                model.s.close()
-                c = check_volume(path)
-                if c.status:
-                    res.fail(f"trial {trial}: fsck status {c.status}: {c.problems[:5]}")
-                res.add("fsck_runs")
-                model.s = Store.open(path, cfg)
-        model.s.close()
+                res.add("recovery_cuts")
+                v = FaultyVolume.last
+                keep = rng.randint(0, len(v.journal))
+                v.power_cut(keep, rng.randint(0, 600) if keep < len(v.journal) else None)
+            TortureVolume.arm_on_open = None
+        model.check(Store.open(path, cfg, volume=TortureVolume), res, f"trial {trial} ({mode})")
+        res.done += 1
+        if trial % 25 == 24 or trial == n - 1:
+            model.s.close()
+            c = check_volume(path)
+            if c.status:
+                res.fail(f"trial {trial}: fsck status {c.status}: {c.problems[:5]}")
+            res.add("fsck_runs")
+            model.s = Store.open(path, cfg, volume=TortureVolume)
+    model.s.close()
     res.counts["ring_laps"] = round(Store.open(path, readonly=True).ring.head / (8 * MB), 1)
     return res

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Print a kvfs volume's superblocks, ring usage, index and (with --session) extents.
 
-``python tools/dump.py VOLUME [--session NAME] [--json]``. Opens the volume read-only.
+``kvfs-dump VOLUME [--session NAME] [--json]``. Opens the volume read-only.
 """
 
 from __future__ import annotations
@@ -10,21 +10,31 @@ import argparse
 import json
 import sys
 
+from kvfs.engine.errors import KVFSError
+from kvfs.engine.format import SB_CLEAN, SB_NEEDS_FSCK, Superblock
 from kvfs.engine.store import Store
 from kvfs.engine.volume import VolumeFile
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="kvfs-dump", description=__doc__.splitlines()[0])
     ap.add_argument("volume")
     ap.add_argument("--session", help="print this session's files and extents")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    vol = VolumeFile.open(a.volume, readonly=True)
-    sbs = [{k: (v.hex() if isinstance(v, bytes) else v) for k, v in sb.__dict__.items()}
-           for sb in vol.read_superblocks()]
-    vol.close()
-    store = Store.open(a.volume, readonly=True)
+    try:
+        vol = VolumeFile.open(a.volume, readonly=True)
+        try:
+            slots = vol.read_slots()
+        finally:
+            vol.close()
+        store = Store.open(a.volume, readonly=True)
+    except (KVFSError, OSError) as e:
+        print(f"kvfs-dump: {e}", file=sys.stderr)
+        return 2
+    sbs = [{"slot": i, **{k: (v.hex() if isinstance(v, bytes) else v) for k, v in sb.__dict__.items()}}
+           if isinstance(sb, Superblock) else {"slot": i, "error": str(sb)}
+           for i, sb in enumerate(slots)]
     try:
         out: dict = {"superblocks": sbs, "stats": store.stats(), "tree_root": store.tree.root.__dict__}
         if a.session:
@@ -46,8 +56,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out, indent=1, default=str))
         return 0
     for sb in out["superblocks"]:
-        print(f"superblock seq={sb['seq']} head={sb['head']} tail={sb['tail']} ckpt={sb['ckpt_pos']} "
-              f"next_sno={sb['next_sno']} clean={bool(sb['flags'] & 1)}")
+        if "error" in sb:
+            print(f"superblock slot {sb['slot']}: {sb['error']}")
+            continue
+        print(f"superblock slot {sb['slot']} seq={sb['seq']} head={sb['head']} tail={sb['tail']} "
+              f"ckpt={sb['ckpt_pos']} next_sno={sb['next_sno']} clean={bool(sb['flags'] & SB_CLEAN)} "
+              f"needs_fsck={bool(sb['flags'] & SB_NEEDS_FSCK)}")
     v = out["stats"]["volume"]
     print(f"ring: {v['used']}/{v['capacity']} bytes used ({v['used_ratio']:.1%}), {v['sessions']} sessions")
     print(f"tree: {out['stats']['index']['tree']}")

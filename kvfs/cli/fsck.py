@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""fsck for a kvfs volume: ``python tools/fsck.py VOLUME [--repair]``.
+"""fsck for a kvfs volume: ``kvfs-fsck VOLUME [--repair]``.
 
-Exit status: 0 clean, 1 problems found (repaired or not), 2 unusable.
+Exit status: 0 clean, 1 problems found (repaired or not), 2 unusable (also: the volume is
+mounted; unmount first). Clears the needs-fsck mark a mount sets on errors, with --repair.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from kvfs.engine.fsck import check_volume
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="kvfs-fsck", description=__doc__.splitlines()[0])
     ap.add_argument("volume")
-    ap.add_argument("--repair", action="store_true", help="rebuild the checkpoint, cut damaged files")
+    ap.add_argument("--repair", action="store_true", help="rebuild the checkpoint, cut damaged files, clear the needs-fsck mark")
     ap.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     ap.add_argument("--verbose", "-v", action="store_true")
     a = ap.parse_args(argv)

@@ -2,13 +2,15 @@
 
 Owns the pages of one fixed region of the volume file: their format, append-only allocation
 inside the active half, compaction into the other half, a small LRU of decoded pages, and
-fsck-style verification (``BTree.check``). Never fsyncs, never touches the superblock, never
-opens or closes the fd, never writes outside its region, and never rewrites a page that the
-current or the previous root can reach. The caller fsyncs after ``commit`` and then persists
+fsck-style verification (``BTree.check``). Reads and writes go through the volume object
+(``pread(n, off)`` / ``pwrite(data, off)``), the same one the ring uses, so fault injection
+sees tree pages too. Never fsyncs, never touches the superblock, never opens or closes the
+volume, never writes outside its region, and never rewrites a page that the current or the
+previous root can reach. The caller fsyncs after ``commit`` and then persists
 ``TreeRoot.pack()`` before the next commit; until it does, the old root is the durable truth.
 Not thread-safe: one caller at a time (the engine serialises).
 
-    tree = BTree(fd, region_offset, region_pages, TreeRoot.unpack(sb.tree_root))
+    tree = BTree(vol, region_offset, region_pages, TreeRoot.unpack(sb.tree_root))
     root = tree.commit({b"k": b"v", b"gone": None})   # then fsync, then superblock
     tree.get(b"k"); list(tree.scan(prefix=b"s/")); tree.check()
 
@@ -21,12 +23,12 @@ from __future__ import annotations
 import bisect
 import heapq
 import logging
-import os
 import struct
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from operator import itemgetter
+from typing import Protocol
 
 import crc32c
 
@@ -54,6 +56,14 @@ assert _LEAF_ENT.size == 3 and _KLEN.size == 1 and _CHILD.size == 4
 assert _ROOT.size == 40
 TREE_ROOT_SIZE = _ROOT.size
 _key0 = itemgetter(0)
+
+
+class PageIO(Protocol):
+    """What the tree needs of a volume (``kvfs.engine.volume.VolumeFile`` is one)."""
+
+    def pread(self, n: int, off: int) -> bytes: ...
+
+    def pwrite(self, data: bytes | memoryview, off: int) -> None: ...
 
 
 class TreeFull(KVFSError):
@@ -136,13 +146,6 @@ def _entry_size(k: bytes, v: bytes) -> int:
     return _LEAF_ENT.size + len(k) + len(v)
 
 
-def _pwrite_all(fd: int, data: bytes, off: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, off)
-        view, off = view[n:], off + n
-
-
 class _Writer:
     """Append-only allocator for one commit: encodes nodes in order and batches their bytes."""
 
@@ -170,21 +173,21 @@ class _Writer:
         if self.pages:
             t = self.tree
             off = t.region_offset + (self.half * t.half_pages + self.start) * t.page_size
-            _pwrite_all(t.fd, b"".join(self.pages), off)  # contiguous run: one pwrite
+            t.vol.pwrite(b"".join(self.pages), off)  # contiguous run: one write
             self.start += len(self.pages)
             self.pages = []
 
 
 class BTree:
-    """A persistent sorted map in one region of ``fd``; ``root`` is the committed root."""
+    """A persistent sorted map in one region of ``vol``; ``root`` is the committed root."""
 
-    def __init__(self, fd: int, region_offset: int, region_pages: int, root: TreeRoot,
+    def __init__(self, vol: PageIO, region_offset: int, region_pages: int, root: TreeRoot,
                  page_size: int = 4096, cache_pages: int = 512) -> None:
         if not MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE:
             raise ValueError(f"page_size {page_size} not in {MIN_PAGE_SIZE}..{MAX_PAGE_SIZE}")
         if not 2 <= region_pages < 2**33:
             raise ValueError(f"region_pages {region_pages}: need two halves of < 2**32 pages")
-        self.fd, self.region_offset, self.page_size = fd, region_offset, page_size
+        self.vol, self.region_offset, self.page_size = vol, region_offset, page_size
         self.half_pages = region_pages // 2
         self.root = root
         self._room = page_size - _HDR.size  # body bytes per page
@@ -273,8 +276,7 @@ class BTree:
                 raise PageCorrupt(f"tree pointer to page {page}, half {r.half} has {r.alloc}")
             abs_page = r.half * self.half_pages + page
             self.page_reads += 1
-            buf = os.pread(self.fd, self.page_size,
-                           self.region_offset + abs_page * self.page_size)
+            buf = self.vol.pread(self.page_size, self.region_offset + abs_page * self.page_size)
             node = self._decode(buf, abs_page)
             if cached:
                 self._cache_put(ck, node)

@@ -28,7 +28,9 @@ def _cctx(level: int) -> zstandard.ZstdCompressor:
     key = f"c{level}"
     c = getattr(_local, key, None)
     if c is None:
-        c = zstandard.ZstdCompressor(level=level, write_content_size=True)
+        # The frame checksum makes a damaged frame fail to decode rather than decode to
+        # other bytes of the right length (the entry CRC is checked first; this is depth).
+        c = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=True)
         setattr(_local, key, c)
     return c
 
@@ -83,24 +85,29 @@ def _encode_planes(raw: bytes | memoryview, cctx: zstandard.ZstdCompressor) -> b
     return b"".join((struct.pack("<I", len(hi)), hi, a.astype(np.uint8).tobytes()))
 
 
+def _unzstd(frame: bytes | memoryview, n: int) -> bytes:
+    """Exactly ``n`` bytes from one zstd frame. The frame's declared size is checked first:
+    zstd allocates what a frame declares, so a damaged size must not reach it."""
+    declared = zstandard.frame_content_size(frame)
+    if declared != n:
+        raise Corrupt(f"zstd frame declares {declared} bytes, header says {n}")
+    return _dctx().decompress(frame, max_output_size=n)
+
+
 def decode(flags: int, stored: bytes | memoryview, raw_len: int) -> bytes | memoryview:
     """Raw bytes of a payload; Corrupt if it does not decode to exactly ``raw_len`` bytes."""
     try:
         if flags & F_PLANES:
             (hlen,) = struct.unpack_from("<I", stored, 0)
             half = raw_len // 2
-            hi = _dctx().decompress(stored[4: 4 + hlen], max_output_size=half)
-            lo = stored[4 + hlen:]
-            if len(hi) != half or len(lo) != half or raw_len % 2:
+            if raw_len % 2 or 4 + hlen + half != len(stored):
                 raise Corrupt("byte planes have the wrong length")
+            hi = _unzstd(stored[4: 4 + hlen], half)
             out = np.frombuffer(hi, dtype=np.uint8).astype("<u2")
             out <<= 8
-            out |= np.frombuffer(lo, dtype=np.uint8)
+            out |= np.frombuffer(stored[4 + hlen:], dtype=np.uint8)
             return memoryview(out).cast("B")  # no copy: callers slice, then join
-        if flags & F_ZSTD:
-            out = _dctx().decompress(stored, max_output_size=raw_len)
-        else:
-            out = stored
+        out = _unzstd(stored, raw_len) if flags & F_ZSTD else stored
     except (zstandard.ZstdError, struct.error, ValueError) as e:
         raise Corrupt(f"payload does not decode: {e}") from e
     if len(out) != raw_len:

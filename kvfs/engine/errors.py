@@ -49,5 +49,19 @@ class FormatError(KVFSError):
     """The file is not a kvfs volume, or one of an unsupported version/size; refuse to open."""
 
 
+class BadSuperblock(FormatError):
+    """One superblock slot does not decode. ``kind`` says why: "magic" (not a kvfs
+    superblock), "version" (``version`` is not one this kvfs reads), "checksum"."""
+
+    def __init__(self, kind: str, msg: str, version: int = 0) -> None:
+        super().__init__(msg)
+        self.kind, self.version = kind, version
+
+
+class NeedsFsck(KVFSError):
+    """The volume is marked as needing fsck (an error was seen while it was in use); a
+    writable open refuses it unless forced. ``kvfs-fsck --repair`` clears the mark."""
+
+
 class VolumeBusy(KVFSError):
     """The volume is already opened (mounted) by another process."""

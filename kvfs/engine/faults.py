@@ -2,17 +2,20 @@
 
 ``FaultyVolume`` journals every write since the last fsync with its pre-image, so a
 simulated power cut can keep any prefix of those writes, tear the next one at any byte,
-and undo the rest — what a disk with a volatile cache may do. ``inject()`` makes every
-``Store.open``/``Store.create`` in its scope use it.
+and undo the rest — what a disk with a volatile cache may do. The ring and the B+ tree
+both write through the volume, so tree pages tear too. Pass it to the engine explicitly:
+``Store.create(path, size, volume=FaultyVolume)`` / ``Store.open(path, volume=FaultyVolume)``.
+
+Once a failpoint has fired the power is off: every later write or sync raises PowerCut
+again, so nothing the engine does while unwinding can make unsynced writes durable.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 
-from .volume import VolumeFile
+from .format import Superblock
+from .volume import VolumeFile, pwrite_all
 
 
 class PowerCut(Exception):
@@ -20,19 +23,31 @@ class PowerCut(Exception):
 
 
 class FaultyVolume(VolumeFile):
-    last: FaultyVolume | None = None  # the newest instance, for tests to reach
+    last: FaultyVolume | None = None  # the newest instance, for a test whose open raised
 
-    def __init__(self, *a, **kw) -> None:
+    def __init__(self, *a, **kw) -> None:  # noqa: ANN002, ANN003
         super().__init__(*a, **kw)
         self.journal: list[tuple[int, bytes, bytes]] = []  # (offset, pre-image, data)
         self.fail_before_superblock = False
         self.fail_after_writes: int | None = None  # raise PowerCut once this many more writes ran
+        self.fail_at_sync: int | None = None  # raise PowerCut at this sync (0: the next one)
+        self.dead = False  # a failpoint fired: no write or sync may reach the disk any more
         FaultyVolume.last = self
 
+    def cut(self, where: str) -> PowerCut:
+        """Power is gone from here on; returns the exception to raise."""
+        self.dead = True
+        return PowerCut(f"failpoint: {where}")
+
+    def _alive(self, where: str) -> None:
+        if self.dead:
+            raise PowerCut(f"power is off: {where}")
+
     def pwrite(self, data: bytes | memoryview, off: int) -> None:
+        self._alive(f"write at {off}")
         if self.fail_after_writes is not None:
             if self.fail_after_writes <= 0:
-                raise PowerCut(f"failpoint: write at {off}")
+                raise self.cut(f"write at {off}")
             self.fail_after_writes -= 1
         data = bytes(data)
         self.journal.append((off, os.pread(self.fd, len(data), off), data))
@@ -41,12 +56,18 @@ class FaultyVolume(VolumeFile):
     def pwritev(self, bufs: list[bytes | memoryview], off: int) -> None:
         self.pwrite(b"".join(bytes(b) for b in bufs), off)  # one journaled write
 
-    def write_superblock(self, sb) -> None:  # noqa: ANN001
+    def write_superblock(self, sb: Superblock) -> None:
+        self._alive("superblock write")
         if self.fail_before_superblock:
-            raise PowerCut("failpoint: before superblock write")
+            raise self.cut("before superblock write")
         super().write_superblock(sb)
 
     def sync(self) -> None:
+        self._alive("sync")
+        if self.fail_at_sync is not None:
+            if self.fail_at_sync <= 0:
+                raise self.cut("at sync")
+            self.fail_at_sync -= 1
         super().sync()
         self.journal.clear()
 
@@ -54,24 +75,17 @@ class FaultyVolume(VolumeFile):
         return len(self.journal)
 
     def power_cut(self, keep: int = 0, tear: int | None = None) -> None:
-        """Keep the first ``keep`` unsynced writes, the next one's first ``tear`` bytes, undo the rest."""
-        for i in range(len(self.journal) - 1, keep - 1, -1):
-            off, pre, data = self.journal[i]
-            os.pwrite(self.fd, pre, off)
-            if i == keep and tear is not None:
-                os.pwrite(self.fd, data[:tear], off)
+        """Keep the first ``keep`` unsynced writes, the next one's first ``tear`` bytes, undo
+        the rest; then close. Works after the engine closed its fd too."""
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            for i in range(len(self.journal) - 1, keep - 1, -1):
+                off, pre, data = self.journal[i]
+                pwrite_all(fd, pre, off)
+                if i == keep and tear is not None:
+                    pwrite_all(fd, data[:tear], off)
+        finally:
+            os.close(fd)
         self.journal.clear()
+        self.dead = True
         self.close()
-
-
-@contextlib.contextmanager
-def inject() -> Iterator[type[FaultyVolume]]:
-    """Within the block, the engine opens volumes as FaultyVolume."""
-    from . import store as engine
-
-    saved = engine.VolumeFile
-    engine.VolumeFile = FaultyVolume
-    try:
-        yield FaultyVolume
-    finally:
-        engine.VolumeFile = saved

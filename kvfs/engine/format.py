@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import crc32c
 
+from .errors import BadSuperblock
+
 VOLUME_MAGIC = b"KVFSVOL1"
 VERSION = 1
 SB_SLOT = 4096
@@ -26,6 +28,7 @@ MAX_ENTRY_RAW = 4 << 20  # raw bytes per data entry; bounds the resync search af
 TREE_ROOT_AREA = 64
 
 SB_CLEAN = 1  # flag: closed cleanly
+SB_NEEDS_FSCK = 2  # flag: an error was seen while in use; mounts refuse until fsck --repair
 
 # superblock: magic, version, flags, seq, volume_size, ring_offset, ring_size, tree_offset,
 # tree_pages, head, tail, ckpt_pos, next_sno, ckpt_time_ns, created_ns, tree root bytes, crc
@@ -62,15 +65,20 @@ class Superblock:
         return raw.ljust(SB_SLOT, b"\0")
 
     @classmethod
-    def unpack(cls, raw: bytes) -> Superblock | None:
-        """The superblock in ``raw``, or None when magic, version or checksum is wrong."""
-        if len(raw) < SB_SIZE:
-            return None
+    def unpack(cls, raw: bytes) -> Superblock:
+        """The superblock in ``raw``; BadSuperblock says whether magic, version or checksum
+        is wrong, checked in that order (a newer version may lay out the rest differently)."""
+        if len(raw) < SB_SIZE or raw[:8] != VOLUME_MAGIC:
+            raise BadSuperblock("magic", "not a kvfs superblock (bad magic)")
+        (version,) = struct.unpack_from("<I", raw, 8)
+        if version != VERSION:
+            if version > VERSION:
+                raise BadSuperblock("version", f"created by a newer kvfs (version {version}); "
+                                    f"this kvfs reads version {VERSION}", version)
+            raise BadSuperblock("version", f"unsupported version {version}", version)
         f = struct.unpack(SB_FMT, raw[:SB_SIZE])
-        if f[0] != VOLUME_MAGIC or f[1] != VERSION:
-            return None
         if crc32c.crc32c(raw[: SB_SIZE - 4]) != f[-1]:
-            return None
+            raise BadSuperblock("checksum", "superblock checksum mismatch")
         return cls(f[3], f[2], *f[4:16])
 
 

@@ -1,10 +1,12 @@
 """Consistency checking (fsck) as a library: ``check_volume(path, repair=False)``.
 
-Checks, in order: both superblock slots; that the checkpoint tree is readable and well
-formed (else recovery needed a full scan); corrupt ring regions met by recovery; and that
-every extent of every live file reads back with a valid checksum. Repair rebuilds the
-checkpoint (a writable open does that) and cuts each damaged file before its first bad
-extent, so what stays readable is a correct prefix. Never imports pyfuse3 or torch.
+Refuses a volume in use (a mount holds its lock): "unmount first", unusable. Checks, in
+order: both superblock slots; the needs-fsck mark (an error was seen while mounted); that
+the checkpoint tree is readable and well formed (else recovery needed a full scan);
+corrupt ring regions met by recovery; and that every extent of every live file reads back
+with a valid checksum. Repair rebuilds the checkpoint (a writable open does that), cuts
+each damaged file before its first bad extent, so what stays readable is a correct prefix,
+and clears the mark. Never imports pyfuse3 or torch.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .errors import Corrupt, FormatError, KVFSError
+from .errors import BadSuperblock, Corrupt, FormatError, KVFSError, VolumeBusy
+from .store import Store
 from .volume import VolumeFile
 
 log = logging.getLogger(__name__)
@@ -37,38 +40,53 @@ class CheckResult:
 
 def check_volume(path: str, repair: bool = False,
                  progress: Callable[[int, int], None] | None = None) -> CheckResult:
-    from .store import Store
-
     res = CheckResult()
     try:
-        vol = VolumeFile.open(path, readonly=True)
+        probe = VolumeFile.open(path, readonly=True)
     except (FormatError, OSError) as e:
-        res.status = UNUSABLE
-        res.problems.append(str(e))
-        return res
+        return _unusable(res, str(e))
     try:
-        sbs = vol.read_superblocks()
+        # A shared lock: no mount may start while a read-only check runs; a repair lets go
+        # of it just before its writable open takes the exclusive one.
+        probe.lock(shared=True)
+        slots = probe.read_slots()
+        if not repair:
+            return _check(path, res, slots, repair, progress)
+    except VolumeBusy:
+        return _unusable(res, f"{path} is in use (mounted): unmount first")
     finally:
-        vol.close()
-    if not sbs:
-        res.status = UNUSABLE
-        res.problems.append("both superblock slots are corrupt")
-        return res
-    if len(sbs) == 1:
-        res.problem("one superblock slot is corrupt (the other is used)")
+        probe.close()
+    return _check(path, res, slots, repair, progress)
+
+
+def _unusable(res: CheckResult, msg: str) -> CheckResult:
+    res.status = UNUSABLE
+    res.problems.append(msg)
+    return res
+
+
+def _check(path: str, res: CheckResult, slots: list, repair: bool,
+           progress: Callable[[int, int], None] | None) -> CheckResult:
+    bad = [(i, e) for i, e in enumerate(slots) if isinstance(e, BadSuperblock)]
+    if len(bad) == 1:
+        i, e = bad[0]
+        res.problem(f"superblock slot {i}: {e} (the other slot is used)")
     try:
-        store = Store.open(path, readonly=not repair)
+        store = Store.open(path, readonly=not repair, force=True)
+    except VolumeBusy:
+        return _unusable(res, f"{path} is in use (mounted): unmount first")
     except FormatError as e:
-        res.status = UNUSABLE
-        res.problems.append(str(e))
-        return res
+        return _unusable(res, str(e))
     except KVFSError as e:
-        res.status = UNUSABLE
-        res.problems.append(f"cannot open: {e}")
-        return res
+        return _unusable(res, f"cannot open: {e}")
     try:
+        if store.needs_fsck:
+            res.problem("volume marked as needing fsck: an error was seen while it was in use")
         _check_store(store, res, repair, progress)
         if repair and res.problems:
+            if store.needs_fsck:
+                store.clear_needs_fsck()
+                res.repaired.append("needs-fsck mark cleared")
             store.checkpoint()
             store.checkpoint()  # both slots rewritten
             res.repaired.append("checkpoint and both superblock slots rewritten")
@@ -77,7 +95,7 @@ def check_volume(path: str, repair: bool = False,
     return res
 
 
-def _check_store(store, res: CheckResult, repair: bool,
+def _check_store(store: Store, res: CheckResult, repair: bool,
                  progress: Callable[[int, int], None] | None) -> None:
     rep = store.open_report
     if store.counters["full_scans"]:
@@ -106,7 +124,7 @@ def _check_store(store, res: CheckResult, repair: bool,
             res.files += 1
             for k, (pos, _skip, n, esize) in enumerate(f.ext):
                 try:
-                    store.entry_bytes(pos, esize)
+                    store.entry_bytes(pos, esize, cache=False)
                     res.bytes_checked += n
                 except Corrupt as e:
                     res.problem(f"session {name!r} file {f.name!r}: bytes {f.off[k]}..{f.off[k] + n}: {e}")
@@ -115,7 +133,5 @@ def _check_store(store, res: CheckResult, repair: bool,
                         store.truncate(name, f.name, cut)
                         res.repaired.append(f"session {name!r} file {f.name!r} cut to {cut} bytes")
                     break
-            store._decoded.clear()
-            store._decoded_bytes = 0
         if progress:
             progress(i + 1, len(names))

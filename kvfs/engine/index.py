@@ -9,12 +9,13 @@ number of sessions. Never writes the ring; never imports pyfuse3 or torch.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import OrderedDict
 
 from .btree import BTree
 from .errors import Corrupt, IndexCorrupt
-from .records import _SESS, Session, chunk_key, name_hash, session_prefix, split_chunks
+from .records import Session, chunk0_name, chunk_key, name_hash, session_prefix, split_chunks
 
 BITMAP_CHUNK = 1000  # bytes of the bitmap per tree value (8000 sessions)
 
@@ -22,7 +23,6 @@ BITMAP_CHUNK = 1000  # bytes of the bitmap per tree value (8000 sessions)
 def _checkpoint_reader(fn):  # noqa: ANN001, ANN202
     """A bad tree page or session record becomes IndexCorrupt: the store then rebuilds the
     index from the ring (the checkpoint is a shortcut, never the only truth)."""
-    import functools
 
     @functools.wraps(fn)
     def wrapper(*a, **kw):  # noqa: ANN002, ANN003, ANN202
@@ -208,10 +208,3 @@ class Index:
         for s in pinned:
             s.dirty = False
             self.remember(s)
-
-
-def chunk0_name(val: bytes) -> str:
-    """Session name from the first chunk of an encoded session record."""
-    p = _SESS.size
-    n = int.from_bytes(val[p: p + 2], "little")
-    return val[p + 2: p + 2 + n].decode("utf-8", "surrogateescape")

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from .codec import decode
 from .errors import NoSpace
 from .format import F_COPY, T_DATA, T_DELS, T_FMETA, T_SMETA, T_TRUNC, entry_size
-from .records import Session
+from .records import Session, fmeta_payload, smeta_payload
 from .ring import RingFull, ScanItem, ScanReport
 
 if TYPE_CHECKING:
@@ -96,14 +96,15 @@ def _handle(store: Store, item: ScanItem, evict: bool, keep: int = -1) -> bool:
     if s.sno != keep and (evict or not _in_retention(store, s)):  # never the one being written
         return _drop(store, s, evicted=evict)
     if h.type == T_SMETA:
-        payloads = [store._smeta(s)]
+        payloads = [smeta_payload(s)]
     elif h.type == T_FMETA:
-        payloads = [store._fmeta(f)]
+        payloads = [fmeta_payload(f)]
     elif item.payload is None:
         # A corrupt entry cannot be copied: the file ends where its good bytes end.
         i = next(i for i, e in enumerate(f.ext) if e[0] == h.pos)
         log.error("session %s file %s: corrupt entry at %d at the tail; file cut to %d bytes",
                   s.name, f.name, h.pos, f.off[i])
+        store.mark_needs_fsck(f"corrupt entry at ring position {h.pos} met by reclaim")
         return _emit_trunc(store, s, f, f.off[i])
     else:
         payloads = []
@@ -117,7 +118,7 @@ def _handle(store: Store, item: ScanItem, evict: bool, keep: int = -1) -> bool:
                 fl, st = store.codec.encode(raw)
                 payloads.append((i, fl, st, n))
     sizes = [entry_size(len(p if h.type != T_DATA else p[2])) for p in payloads]
-    lap_left = ring_lap_left(store)
+    lap_left = store.ring.lap_left(store.ring.head)
     cost = sum(sizes) + (lap_left if sum(sizes) > lap_left else 0)
     if cost + TOMBSTONE_RESERVE > store.ring.room():
         return False
@@ -135,11 +136,6 @@ def _handle(store: Store, item: ScanItem, evict: bool, keep: int = -1) -> bool:
         raise NoSpace(str(e)) from e
     store.idx.dirty(s)
     return True
-
-
-def ring_lap_left(store: Store) -> int:
-    r = store.ring
-    return r.size - r.head % r.size
 
 
 def _emit_trunc(store: Store, s: Session, f, length: int) -> bool:

@@ -15,6 +15,7 @@ import struct
 from dataclasses import dataclass, field
 
 from .errors import BadName, Corrupt, NameTooLong
+from .format import FMETA_FMT, SMETA_FMT
 
 CHUNK = 1000  # bytes of a record per B+ tree value
 MAX_NAME = 255
@@ -211,6 +212,25 @@ class Session:
             return s
         except (struct.error, UnicodeDecodeError, IndexError) as e:
             raise Corrupt(f"bad session record: {e}") from e
+
+
+def smeta_payload(s: Session) -> bytes:
+    """Payload of a T_SMETA entry for ``s`` (layout in format.py)."""
+    return SMETA_FMT.pack(s.mode, s.uid, s.gid, s.next_fno, s.ctime, s.mtime) + s.name.encode(
+        "utf-8", "surrogateescape")
+
+
+def fmeta_payload(f: FileRec) -> bytes:
+    """Payload of a T_FMETA entry for ``f``."""
+    return FMETA_FMT.pack(f.mode, f.uid, f.gid, f.ctime, f.mtime) + f.name.encode(
+        "utf-8", "surrogateescape")
+
+
+def chunk0_name(val: bytes) -> str:
+    """Session name from the first chunk of an encoded session record."""
+    p = _SESS.size
+    n = int.from_bytes(val[p: p + 2], "little")
+    return val[p + 2: p + 2 + n].decode("utf-8", "surrogateescape")
 
 
 def chunk_key(nh: int, sno: int, i: int) -> bytes:

@@ -65,7 +65,7 @@ def _reset(store: Store) -> None:
     old = store.tree.root
     half = 1 - old.half if old.half in (0, 1) else 0
     fresh = TreeRoot(-1, 0, 0, half, 0, old.half if old.half in (0, 1) else -1, old.generation + 1)
-    store.idx.reset(BTree(store.vol.fd, store.sb.tree_offset, store.sb.tree_pages, fresh))
+    store.idx.reset(BTree(store.vol, store.sb.tree_offset, store.sb.tree_pages, fresh))
     store.next_sno = store.sb.next_sno
 
 

@@ -71,8 +71,14 @@ class Ring:
         self._buf_pos = head  # logical position of _buf[0]
 
     # ------------------------------------------------------------------ sizes
+    # The lap arithmetic lives here only: a position's byte in the file, and how far its
+    # lap runs on (entries never cross a lap end).
     def phys(self, pos: int) -> int:
         return self.offset + pos % self.size
+
+    def lap_left(self, pos: int) -> int:
+        """Bytes from ``pos`` to the physical end of the ring (the end of its lap)."""
+        return self.size - pos % self.size
 
     def used(self) -> int:
         return self.head - self.tail
@@ -84,7 +90,7 @@ class Ring:
     def cost(self, stored_len: int) -> int:
         """Ring bytes an entry would take now, including padding to the lap end."""
         esize = entry_size(stored_len)
-        lap_left = self.size - self.head % self.size
+        lap_left = self.lap_left(self.head)
         return esize if esize <= lap_left else lap_left + esize
 
     # ------------------------------------------------------------------ write
@@ -97,7 +103,7 @@ class Ring:
             raise ValueError(f"entry of {esize} bytes is too large for a ring of {self.size}")
         if self.cost(stored) > self.room():
             raise RingFull(f"need {self.cost(stored)} bytes, {self.room()} free")
-        lap_left = self.size - self.head % self.size
+        lap_left = self.lap_left(self.head)
         if esize > lap_left:
             # Entries never straddle the physical end: a PAD header sends readers to the next lap.
             pad = Header(T_PAD, 0, self.head, 0, 0, lap_left, 0, 0, 0, crc32c.crc32c(b""), now_ns())
@@ -134,18 +140,30 @@ class Ring:
         self.vol.sync()
 
     # ------------------------------------------------------------------- read
-    def read_entry(self, pos: int, esize: int, dontneed: bool = True) -> tuple[Header, memoryview]:
+    def on_disk(self, pos: int) -> bool:
+        """Whether ``pos`` was written to the volume (not still in the write buffer)."""
+        return pos < self._buf_pos
+
+    def buffered(self, pos: int, n: int) -> bytes | None:
+        """A copy of up to ``n`` bytes at ``pos`` from the write buffer; None if not there.
+
+        A copy: a view would pin the buffer (it must stay resizable) and see it change."""
+        o = pos - self._buf_pos
+        if not 0 <= o < len(self._buf):
+            return None
+        return bytes(self._buf[o: o + n])
+
+    def read_entry(self, pos: int, esize: int) -> tuple[Header, memoryview]:
         """Header and payload of the entry at ``pos``; Corrupt unless both check out."""
         if not (self.tail <= pos and pos + esize <= self.head):
             raise Corrupt(f"entry at {pos} is outside the live ring [{self.tail}, {self.head})")
-        if pos >= self._buf_pos:
-            # a copy: a view would pin the buffer (it must stay resizable) and see it change
-            raw = memoryview(bytes(self._buf[pos - self._buf_pos: pos - self._buf_pos + esize]))
+        got = self.buffered(pos, esize)
+        if got is not None:
+            raw = memoryview(got)
         else:
             off = self.phys(pos)
             raw = memoryview(self.vol.pread(esize, off))
-            if dontneed:
-                self.vol.dontneed(off, esize)
+            self.vol.dontneed(off, esize)
         h = unpack_header(raw)
         if h is None or h.pos != pos:
             raise Corrupt(f"bad entry header at ring position {pos}")
@@ -170,7 +188,7 @@ class Ring:
         while pos < limit:
             h = reader.header(pos)
             if h is not None and h.type == T_PAD:
-                pos += self.size - pos % self.size
+                pos += self.lap_left(pos)
                 continue
             if h is not None and pos + h.size <= limit:
                 payload = reader.read(pos + HDR_SIZE, h.stored_len)
@@ -187,7 +205,9 @@ class Ring:
                 break
             nxt = self._resync(reader, pos + ALIGN, limit)
             if nxt is None:
-                report.torn_tail = h is not None or reader.nonzero(pos)
+                # Zeros or an intact entry of an older lap end the log cleanly; anything
+                # else there is a write of this lap that did not finish.
+                report.torn_tail = h is not None or not reader.clean_end(pos)
                 break
             log.error("ring corruption: skipped %d bytes at position %d", nxt - pos, pos)
             report.corrupt.append((pos, nxt - pos))
@@ -199,7 +219,7 @@ class Ring:
         stop = min(limit, frm + MAX_ENTRY)
         pos = align(frm)
         while pos < stop:
-            lap_left = self.size - pos % self.size
+            lap_left = self.lap_left(pos)
             chunk = reader.read(pos, min(stop - pos, lap_left, SCAN_WINDOW))
             i = 0
             while True:
@@ -225,10 +245,10 @@ class _Window:
 
     def read(self, pos: int, n: int) -> bytes:
         r = self.ring
-        if pos >= r._buf_pos and pos < r._buf_pos + len(r._buf):
-            o = pos - r._buf_pos
-            return bytes(r._buf[o: o + n])
-        lap_left = r.size - pos % r.size
+        got = r.buffered(pos, n)
+        if got is not None:
+            return got
+        lap_left = r.lap_left(pos)
         n = min(n, lap_left)
         if not (self.start <= pos and pos + n <= self.start + len(self.data)):
             want = min(max(n, SCAN_WINDOW), lap_left)
@@ -241,5 +261,8 @@ class _Window:
         h = unpack_header(self.read(pos, HDR_SIZE))
         return h if h is not None and h.pos == pos else None
 
-    def nonzero(self, pos: int) -> bool:
-        return any(self.read(pos, HDR_SIZE))
+    def clean_end(self, pos: int) -> bool:
+        """Zeros, or the valid header of another lap (a stale entry), at ``pos``."""
+        raw = self.read(pos, HDR_SIZE)
+        h = unpack_header(raw)
+        return not any(raw) or (h is not None and h.pos != pos)

@@ -6,9 +6,12 @@ tree checkpoint is a shortcut for recovery, never the only truth. Never imports 
 torch. Not thread-safe: callers serialise (the FUSE layer runs it on one worker at a time).
 
 Contract (the FUSE layer, tools and tests rely on it):
-  Store.create(path, size, config=None) -> Store     # FormatError if too small / exists as other
-  Store.open(path, config=None, clock=time.time) -> Store   # FormatError / VolumeBusy
+  Store.create(path, size, config=None, *, volume=VolumeFile, observer=None) -> Store
+                                           # FormatError if too small / exists as other
+  Store.open(path, config=None, clock=time.time, readonly=False, *, volume=VolumeFile,
+             observer=None, force=False) -> Store   # FormatError / VolumeBusy / NeedsFsck
   close()                                  # flush, checkpoint, clean flag, release lock
+  mark_needs_fsck(reason)                  # an error was seen: mounts refuse until fsck
   list_sessions() -> list[str]             # sorted names
   create_session(name, mode=0o700, uid=0, gid=0)      # Exists / BadName / NameTooLong
   delete_session(name)                     # whole session, durable after sync()
@@ -29,27 +32,26 @@ Contract (the FUSE layer, tools and tests rely on it):
   cleanup() -> int                         # drop sessions idle > retention; returns count
   usage() -> Usage
   stats() -> dict                          # JSON-able counters for /.kvfs/stats
-Times in the API are float seconds; on disk they are integer nanoseconds.
+  drop_caches()                            # forget decoded entries (cold-read benchmarks)
+Times in the API are float seconds; on disk they are integer nanoseconds. ``volume`` is the
+volume class (``faults.FaultyVolume`` in tests); ``observer`` gets latencies and errors.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from kvfs.ops import metrics
-
 from .btree import BTree, TreeFull, TreeRoot
 from .codec import Codec, decode
-from .errors import BadRange, Corrupt, Exists, IndexCorrupt, NoSpace, NotAppend, NotFound
+from .errors import BadRange, Corrupt, Exists, FormatError, NeedsFsck, NoSpace, NotAppend, NotFound
+from .failsafe import FsckMark, guarded
 from .format import (
-    FMETA_FMT,
     MAX_ENTRY_RAW,
     SB_CLEAN,
-    SMETA_FMT,
+    SB_NEEDS_FSCK,
     T_DATA,
     T_DELF,
     T_DELS,
@@ -60,9 +62,11 @@ from .format import (
     entry_size,
 )
 from .index import Index
-from .records import FileRec, Session, check_name, name_hash
+from .reclaim import reclaim
+from .records import FileRec, Session, check_name, fmeta_payload, name_hash, smeta_payload
+from .recovery import recover
 from .ring import Ring, ScanReport
-from .types import FileStat, SessionStat, StoreConfig, Usage
+from .types import FileStat, NullObserver, Observer, SessionStat, StoreConfig, Usage
 from .volume import VolumeFile, geometry
 
 log = logging.getLogger(__name__)
@@ -77,11 +81,12 @@ def _ns(t: float | None) -> int | None:
 
 class Store:
     def __init__(self, vol: VolumeFile, sb: Superblock, config: StoreConfig,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], observer: Observer | None = None) -> None:
         self.vol, self.sb, self.cfg, self.clock = vol, sb, config, clock
+        self.observer = observer or NullObserver()
         vol.fadvise = config.fadvise
         self.ring = Ring(vol, sb.ring_offset, sb.ring_size, sb.head, sb.tail, config.write_buffer)
-        tree = BTree(vol.fd, sb.tree_offset, sb.tree_pages, TreeRoot.unpack(sb.tree_root))
+        tree = BTree(vol, sb.tree_offset, sb.tree_pages, TreeRoot.unpack(sb.tree_root))
         self.idx = Index(tree, config.hot_sessions)
         self.codec = Codec(config.compression, config.zstd_level, config.min_ratio, config.plane_split)
         self.next_sno = sb.next_sno
@@ -95,6 +100,7 @@ class Store:
         self.max_entry_raw = min(MAX_ENTRY_RAW, max(64 << 10, sb.ring_size // 32))
         self.reserve = 2 * entry_size(self.max_entry_raw + (self.max_entry_raw >> 6) + 64) + (64 << 10)
         self.open_report: ScanReport | None = None
+        self.fsck_mark = FsckMark(sb.flags)
         self.counters = dict(appends=0, reads=0, raw_written=0, stored_written=0, copied_forward=0,
                              reclaims=0, checkpoints=0, corrupt_reads=0, dropped_sessions=0,
                              evicted_sessions=0, full_scans=0)
@@ -102,34 +108,37 @@ class Store:
     # ================================================================ lifecycle
     @classmethod
     def create(cls, path: str, size: int, config: StoreConfig | None = None,
-               clock: Callable[[], float] = time.time) -> Store:
+               clock: Callable[[], float] = time.time, *, volume: type[VolumeFile] = VolumeFile,
+               observer: Observer | None = None) -> Store:
         """Format a new volume at ``path`` (a new file, or a block device) and open it."""
         tree_off, tree_pages, ring_off, ring_size = geometry(size)
-        vol = VolumeFile.create(path, size)
+        vol = volume.create(path, size)
         now = time.time_ns()
         sb = Superblock(1, SB_CLEAN, vol.size, ring_off, ring_size, tree_off, tree_pages, 0, 0, 0, 1,
                         now, now, TreeRoot.empty().pack())
         vol.write_superblock(sb)
         vol.write_superblock(Superblock(**{**sb.__dict__, "seq": 2}))
         vol.close()
-        return cls.open(path, config, clock)
+        return cls.open(path, config, clock, volume=volume, observer=observer)
 
     @classmethod
     def open(cls, path: str, config: StoreConfig | None = None,
-             clock: Callable[[], float] = time.time, readonly: bool = False) -> Store:
-        """Open: newest valid superblock -> B+ tree checkpoint -> replay the ring after it."""
-        from .errors import FormatError
-        from .recovery import recover
+             clock: Callable[[], float] = time.time, readonly: bool = False, *,
+             volume: type[VolumeFile] = VolumeFile, observer: Observer | None = None,
+             force: bool = False) -> Store:
+        """Open: newest valid superblock -> B+ tree checkpoint -> replay the ring after it.
 
-        vol = VolumeFile.open(path, readonly)
+        A volume marked as needing fsck is refused (NeedsFsck, before anything is written)
+        unless ``force`` or ``readonly``; a forced open keeps the mark."""
+        vol = volume.open(path, readonly)
         try:
-            sbs = vol.read_superblocks()
-            if not sbs:
-                raise FormatError(f"{path}: both superblocks are corrupt; run tools/fsck.py")
-            sb = sbs[0]
+            sb = vol.newest_superblock()
             if sb.volume_size > vol.size:
                 raise FormatError(f"{path}: volume is {vol.size} bytes, superblock says {sb.volume_size}")
-            store = cls(vol, sb, config or StoreConfig(), clock)
+            if sb.flags & SB_NEEDS_FSCK and not (force or readonly):
+                raise NeedsFsck(f"{path}: an error was seen while it was in use; "
+                                f"run kvfs-fsck {path}")
+            store = cls(vol, sb, config or StoreConfig(), clock, observer)
             recover(store)
         except BaseException:
             vol.close()
@@ -180,24 +189,14 @@ class Store:
             raise NoSpace("volume is open read-only")
         if self.ring.room() >= need + self.reserve:
             return
-        from .reclaim import reclaim
-
         reclaim(self, need + self.reserve, keep)  # never evicts ``keep``: it is being written
 
-    def _smeta(self, s: Session) -> bytes:
-        return SMETA_FMT.pack(s.mode, s.uid, s.gid, s.next_fno, s.ctime, s.mtime) + s.name.encode(
-            "utf-8", "surrogateescape")
-
-    def _fmeta(self, f: FileRec) -> bytes:
-        return FMETA_FMT.pack(f.mode, f.uid, f.gid, f.ctime, f.mtime) + f.name.encode(
-            "utf-8", "surrogateescape")
-
     def emit_smeta(self, s: Session) -> None:
-        s.meta_pos, _ = self._emit(T_SMETA, s, payload=self._smeta(s))
+        s.meta_pos, _ = self._emit(T_SMETA, s, payload=smeta_payload(s))
         self.idx.dirty(s)
 
     def emit_fmeta(self, s: Session, f: FileRec) -> None:
-        f.meta_pos, _ = self._emit(T_FMETA, s, f.fno, payload=self._fmeta(f))
+        f.meta_pos, _ = self._emit(T_FMETA, s, f.fno, payload=fmeta_payload(f))
         self.idx.dirty(s)
 
     # ================================================================ sessions
@@ -230,7 +229,8 @@ class Store:
                           gid: int | None = None, atime: float | None = None,
                           mtime: float | None = None) -> None:
         s = self._session(name)
-        s.atime, s.mtime = _ns(atime) or s.atime, _ns(mtime) or s.mtime
+        s.atime = s.atime if atime is None else _ns(atime)  # 0 is a time, not "unset"
+        s.mtime = s.mtime if mtime is None else _ns(mtime)
         if (mode, uid, gid) != (None, None, None):
             s.mode = s.mode if mode is None else mode & 0o7777
             s.uid, s.gid = s.uid if uid is None else uid, s.gid if gid is None else gid
@@ -268,7 +268,8 @@ class Store:
                        gid: int | None = None, atime: float | None = None,
                        mtime: float | None = None) -> None:
         s, f = self._file(session, name)
-        f.atime, f.mtime = _ns(atime) or f.atime, _ns(mtime) or f.mtime
+        f.atime = f.atime if atime is None else _ns(atime)  # 0 is a time, not "unset"
+        f.mtime = f.mtime if mtime is None else _ns(mtime)
         if (mode, uid, gid) != (None, None, None):
             f.mode = f.mode if mode is None else mode & 0o7777
             f.uid, f.gid = f.uid if uid is None else uid, f.gid if gid is None else gid
@@ -298,7 +299,7 @@ class Store:
         f.mtime = s.mtime = time.time_ns()
         self.counters["appends"] += 1
         self.idx.dirty(s)
-        metrics.observe_cold_write((time.perf_counter() - t0) * 1e3)
+        self.observer.cold_write((time.perf_counter() - t0) * 1e3)
 
     def truncate(self, session: str, name: str, length: int) -> None:
         s, f = self._file(session, name)
@@ -334,7 +335,7 @@ class Store:
         self.counters["reads"] += 1
         s.atime = f.atime = time.time_ns()
         self.idx.touched(s)
-        metrics.observe_cold_read((time.perf_counter() - t0) * 1e3)
+        self.observer.cold_read((time.perf_counter() - t0) * 1e3)
         return b"".join(out)
 
     def _read_ahead(self, f: FileRec, end: int) -> None:
@@ -345,13 +346,14 @@ class Store:
         stop = end + READ_AHEAD
         while i < len(f.ext) and f.off[i] < stop:
             pos, _, n, esize = f.ext[i]
-            if pos < self.ring._buf_pos:
+            if self.ring.on_disk(pos):
                 self.vol.willneed(self.ring.phys(pos), esize)
             f.advised_to = f.off[i] + n
             i += 1
 
-    def entry_bytes(self, pos: int, esize: int) -> bytes | memoryview:
-        """Decoded payload of the data entry at ``pos`` (a small cache serves re-reads)."""
+    def entry_bytes(self, pos: int, esize: int, cache: bool = True) -> bytes | memoryview:
+        """Decoded payload of the data entry at ``pos`` (a small cache serves re-reads;
+        ``cache=False`` for a one-off pass such as fsck's)."""
         raw = self._decoded.get(pos)
         if raw is not None:
             self._decoded.move_to_end(pos)
@@ -363,13 +365,20 @@ class Store:
             raw = decode(h.flags, payload, h.raw_len)  # a view: sliced, then joined once
         except Corrupt:
             self.counters["corrupt_reads"] += 1
-            metrics.cold_errors.inc()
+            self.observer.cold_error()
             raise
+        if not cache:
+            return raw
         self._decoded[pos] = raw
         self._decoded_bytes += len(raw)
         while self._decoded_bytes > DECODED_CACHE and len(self._decoded) > 1:
             self._decoded_bytes -= len(self._decoded.popitem(last=False)[1])
         return raw
+
+    def drop_caches(self) -> None:
+        """Forget every decoded entry: the next reads go to the volume."""
+        self._decoded.clear()
+        self._decoded_bytes = 0
 
     # ================================================================ durability
     def flush(self) -> None:
@@ -389,8 +398,8 @@ class Store:
             root = self.tree.commit(changes)
         except TreeFull as e:
             raise NoSpace(f"index region full, cannot checkpoint: {e}") from e
-        sb = self.sb
-        new = Superblock(sb.seq + 1, SB_CLEAN if clean else 0, sb.volume_size, sb.ring_offset,
+        sb, mark = self.sb, self.fsck_mark.mark  # the mark before its flag: see FsckMark.set
+        new = Superblock(sb.seq + 1, self.fsck_mark.flags(clean), sb.volume_size, sb.ring_offset,
                          sb.ring_size, sb.tree_offset, sb.tree_pages, self.ring.head,
                          self.ring.tail, self.ring.head, self.next_sno, time.time_ns(),
                          sb.created_ns, root.pack())
@@ -399,9 +408,9 @@ class Store:
             self.vol.write_superblock(new)
         except BaseException:
             # The durable superblock still names the old root: keep committing on top of it.
-            self.idx.tree = BTree(self.vol.fd, sb.tree_offset, sb.tree_pages, old_root)
+            self.idx.tree = BTree(self.vol, sb.tree_offset, sb.tree_pages, old_root)
             raise
-        self.sb = new
+        self.sb, self.fsck_mark.written = new, mark
         self.ring.durable_tail = self.ring.tail
         self.idx.committed()
         self.last_ckpt = time.monotonic()
@@ -438,6 +447,23 @@ class Store:
             self.counters["dropped_sessions"] += n
         return n
 
+    # ================================================================ needs fsck
+    @property
+    def needs_fsck(self) -> bool:
+        return self.fsck_mark.needed
+
+    def mark_needs_fsck(self, reason: str) -> None:
+        """Record that the volume needs fsck: corruption or an internal error was seen.
+
+        Safe from any thread: it only sets the mark, and the next engine call writes it to
+        the superblock, where it stays until ``kvfs-fsck --repair`` clears it."""
+        if self.fsck_mark.set(reason):
+            log.error("%s: volume needs fsck: %s", self.vol.path, reason)
+
+    def clear_needs_fsck(self) -> None:
+        """fsck repaired the volume: the next superblock written goes without the mark."""
+        self.fsck_mark.clear()
+
     # ================================================================ reporting
     def usage(self) -> Usage:
         return Usage(self.ring.size, self.ring.used(), self.idx.n_sessions, self.ring.head,
@@ -452,7 +478,8 @@ class Store:
             "volume": {"path": self.vol.path, "size": self.sb.volume_size, "capacity": u.capacity,
                        "used": u.used, "used_ratio": u.used / u.capacity, "sessions": u.sessions,
                        "head": u.head, "tail": u.tail, "checkpoint_pos": u.checkpoint_pos,
-                       "checkpoint_age_s": round(u.checkpoint_age_s, 3)},
+                       "checkpoint_age_s": round(u.checkpoint_age_s, 3),
+                       "needs_fsck": self.needs_fsck, "needs_fsck_reason": self.fsck_mark.reason},
             "index": {"hot_sessions": len(self.idx.hot), "pinned_sessions": len(self.idx.pinned),
                       "tree": self.tree.stats()},
             "counters": dict(self.counters),
@@ -463,25 +490,8 @@ class Store:
         }
 
 
-def _rebuilds_on_bad_checkpoint(fn):  # noqa: ANN001, ANN202
-    """Run a Store operation; if the checkpoint tree proves bad, rebuild the index from the
-    ring and run it once more from the start. Every operation looks up before it writes,
-    so the first attempt left nothing half-done (what reclaim copied is in the ring)."""
-
-    @functools.wraps(fn)
-    def wrapper(self: Store, *a, **kw):  # noqa: ANN002, ANN003, ANN202
-        try:
-            return fn(self, *a, **kw)
-        except IndexCorrupt as e:
-            from .recovery import rebuild
-
-            rebuild(self, e)
-            return fn(self, *a, **kw)
-
-    return wrapper
-
-
 for _name in ("list_sessions", "create_session", "delete_session", "session_stat",
               "set_session_attrs", "list_files", "create_file", "delete_file", "file_stat",
-              "set_file_attrs", "append", "truncate", "read", "checkpoint", "cleanup"):
-    setattr(Store, _name, _rebuilds_on_bad_checkpoint(getattr(Store, _name)))
+              "set_file_attrs", "append", "truncate", "read", "flush", "sync", "checkpoint",
+              "maybe_checkpoint", "cleanup"):
+    setattr(Store, _name, guarded(getattr(Store, _name)))

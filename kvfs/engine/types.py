@@ -6,6 +6,31 @@ Kept apart from the engine so the FUSE layer, tools and tests can import them ch
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class Observer(Protocol):
+    """Where the engine reports latencies and errors; the mount passes one backed by its
+    metrics. Called on the engine's thread; must be cheap and must not raise."""
+
+    def cold_read(self, ms: float) -> None: ...
+
+    def cold_write(self, ms: float) -> None: ...
+
+    def cold_error(self) -> None: ...
+
+
+class NullObserver:
+    """The default ``Observer``: reports go nowhere."""
+
+    def cold_read(self, ms: float) -> None:
+        pass
+
+    def cold_write(self, ms: float) -> None:
+        pass
+
+    def cold_error(self) -> None:
+        pass
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """The volume file: geometry, the two superblock slots, raw positioned I/O.
 
 Owns the file descriptor and the advisory lock that keeps a volume opened by one process.
-Knows nothing of sessions or entries. All I/O is os.pread/os.pwrite on one fd; reads of
-cold data are followed by POSIX_FADV_DONTNEED so the page cache does not fill with KV the
-agent will not read again soon.
+Knows nothing of sessions or entries. All I/O is os.pread/os.pwrite on one fd (the ring
+and the B+ tree both go through it, so a test volume sees every write); reads of cold data
+are followed by POSIX_FADV_DONTNEED so the page cache does not fill with KV the agent will
+not read again soon.
 """
 
 from __future__ import annotations
@@ -15,10 +16,18 @@ import os
 import stat
 import time
 
-from .errors import FormatError, VolumeBusy
+from .errors import BadSuperblock, FormatError, VolumeBusy
 from .format import MIN_VOLUME, PAGE, RING_ALIGN, SB_SLOT, VOLUME_MAGIC, Superblock
 
 log = logging.getLogger(__name__)
+
+
+def pwrite_all(fd: int, data: bytes | memoryview, off: int) -> None:
+    """os.pwrite until every byte is written (a short write is legal)."""
+    mv = memoryview(data).cast("B")
+    while mv:
+        n = os.pwrite(fd, mv, off)
+        mv, off = mv[n:], off + n
 
 
 def geometry(size: int, tree_fraction: float = 1 / 32) -> tuple[int, int, int, int]:
@@ -55,7 +64,7 @@ class VolumeFile:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         vol = cls(path, fd, size, False)
         try:
-            vol._lock()
+            vol.lock()
             if not is_blk:
                 try:
                     os.posix_fallocate(fd, 0, size)
@@ -80,7 +89,7 @@ class VolumeFile:
         vol = cls(path, fd, size, readonly)
         try:
             if not readonly:
-                vol._lock()
+                vol.lock()
             head = os.pread(fd, 8, 0)
             if head != VOLUME_MAGIC and os.pread(fd, 8, SB_SLOT) != VOLUME_MAGIC:
                 raise FormatError(f"{path}: not a kvfs volume (no kvfs superblock magic)")
@@ -89,9 +98,11 @@ class VolumeFile:
             raise
         return vol
 
-    def _lock(self) -> None:
+    def lock(self, shared: bool = False) -> None:
+        """The writer's exclusive lock; ``shared`` for a reader that must not run beside a
+        writer (fsck). VolumeBusy when a mount holds the volume."""
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(self.fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
             raise VolumeBusy(f"{self.path}: volume is in use (mounted or opened by another process)") from None
 
@@ -101,16 +112,32 @@ class VolumeFile:
             self.fd = -1
 
     # ------------------------------------------------------------- superblock
-    def read_superblocks(self) -> list[Superblock]:
-        """Valid superblocks, newest first (zero, one or two)."""
-        found = []
+    def read_slots(self) -> list[Superblock | BadSuperblock]:
+        """Both slots, in slot order: the superblock, or why it does not decode."""
+        out: list[Superblock | BadSuperblock] = []
         for slot in (0, 1):
-            sb = Superblock.unpack(os.pread(self.fd, SB_SLOT, slot * SB_SLOT))
-            if sb is None:
-                log.warning("%s: superblock slot %d is invalid", self.path, slot)
-            else:
-                found.append(sb)
-        return sorted(found, key=lambda s: s.seq, reverse=True)
+            try:
+                out.append(Superblock.unpack(os.pread(self.fd, SB_SLOT, slot * SB_SLOT)))
+            except BadSuperblock as e:
+                log.warning("%s: superblock slot %d: %s", self.path, slot, e)
+                out.append(e)
+        return out
+
+    def newest_superblock(self) -> Superblock:
+        """The valid superblock with the higher seq; FormatError says why there is none."""
+        slots = self.read_slots()
+        good = [s for s in slots if isinstance(s, Superblock)]
+        if good:
+            return max(good, key=lambda s: s.seq)
+        bad = [e for e in slots if isinstance(e, BadSuperblock)]
+        version = [e for e in bad if e.kind == "version"]
+        if version:
+            raise FormatError(f"{self.path}: {version[0]}")
+        if all(e.kind == "magic" for e in bad):
+            raise FormatError(f"{self.path}: not a kvfs volume (no kvfs superblock)")
+        why = "; ".join(f"slot {i}: {e}" for i, e in enumerate(bad))
+        raise FormatError(f"{self.path}: both superblocks are corrupt ({why}); "
+                          f"run kvfs-fsck {self.path}")
 
     def write_superblock(self, sb: Superblock) -> None:
         """Write ``sb`` to the slot its sequence number selects, then fsync.
@@ -128,16 +155,13 @@ class VolumeFile:
         return out
 
     def pwrite(self, data: bytes | memoryview, off: int) -> None:
-        mv = memoryview(data)
-        while mv:
-            n = os.pwrite(self.fd, mv, off)
-            mv, off = mv[n:], off + n
+        pwrite_all(self.fd, data, off)
 
     def pwritev(self, bufs: list[bytes | memoryview], off: int) -> None:
         total = sum(len(b) for b in bufs)
         n = os.pwritev(self.fd, bufs, off)
         if n != total:  # a short gathered write: finish the rest plainly
-            self.pwrite(b"".join(bytes(b) for b in bufs)[n:], off + n)
+            pwrite_all(self.fd, b"".join(bytes(b) for b in bufs)[n:], off + n)
 
     def dontneed(self, off: int, n: int) -> None:
         if self.fadvise:

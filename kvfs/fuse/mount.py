@@ -3,7 +3,8 @@
 
     python mount.py VOLUME MOUNTPOINT [--size SIZE] [--profile gov|ecommerce|iot]
                     [--foreground] [--config FILE] [-o key=value ...] [--allow-other]
-                    [--metrics-port N] [--log FILE] [--debug] [--page-cache]
+                    [--metrics-port N] [--metrics-addr ADDR] [--log FILE] [--debug]
+                    [--page-cache] [--force]
 
 The story, in order: parse the arguments, set up logging, load the profile, check the
 paths, daemonize (the parent waits on a pipe and exits 0 only once the mount is live),
@@ -29,6 +30,7 @@ import trio
 
 from kvfs.engine import errors
 from kvfs.engine.store import Store
+from kvfs.fuse.buffers import default_max_pending
 from kvfs.fuse.files import refresh_cold_gauges
 from kvfs.fuse.ops import Operations
 from kvfs.ops import metrics, profiles
@@ -60,11 +62,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--foreground", action="store_true", help="do not daemonize")
     p.add_argument("--allow-other", action="store_true",
                    help="let other users reach the mount (permissions still apply)")
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:N")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics over HTTP on port N")
+    p.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
+                   help="address the metrics port listens on (default 127.0.0.1; 0.0.0.0 or :: "
+                        "for every interface)")
     p.add_argument("--log", help="log to this file (default: stderr)")
     p.add_argument("--debug", action="store_true", help="log every detail")
+    p.add_argument("--force", action="store_true",
+                   help="mount a volume marked as needing fsck (the mark stays until kvfs-fsck --repair)")
     p.add_argument("--page-cache", action="store_true",
                    help="serve file data through the page cache instead of direct I/O")
+    p.add_argument("--write-buffer-max", type=profiles.parse_size, metavar="SIZE",
+                   help="bound on the mount's unflushed written bytes (default: 256M, at "
+                        "most 1/8 of RAM)")
     args = p.parse_args(argv)
     # the daemon changes directory to /, so every path is made absolute now
     args.volume = os.path.abspath(args.volume)
@@ -74,7 +84,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def setup_logging(args: argparse.Namespace) -> None:
     handler: logging.Handler
-    if args.log:
+    if args.log:  # created 0600: log lines name sessions and files
+        os.close(os.open(args.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600))
         handler = logging.FileHandler(args.log)
         level = logging.INFO
     else:
@@ -142,12 +153,19 @@ def report(pipe: int | None, message: str) -> None:
 
 def open_store(args: argparse.Namespace, size: int | None, profile: profiles.Profile) -> Any:
     config = profile.store_config()
+    observer = metrics.EngineObserver()
     try:
         if os.path.exists(args.volume):
-            return Store.open(args.volume, config)
+            store = Store.open(args.volume, config, observer=observer, force=args.force)
+            if store.needs_fsck:
+                log.warning("%s needs fsck; mounted anyway (--force)", args.volume)
+            return store
         assert size is not None
         log.info("creating volume %s of %d bytes", args.volume, size)
-        return Store.create(args.volume, size, config)
+        return Store.create(args.volume, size, config, observer=observer)
+    except errors.NeedsFsck:
+        raise Refused(f"{args.volume} needs fsck (an error was seen while it was mounted): "
+                      f"run kvfs-fsck {args.volume}, or mount with --force") from None
     except errors.VolumeBusy:
         raise Refused(f"volume {args.volume} is already mounted (locked by another process)") from None
     except errors.FormatError as e:
@@ -224,12 +242,14 @@ def main(argv: list[str] | None = None) -> int:
         stack.callback(close_store, store)  # runs last: flush, checkpoint, clean flag
         alert_engine = alerts.for_profile(profile) if alerts is not None else None
         ops = Operations(store, direct_io=not args.page_cache, allow_other=args.allow_other,
+                         max_pending=args.write_buffer_max or default_max_pending(),
                          alerts_state=alert_engine.state if alert_engine else None)
         try:
             if args.metrics_port:
-                metrics.serve(args.metrics_port)
+                metrics.serve(args.metrics_port, args.metrics_addr)
         except OSError as e:
-            return refuse(args, pipe, f"--metrics-port {args.metrics_port}: {e.strerror or e}")
+            return refuse(args, pipe, f"--metrics-addr {args.metrics_addr} --metrics-port "
+                                      f"{args.metrics_port}: {e.strerror or e}")
         try:
             pyfuse3.init(ops, args.mountpoint, fuse_options(args))
         except RuntimeError as e:
@@ -250,7 +270,7 @@ def close_store(store: Any) -> None:
     try:
         store.close()
     except Exception:
-        log.exception("closing the volume failed; run tools/fsck.py on it")
+        log.exception("closing the volume failed; run kvfs-fsck %s", store.vol.path)
         raise
     log.info("volume closed cleanly")
 

@@ -2,7 +2,8 @@
 
 Each process (the mount, an agent) has its own registry; the mount serves its text in
 ``/.kvfs/metrics``, an agent can serve its own over HTTP (``serve(port)``). Metric names
-are the brief's; add new ones here so they stay in one list.
+are what dashboards and alert rules (deploy/) query; add new ones here so they stay in one
+list.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ warm_usage_ratio = Gauge("kv_warm_usage_ratio", "warm bytes / cap", registry=REG
 warm_hits = Counter("kv_warm_hits", "Reads served from warm", registry=REGISTRY)
 warm_misses = Counter("kv_warm_misses", "Reads that went to cold", registry=REGISTRY)
 warm_migrations = Counter("kv_warm_migrations", "Sessions migrated warm -> cold", registry=REGISTRY)
+warm_migration_failures = Counter("kv_warm_migration_failures", "Group migrations to cold the cold tier refused (ENOSPC, EIO...): each starts a back-off", registry=REGISTRY)
 warm_promotions = Counter("kv_warm_promotions", "Sessions promoted cold -> warm", registry=REGISTRY)
 warm_evict_latency = Histogram("kv_warm_evict_latency_ms", "Latency of one group migration (ms)", buckets=_MS_BUCKETS, registry=REGISTRY)
 
@@ -91,9 +93,34 @@ def observe_cold_write(ms: float) -> None:
     cold_write_recent.add(ms)
 
 
+def sample(metric: Counter | Gauge | Histogram, suffix: str = "") -> float:
+    """The value of an unlabelled metric's sample ``<name><suffix>`` (``"_total"`` for a
+    counter, ``"_sum"``/``"_count"`` for a histogram), through the public ``collect()``
+    (0.0 when absent). Cheaper than ``REGISTRY.get_sample_value``, which collects every
+    metric, including the p99 gauges that sort their window."""
+    for fam in metric.collect():
+        want = fam.name + suffix
+        for s in fam.samples:
+            if s.name == want and not s.labels:
+                return float(s.value)
+    return 0.0
+
+
+class EngineObserver:
+    """The storage engine's reports (``kvfs.engine.types.Observer``) as cold-tier metrics."""
+
+    def cold_read(self, ms: float) -> None:
+        observe_cold_read(ms)
+
+    def cold_write(self, ms: float) -> None:
+        observe_cold_write(ms)
+
+    def cold_error(self) -> None:
+        cold_errors.inc()
+
+
 def update_hot_hit_rate() -> None:
-    h = hot_hits._value.get()
-    m = hot_misses._value.get()
+    h, m = sample(hot_hits, "_total"), sample(hot_misses, "_total")
     hot_hit_rate.set(h / (h + m) if h + m else 1.0)
 
 
@@ -104,14 +131,7 @@ def text() -> bytes:
 
 def histogram_totals(h: Histogram) -> tuple[float, float]:
     """``(sum, count)`` of an unlabelled histogram (for rates between two samples)."""
-    total = count = 0.0
-    for fam in h.collect():
-        for s in fam.samples:
-            if s.name.endswith("_sum"):
-                total = s.value
-            elif s.name.endswith("_count"):
-                count = s.value
-    return total, count
+    return sample(h, "_sum"), sample(h, "_count")
 
 
 def parse(text: str | bytes) -> dict[str, float]:
@@ -131,7 +151,9 @@ def parse(text: str | bytes) -> dict[str, float]:
 
 
 def serve(port: int, addr: str = "127.0.0.1") -> None:
-    """Serve this process's metrics over HTTP on loopback (``--metrics-port``)."""
+    """Serve this process's metrics over HTTP on ``addr:port`` (``--metrics-addr``,
+    ``--metrics-port``); loopback unless told otherwise. ``OSError`` when it cannot bind
+    (``socket.gaierror`` for an address that does not resolve)."""
     from prometheus_client import start_http_server
 
     start_http_server(port, addr=addr, registry=REGISTRY)

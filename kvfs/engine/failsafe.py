@@ -1,0 +1,105 @@
+"""Fail-safe: the needs-fsck mark and the guard around every ``Store`` operation.
+
+When corruption or an internal error is seen while a volume is in use, the volume is
+marked as needing fsck (S3QL's ``needs_fsck``): a flag bit in the superblock that survives
+a remount, so the next writable open refuses until ``kvfs-fsck --repair`` clears it.
+The mark may be set from any thread (the FUSE layer's error path); it reaches the disk on
+the next engine call, which is serialised with every other one. Never imports pyfuse3.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from .errors import Corrupt, IndexCorrupt, KVFSError
+from .format import SB_CLEAN, SB_NEEDS_FSCK, Superblock
+
+if TYPE_CHECKING:
+    from .store import Store
+
+log = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class FsckMark:
+    """Whether the volume needs fsck, why, and whether the disk knows yet."""
+
+    def __init__(self, flags: int) -> None:
+        self.needed = bool(flags & SB_NEEDS_FSCK)
+        self.reason = "marked in the superblock" if self.needed else ""
+        self._seq = itertools.count(1)
+        self.mark = self.written = 0  # bumped by every change / the change last on disk
+
+    def set(self, reason: str) -> bool:
+        """Mark; True when this is news. ``needed`` is set before ``mark`` moves, so a
+        writer that reads ``mark`` first and ``flags`` after never loses it."""
+        if self.needed:
+            return False
+        self.reason = reason
+        self.needed = True
+        self.mark = next(self._seq)
+        return True
+
+    def clear(self) -> None:
+        self.needed, self.reason = False, ""
+        self.mark = next(self._seq)
+
+    def flags(self, clean: bool) -> int:
+        return (SB_CLEAN if clean else 0) | (SB_NEEDS_FSCK if self.needed else 0)
+
+    def pending(self) -> bool:
+        return self.mark != self.written
+
+
+def persist(store: Store) -> None:
+    """Write a change of the mark not yet on disk: the durable superblock again with the new
+    flag. Only flags and seq change, so it is safe whatever state an error left in memory.
+    A failure is logged, not raised: it must not hide the error that set the mark."""
+    m = store.fsck_mark
+    if not m.pending() or store.readonly or store.vol.fd < 0:
+        return
+    mark, sb = m.mark, store.sb
+    new = Superblock(**{**sb.__dict__, "seq": sb.seq + 1,
+                        "flags": (sb.flags & SB_CLEAN) | m.flags(False)})
+    try:
+        store.vol.write_superblock(new)
+    except Exception as e:  # noqa: BLE001
+        log.error("%s: could not write the needs-fsck mark: %s", store.vol.path, e)
+        return
+    store.sb, m.written = new, mark
+
+
+def guarded(fn: F) -> F:
+    """Run a Store operation. If the checkpoint tree proves bad, rebuild the index from the
+    ring and run it once more from the start: every operation looks up before it writes, so
+    the first attempt left nothing half-done (what reclaim copied is in the ring). Data
+    corruption and unexpected exceptions mark the volume as needing fsck; a pending mark is
+    written before and after the call."""
+    from .recovery import rebuild
+
+    @functools.wraps(fn)
+    def wrapper(self: Store, *a: Any, **kw: Any) -> Any:
+        persist(self)
+        try:
+            try:
+                return fn(self, *a, **kw)
+            except IndexCorrupt as e:
+                rebuild(self, e)
+                return fn(self, *a, **kw)
+        except Corrupt as e:
+            self.mark_needs_fsck(f"{fn.__name__}: {e}")
+            raise
+        except KVFSError:
+            raise
+        except Exception as e:
+            self.mark_needs_fsck(f"{fn.__name__}: unexpected {type(e).__name__}: {e}")
+            raise
+        finally:
+            persist(self)
+
+    return wrapper  # type: ignore[return-value]
