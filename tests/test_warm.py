@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import errno
 import itertools
+import logging
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -333,7 +335,8 @@ def test_failed_migration_keeps_the_session_in_warm(dirs, monkeypatch, caplog):
             raise OSError(errno.ENOSPC, "No space left on device")
 
         monkeypatch.setattr(ColdStore, "append", no_space)
-        assert w.migrate() == []
+        with pytest.raises(WarmError, match="No space left"):
+            w.migrate()  # an explicit call that moved nothing says why
         assert "failed" in caplog.text and w.usage()["sessions"] == 1
         check(w, "s", ref)
         monkeypatch.undo()
@@ -447,4 +450,52 @@ def test_concurrent_readers_and_one_writer_per_session(dirs):
     for k, sid in enumerate(sids):
         size = w.size(sid, 0)
         assert np.array_equal(w.read(sid, 0, 0, size), pattern(k, 0, size))
+    w.close()
+
+
+# ---- a cold tier that refuses: back off, hold the cap, say it once per period ----------
+def test_full_cold_volume_backs_off_and_holds_the_cap(make_mount, tmp_path, caplog):
+    m = make_mount(size="16M")
+    failures = metrics.REGISTRY.get_sample_value("kv_warm_migration_failures_total") or 0
+    cap = 3 << 20
+    w = WarmTier(str(m.root), str(tmp_path / "warm"), cap_bytes=cap, migrate_at=0.5, group=2,
+                 shards=4, retry_s=0.5, retry_max_s=1.0)
+    chunk = blob(0, 256 << 10)
+    refused, i = None, 0
+    caplog.set_level(logging.INFO, logger="kvfs.warm")
+    deadline = time.monotonic() + 120
+    while refused is None:  # 1 MiB sessions until the volume is full and RAM at its cap
+        assert time.monotonic() < deadline, w.usage()
+        try:
+            w.append(f"s{i // 4}", 0, chunk)
+        except WarmError as e:
+            refused = e
+        i += 1
+    assert "is full" in str(refused) and "No space left" in str(refused), refused
+    assert "No space left" in w.usage()["cold_error"] and w.usage()["bytes"] <= cap
+    # while it backs off: appends fail fast or succeed fast, no migration per append,
+    # RAM never passes the cap, one log line (and one metric increment) per period
+    caplog.clear()
+    failed_before = metrics.REGISTRY.get_sample_value("kv_warm_migration_failures_total")
+    lat, errors, t0 = [], 0, time.monotonic()
+    while time.monotonic() - t0 < 2.5:
+        a = time.perf_counter()
+        try:
+            w.append("late", 0, blob(1, 4096))
+        except WarmError:
+            errors += 1
+        lat.append(time.perf_counter() - a)
+        assert w.usage()["bytes"] <= cap
+    lines = [r for r in caplog.records if "to cold tier" in r.message and "failed" in r.message]
+    periods = metrics.REGISTRY.get_sample_value("kv_warm_migration_failures_total") - failed_before
+    assert len(lat) > 200 and errors > 100 and np.median(lat) < 0.005, (len(lat), errors)
+    assert 1 <= len(lines) == periods <= 4  # 0.5 s, then 1 s periods: not one per append
+    assert periods + failed_before - failures >= 2
+    assert w.usage()["bytes"] <= cap
+    # every session is still readable, from RAM or from the cold copy
+    for k in range(i // 4):
+        n = w.size(f"s{k}", 0)
+        assert n >= 256 << 10 and np.array_equal(w.read(f"s{k}", 0, 0, 256 << 10), chunk)
+    with pytest.raises(WarmError, match="No space left"):
+        w.migrate()  # an explicit call tries at once and says why it failed
     w.close()

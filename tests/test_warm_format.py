@@ -6,12 +6,24 @@ import hashlib
 import logging
 import os
 
+import crc32c
 import numpy as np
 import pytest
 
-from kvfs.warm import WarmError, WarmTier, device_id, shard_of
-from kvfs.warm.format import ENTRY_SIZE, HEADER, HEADER_SLOT, K_LAYER, K_NAME, KEY_DEVICE
+from kvfs.warm import WarmCorrupt, WarmError, WarmTier, device_id, shard_of
+from kvfs.warm.extent import seal_of
+from kvfs.warm.format import (
+    ENTRY_SIZE,
+    HEADER,
+    HEADER_CRC,
+    HEADER_SLOT,
+    HEADER_SLOTS,
+    K_LAYER,
+    K_NAME,
+    KEY_DEVICE,
+)
 from kvfs.warm.ids import shard_file_name
+from kvfs.warm.rootdir import RootDir
 from kvfs.warm.shardload import load_shard
 
 
@@ -202,9 +214,11 @@ def test_corrupt_shard_means_missing_sessions_logged_no_crash(dirs, caplog, dama
                 fh.seek(slot)
                 fh.write(b"NOTKVMAP")
         else:  # flip a bit in the immutable part of the first entry
-            f = load_shard(victim)
+            rd = RootDir(root)
+            f = load_shard(rd, os.path.basename(victim))
             off = f.index_off + 8
             f.unmap()
+            rd.close()
             fh.seek(off)
             b = fh.read(1)
             fh.seek(off)
@@ -237,7 +251,8 @@ def test_unfinished_truncate_is_completed_on_load(dirs):
         # a kill right after the first store of truncate(s, 0, 20_000): cut segment updated,
         # later segments still live
         k = max(j for j, g in enumerate(segs) if g.start < 20_000)
-        f.tbl["used"][segs[k].idx] = 20_000 - segs[k].start
+        g = segs[k]
+        f.tbl["seal"][g.idx] = seal_of(f.map(), g.off, g.cap, 20_000 - g.start)
     with WarmTier(cold, root, shards=1) as w:
         assert w.size("s", 0) == 20_000
         assert np.array_equal(w.read("s", 0, 0, 20_000), blob(0, 100_000)[:20_000])
@@ -263,3 +278,186 @@ def test_unfinished_drop_leaves_orphans_that_are_reclaimed(dirs):
 
 def test_entry_size_matches_layout():
     assert ENTRY_SIZE == 64 and HEADER.size + 4 == HEADER_SLOT
+
+
+# ---- checksums: a flipped bit is an error or the cold copy, never wrong bytes ----------
+def _build_flip_fixture(cold: str, root: str) -> tuple[dict, dict]:
+    """Three sessions in one shard: 'a' warm only (multi-block, multi-segment layers),
+    'b' on cold with a warm tail, 'c' small. Returns (layers, meta) references."""
+    layers: dict = {}
+    meta = {}
+    with WarmTier(cold, root, shards=1) as w:
+        for k, sid in enumerate(["a", "b", "c"]):
+            n = [150_000, 90_000, 700][k]
+            for layer in range(2):
+                data = blob(10 * k + layer, n)
+                w.append(sid, layer, data[:n // 3])
+                w.append(sid, layer, data[n // 3:])
+                layers[sid, layer] = data
+            meta[sid] = {"tokens": n, "sid": sid}
+            w.put_meta(sid, meta[sid])
+            w.put_summary(sid, 0, np.full(128, k, np.float32))
+        w.migrate(3)  # all on cold, then 'b' gets a warm tail and 'a', 'c' come back
+        w.append("b", 0, blob(77, 40_000))
+        layers["b", 0] = np.concatenate([layers["b", 0], blob(77, 40_000)])
+        w.promote("a")
+        w.promote("c")
+        w.delete("c")  # and again, warm only
+        w.append("c", 0, layers["c", 0])
+        w.append("c", 1, layers["c", 1])
+        w.put_meta("c", meta["c"])
+        w.put_summary("c", 0, np.full(128, 2, np.float32))
+    return layers, meta
+
+
+def _audit(w: WarmTier, layers: dict, meta: dict, tally: dict) -> None:
+    """Read everything back; count right, short (session lost, logged) and refused reads;
+    any other outcome -- wrong bytes, wrong meta, another exception -- fails the test."""
+    for (sid, layer), data in layers.items():
+        try:
+            n = w.size(sid, layer)
+            got = w.read(sid, layer, 0, n, promote=False)
+        except WarmError:
+            tally["error"] += 1
+            continue
+        assert n <= len(data) and np.array_equal(got, data[:n]), ("wrong bytes", sid, layer)
+        tally["right" if n == len(data) else "short"] += 1
+    for k, sid in enumerate(["a", "b", "c"]):
+        try:
+            assert w.get_meta(sid) in (meta[sid], None), ("wrong meta", sid)
+            summ = w.summaries(sid)
+        except WarmError:
+            tally["error"] += 1
+            continue
+        assert np.array_equal(summ, np.full((len(summ), 128), k, np.float32)[:1]), sid
+
+
+def _regions(path: str) -> dict[str, tuple[int, int]]:
+    rd = RootDir(os.path.dirname(path))
+    f = load_shard(rd, os.path.basename(path))
+    t = f.tbl
+    live = [i for i in range(f.index_cap) if t["state"][i] == 1]
+    data_lo = min(int(t["off"][i]) for i in live if t["kind"][i] != K_NAME)
+    out = {"header": (0, 2 * HEADER_SLOT), "index": (f.index_off, f.index_off + 64 * max(live) + 64),
+           "data": (data_lo, f.end)}
+    f.unmap()
+    rd.close()
+    return out
+
+
+def test_ten_thousand_bit_flips_never_return_wrong_bytes(dirs, caplog):
+    cold, root = dirs
+    layers, meta = _build_flip_fixture(cold, root)
+    name = shard_file_name(0, 1)
+    path = os.path.join(root, name)
+    orig = open(path, "rb").read()
+    regions = _regions(path)
+    rng = np.random.default_rng(2024)
+    tally = {"right": 0, "short": 0, "error": 0}
+    flips = 0
+    caplog.set_level(logging.CRITICAL, logger="kvfs.warm")
+
+    def restore() -> None:
+        for n in os.listdir(root):
+            if n.startswith(name):
+                os.unlink(os.path.join(root, n))
+        with open(path, "wb") as fh:
+            fh.write(orig)
+        os.chmod(path, 0o600)
+
+    def flip_at(fd: int, pos: int) -> None:
+        b = os.pread(fd, 1, pos)
+        os.pwrite(fd, bytes([b[0] ^ (1 << int(rng.integers(8)))]), pos)
+
+    # at load: header, index and data flips, each on a fresh copy of the file
+    for region, count in (("header", 600), ("index", 1000), ("data", 400)):
+        lo, hi = regions[region]
+        for _ in range(count):
+            restore()
+            fd = os.open(path, os.O_RDWR)
+            flip_at(fd, int(rng.integers(lo, hi)))
+            os.close(fd)
+            with WarmTier(cold, root, shards=1) as w:
+                _audit(w, layers, meta, tally)
+            flips += 1
+    # at run time: data and seal flips under a live tier, through its shared mapping
+    restore()
+    with WarmTier(cold, root, shards=1) as w:
+        fd = os.open(path, os.O_RDWR)
+        for region, count in (("data", 6500), ("index", 1500)):
+            lo, hi = regions[region]
+            for _ in range(count):
+                pos = int(rng.integers(lo, hi))
+                before = os.pread(fd, 1, pos)
+                flip_at(fd, pos)
+                _audit(w, layers, meta, tally)
+                os.pwrite(fd, before, pos)
+                flips += 1
+        os.close(fd)
+    assert flips == 10_000
+    # most flips are caught (data) or harmless (padding, free space, last-use times)
+    assert tally["error"] > 200 and tally["short"] > 200 and tally["right"] > 10_000, tally
+    for (sid, layer), data in layers.items():  # cold copies were never damaged
+        p = os.path.join(cold, "sessions", sid, f"layer_{layer}")
+        if os.path.exists(p):
+            assert open(p, "rb").read() == data.tobytes()[:os.path.getsize(p)]
+
+
+def test_flipped_layer_bytes_are_read_from_cold_or_refused(dirs, caplog):
+    cold, root = dirs
+    layers, meta = _build_flip_fixture(cold, root)
+    path = os.path.join(root, shard_file_name(0, 1))
+    with WarmTier(cold, root, shards=1) as w:
+        f = w._slots[0].file
+        for sid in ("a", "b", "c"):
+            g = f.sessions[sid].layers[0].segs[-1]
+            fd = os.open(path, os.O_RDWR)
+            os.pwrite(fd, b"\xff" * 32, g.off)  # 32 bytes of layer 0 overwritten
+            os.close(fd)
+        # 'a' has a complete cold copy (promoted): served from it, logged
+        assert np.array_equal(w.read("a", 0, 0, len(layers["a", 0]), promote=False), layers["a", 0])
+        assert "served from the cold copy" in caplog.text
+        # 'b's damaged bytes are only in RAM, 'c' has no cold copy: errors, not wrong KV
+        for sid in ("b", "c"):
+            with pytest.raises(WarmCorrupt, match="checksum mismatch"):
+                w.read(sid, 0, 0, len(layers[sid, 0]))
+        assert np.array_equal(w.read("c", 1, 0, 700), layers["c", 1])  # other layers fine
+        with pytest.raises(WarmCorrupt):
+            w.append("c", 0, b"more")  # never seals damaged bytes as good
+        # a migration never copies damaged bytes: a damaged session's warm copy is dropped
+        # whole (it cannot be resumed without that layer), its cold copy kept as it was
+        w.migrate(3)
+        assert w.size("c", 0) == w.size("c", 1) == 0 and w.size("b", 0) == 90_000
+        assert np.array_equal(w.read("b", 0, 0, 90_000), layers["b", 0][:90_000])
+        assert "its warm copy is dropped" in caplog.text
+
+
+def test_flipped_used_field_is_not_a_shorter_layer(dirs, caplog):
+    cold, root = dirs
+    with WarmTier(cold, root, shards=1) as w:
+        w.append("s", 0, blob(1, 100_000))
+        f = w._slots[0].file
+        g = f.sessions["s"].layers[0].segs[-1]
+        f.tbl["seal"][g.idx] ^= 1 << 3  # 'used' 8 bytes shorter, checksum unchanged
+    with caplog.at_level(logging.ERROR, logger="kvfs.warm"), WarmTier(cold, root, shards=1) as w:
+        assert w.where("s") is None  # dropped as damaged, said so; never 8 bytes short
+        assert "fails its checksum" in caplog.text
+
+
+def test_old_format_shards_are_discarded_with_a_log_line(dirs, caplog):
+    cold, root = dirs
+    with WarmTier(cold, root, shards=1) as w:
+        w.append("s", 0, b"abc")
+        w.migrate()
+        w.append("s", 0, b"def")
+        path = w._slots[0].file.path
+    raw = bytearray(open(path, "rb").read())
+    for slot in HEADER_SLOTS:  # rewrite both header slots as version 1, valid checksums
+        body = bytearray(raw[slot:slot + HEADER.size])
+        body[8:12] = (1).to_bytes(4, "little")
+        raw[slot:slot + HEADER_SLOT] = bytes(body) + HEADER_CRC.pack(crc32c.crc32c(bytes(body)))
+    open(path, "wb").write(raw)
+    with caplog.at_level(logging.WARNING, logger="kvfs.warm"), WarmTier(cold, root, shards=1) as w:
+        assert "format version 1" in caplog.text and "discarded" in caplog.text
+        assert not os.path.exists(path) and w.where("s") == "cold"
+        assert bytes(w.read("s", 0, 0, 3)) == b"abc"

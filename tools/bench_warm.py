@@ -1,4 +1,4 @@
-"""Warm-tier benchmarks (issue 4). Plain functions returning plain dicts, for tools/bench.py.
+"""Warm-tier benchmarks. Plain functions returning plain dicts, for tools/bench.py.
 
 * ``bench_migration(cold_root, tmp)``: one group migration of 10 sessions (~87 MB) from a
   RAM-backed warm root to ``cold_root`` (the mount, or any directory), against ``dd`` of

@@ -6,15 +6,24 @@ os.ftruncate, os.listdir, os.stat), never engine internals, and the mount's rule
 kept everywhere: layer files and summaries.f32 are only appended to (a write at an offset
 other than the current size fails with EPERM on the mount) or cut shorter; meta.json is
 replaced by truncate(0) + one write.
+
+A shared mount (``--allow-other``) has a world-writable, sticky ``sessions/``: anyone may
+make a session directory there, also under a name this process will use. So a session
+directory is made with ``mkdir`` 0700 and checked, and every access goes through its
+checked descriptor: a directory or file that is not ours (another uid) or that group or
+other may write to, or a symlink, is refused with a WarmError -- never read as our KV,
+never written into. Files are created 0600 and opened with ``O_NOFOLLOW``.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import os
 import re
+import stat
 from collections.abc import Iterable
 
 import numpy as np
@@ -27,21 +36,34 @@ _LAYER_RE = re.compile(r"layer_(0|[1-9][0-9]{0,9})")
 SUMMARIES = "summaries.f32"
 META = "meta.json"
 _CHUNK = 8 << 20  # bytes per os.write: bounded kernel/FUSE requests, no big copies
+_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _errors(fn):
+    """OSErrors of a cold call become WarmErrors naming the cold path (errno kept as the
+    cause): the tier's callers see one kind of error."""
+    @functools.wraps(fn)
+    def run(self: ColdStore, *args, **kw):
+        try:
+            return fn(self, *args, **kw)
+        except OSError as e:
+            where = self.dir
+            if args and isinstance(args[0], str):
+                where = self.path(args[0], args[1] if len(args) > 1 and isinstance(args[1], str) else None)
+            raise WarmError(f"cold {where!r}: {e.strerror or e}") from e
+    return run
 
 
 def layer_name(layer: int) -> str:
     return f"layer_{layer}"
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def _fsync_fd(fd: int) -> None:
     try:
         os.fsync(fd)
     except OSError as e:  # some FUSE filesystems do not implement fsyncdir
         if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
             raise
-    finally:
-        os.close(fd)
 
 
 class ColdStore:
@@ -52,6 +74,7 @@ class ColdStore:
         # does not, and writing into it would silently put "cold" data on the root disk.
         self.root = root
         self.dir = os.path.join(root, "sessions")
+        self.uid = os.geteuid()
         if not os.path.isdir(self.dir):
             raise WarmError(f"cold tier {root!r} has no sessions/ directory: is the volume mounted?")
 
@@ -59,38 +82,110 @@ class ColdStore:
         d = os.path.join(self.dir, sid)
         return d if name is None else os.path.join(d, name)
 
-    def exists(self, sid: str) -> bool:
-        return os.path.isdir(self.path(sid))
+    # ---- checked access -----------------------------------------------------------
+    def _refuse(self, path: str, st: os.stat_result, want_dir: bool) -> None:
+        kind = "directory" if want_dir else "file"
+        if not (stat.S_ISDIR(st.st_mode) if want_dir else stat.S_ISREG(st.st_mode)):
+            raise WarmError(f"cold {path!r} is not a {kind} (a symlink or other): refused")
+        if st.st_uid != self.uid:
+            raise WarmError(f"cold {kind} {path!r} is owned by uid {st.st_uid}, not by this "
+                            f"process (uid {self.uid}): refused")
+        if st.st_mode & 0o022:
+            raise WarmError(f"cold {kind} {path!r} is writable by group/other "
+                            f"(mode {stat.S_IMODE(st.st_mode):04o}): refused")
 
+    def _sdir(self, sid: str, flags: int = os.O_PATH) -> int:
+        """A checked descriptor of the session directory; FileNotFoundError if none."""
+        d = self.path(sid)
+        try:
+            fd = os.open(d, flags | os.O_DIRECTORY | _NOFOLLOW)
+        except NotADirectoryError:
+            st = os.lstat(d)
+            self._refuse(d, st, True)
+            raise
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise WarmError(f"cold {d!r} is a symbolic link: refused") from e
+            raise
+        try:
+            self._refuse(d, os.fstat(fd), True)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _open(self, sid: str, name: str, flags: int, create: bool = False) -> int:
+        """A checked descriptor of a session's file (created 0600 with ``create``)."""
+        dfd = self._sdir(sid)
+        try:
+            fd = os.open(name, flags | _NOFOLLOW | (os.O_CREAT if create else 0), 0o600,
+                         dir_fd=dfd)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise WarmError(f"cold {self.path(sid, name)!r} is a symbolic link: refused") from e
+            raise
+        finally:
+            os.close(dfd)
+        try:
+            self._refuse(self.path(sid, name), os.fstat(fd), False)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    # ---- reads --------------------------------------------------------------------
+    def exists(self, sid: str) -> bool:
+        try:
+            return stat.S_ISDIR(os.lstat(self.path(sid)).st_mode)
+        except FileNotFoundError:
+            return False
+
+    @_errors
     def list(self) -> list[str]:
         try:
             return os.listdir(self.dir)
         except FileNotFoundError:
             return []
 
+    @_errors
     def layer_sizes(self, sid: str) -> dict[int, int] | None:
         """{layer: size} of the cold copy, None when there is no cold copy."""
         try:
-            names = os.listdir(self.path(sid))
+            dfd = self._sdir(sid, os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError):
             return None
-        out = {}
-        for n in names:
-            m = _LAYER_RE.fullmatch(n)
-            if m:
-                out[int(m.group(1))] = os.stat(self.path(sid, n)).st_size
-        return out
+        try:
+            out = {}
+            for n in os.listdir(dfd):
+                m = _LAYER_RE.fullmatch(n)
+                if m:
+                    st = os.stat(n, dir_fd=dfd, follow_symlinks=False)
+                    self._refuse(self.path(sid, n), st, False)
+                    out[int(m.group(1))] = st.st_size
+            return out
+        finally:
+            os.close(dfd)
 
+    @_errors
     def size(self, sid: str, layer: int) -> int:
         try:
-            return os.stat(self.path(sid, layer_name(layer))).st_size
+            dfd = self._sdir(sid)
         except (FileNotFoundError, NotADirectoryError):
             return 0
+        try:
+            st = os.stat(layer_name(layer), dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return 0
+        finally:
+            os.close(dfd)
+        self._refuse(self.path(sid, layer_name(layer)), st, False)
+        return st.st_size
 
+    @_errors
     def read_into(self, sid: str, layer: int, off: int, out: np.ndarray) -> None:
         """Fill ``out`` (uint8, contiguous) from layer bytes at ``off``; WarmError if short."""
         try:
-            fd = os.open(self.path(sid, layer_name(layer)), os.O_RDONLY)
+            fd = self._open(sid, layer_name(layer), os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError) as e:
             raise WarmError(f"cold {sid}/layer_{layer} is missing") from e
         try:
@@ -104,32 +199,77 @@ class ColdStore:
         finally:
             os.close(fd)
 
+    @_errors
+    def read_small(self, sid: str, name: str) -> bytes | None:
+        try:
+            fd = self._open(sid, name, os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        try:
+            parts = []
+            while chunk := os.read(fd, 1 << 20):
+                parts.append(chunk)
+            return b"".join(parts)
+        finally:
+            os.close(fd)
+
+    def read_meta(self, sid: str) -> dict | None:
+        raw = self.read_small(sid, META)
+        if not raw:
+            return None
+        try:
+            meta = json.loads(raw)
+        except ValueError:
+            log.warning("cold %s/meta.json is not JSON; ignored", sid)
+            return None
+        return meta if isinstance(meta, dict) else None
+
+    # ---- writes -------------------------------------------------------------------
+    @_errors
     def ensure_dir(self, sid: str) -> bool:
-        """mkdir the session directory; True when made (then ``sync_sessions_dir``)."""
-        d = self.path(sid)
-        if os.path.isdir(d):
-            return False
-        os.mkdir(d)
-        return True
+        """Make the session directory (0700) unless it exists; either way it must then be
+        ours and private. True when made (then ``sync_sessions_dir``)."""
+        try:
+            os.mkdir(self.path(sid), 0o700)
+            made = True
+        except FileExistsError:
+            made = False
+        os.close(self._sdir(sid))
+        return made
 
+    @_errors
     def sync_sessions_dir(self) -> None:
-        _fsync_dir(self.dir)
+        fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            _fsync_fd(fd)
+        finally:
+            os.close(fd)
 
+    @_errors
+    def sync_dir(self, sid: str) -> None:
+        fd = self._sdir(sid, os.O_RDONLY)
+        try:
+            _fsync_fd(fd)
+        finally:
+            os.close(fd)
+
+    @_errors
     def fsync_file(self, sid: str, name: str) -> None:
         """fsync a file written earlier through another descriptor (the data is the
         inode's, not the descriptor's; on the mount, close flushed it and fsync syncs)."""
-        fd = os.open(self.path(sid, name), os.O_RDONLY)
+        fd = self._open(sid, name, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
 
+    @_errors
     def append(self, sid: str, name: str, expect: int, pieces: Iterable[np.ndarray],
                sync: bool = True) -> int:
         """Append ``pieces`` to file ``name`` whose size must be ``expect`` (fsync unless
         ``sync`` is False: the caller then calls ``fsync_file``). Writes go at the current
         end (the mount's append-only rule); returns the new size."""
-        fd = os.open(self.path(sid, name), os.O_WRONLY | os.O_CREAT, 0o600)
+        fd = self._open(sid, name, os.O_WRONLY, create=True)
         try:
             pos = os.lseek(fd, 0, os.SEEK_END)
             if pos != expect:
@@ -146,22 +286,17 @@ class ColdStore:
         finally:
             os.close(fd)
 
+    @_errors
     def truncate(self, sid: str, name: str, length: int) -> None:
         """Cut a file shorter (allowed on the mount) and make it durable."""
-        fd = os.open(self.path(sid, name), os.O_WRONLY)
+        fd = self._open(sid, name, os.O_WRONLY)
         try:
             os.ftruncate(fd, length)
             os.fsync(fd)
         finally:
             os.close(fd)
 
-    def read_small(self, sid: str, name: str) -> bytes | None:
-        try:
-            with open(self.path(sid, name), "rb") as f:
-                return f.read()
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-
+    @_errors
     def sync_summaries(self, sid: str, data: bytes, sync: bool = True) -> bool:
         """Make summaries.f32 equal ``data`` by cutting back to the common prefix and
         appending the rest (usually: append the new rounds only). True if it changed."""
@@ -177,23 +312,13 @@ class ColdStore:
         self.append(sid, SUMMARIES, p, [np.frombuffer(data[p:], np.uint8)], sync)
         return True
 
-    def read_meta(self, sid: str) -> dict | None:
-        raw = self.read_small(sid, META)
-        if not raw:
-            return None
-        try:
-            meta = json.loads(raw)
-        except ValueError:
-            log.warning("cold %s/meta.json is not JSON; ignored", sid)
-            return None
-        return meta if isinstance(meta, dict) else None
-
+    @_errors
     def write_meta(self, sid: str, raw: bytes, sync: bool = True) -> bool:
         """Replace meta.json: truncate(0) + one write (+ fsync), the mount's rule for it.
         True if it changed."""
         if self.read_small(sid, META) == raw:
             return False
-        fd = os.open(self.path(sid, META), os.O_WRONLY | os.O_CREAT, 0o600)
+        fd = self._open(sid, META, os.O_WRONLY, create=True)
         try:
             os.ftruncate(fd, 0)
             view = memoryview(raw)
@@ -206,17 +331,17 @@ class ColdStore:
             os.close(fd)
         return True
 
-    def sync_dir(self, sid: str) -> None:
-        _fsync_dir(self.path(sid))
-
+    @_errors
     def delete(self, sid: str) -> bool:
-        d = self.path(sid)
         try:
-            names = os.listdir(d)
+            dfd = self._sdir(sid, os.O_RDONLY)  # refuses a directory that is not ours
         except (FileNotFoundError, NotADirectoryError):
             return False
-        for n in names:
-            os.unlink(os.path.join(d, n))
-        os.rmdir(d)
-        _fsync_dir(self.dir)
+        try:
+            for n in os.listdir(dfd):
+                os.unlink(n, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+        os.rmdir(self.path(sid))
+        self.sync_sessions_dir()
         return True

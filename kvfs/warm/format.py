@@ -1,24 +1,33 @@
-"""Byte layout of a ``.kvmap`` shard file: every constant and record format in one place.
+"""Byte layout of a ``.kvmap`` shard file (version 2): every constant and record format.
 
 A shard file is ``[header slot A | header slot B | ... | index table | data extents ...]``:
 
-* Two 128-byte header slots at offsets 0 and 128. Each carries a sequence number and a
-  CRC32C; an update writes the slot the older copy lives in, so a process killed in the
-  middle of a header write leaves the other slot valid (the bbolt meta-page trick). Open
-  picks the newest slot whose magic, version and checksum are good.
-* An index table of fixed 64-byte entries (at ``FIRST_TABLE`` initially). When it is
-  full a table twice the size is written elsewhere in the file and the header is
-  switched to it; entry numbers do not change.
-* Data extents, allocated by the shard (first fit in freed gaps, else at the end), never
-  moved once allocated. Every extent belongs to exactly one live entry.
+* Two 128-byte header slots at offsets 0 and 128 (``HEADER`` + CRC32C of it). An update
+  writes the slot the older copy lives in, so a process killed mid-write leaves the other
+  valid. Open picks the newest slot whose magic, version and checksum are good; a file of
+  another version is discarded (the tier is a cache of the cold copy) with a log line.
+* An index table of fixed 64-byte entries (``ENTRY``, at ``FIRST_TABLE`` initially). When
+  full, a table twice the size is written elsewhere and the header switched to it.
+* Data extents, allocated first fit in freed gaps (else at the end), never moved.
 
-Entries (``ENTRY``) describe one extent each. The fields that never change after the
-entry is written (uid .. cap) are covered by ``crc``; the fields updated in place are
-single aligned stores (``state``, ``used``, ``aux``), so a kill between two stores leaves
-a readable older state. An entry is written completely and only then made live.
+Entry fields: ``crc`` = CRC32C of bytes 8..48 (uid .. cap, never changed after the entry
+is written; for NAME entries also of the name bytes). ``state`` (EMPTY / LIVE / DEAD) and
+``aux`` (NAME: last use time; only orders the LRU) are single stores. ``seal`` is one
+aligned 8-byte store of ``used | scrc << 32``; ``used`` < 2**32 (extents are at most
+``MAX_EXTENT`` bytes), so a kill between two stores leaves the older, still valid seal.
 
-    kind NAME     one per session: data = the session id (UTF-8), aux = last use
-                  (clock seconds), used = flags (FLAG_MIGRATING)
+Extent checksums (kinds LAYER, SUMMARY, META): an extent of capacity ``cap`` is
+``cap`` data bytes followed by ``cap // BLOCK`` little-endian u32 block checksums;
+``bc[k]`` = CRC32C of data block ``k`` (``BLOCK`` bytes), written when the block fills.
+``scrc`` = CRC32C over ``u64 used``, then ``bc[0 : used // BLOCK]``, then the partial tail
+block ``data[used // BLOCK * BLOCK : used]``. So ``used`` and every data byte are covered:
+a read checks the blocks it touches (the seal when it touches the tail); a change checks
+the seal first; an append writes data and new block checksums beyond the old ``used``,
+then the seal. Load checks every seal. For NAME entries ``used`` holds
+flags and ``scrc`` covers ``u64 used`` only. A bad seal at load drops that session's warm
+copy (served from cold when it has one); a bad block on a read is ``WarmCorrupt``.
+
+    kind NAME     one per session: data = the session id (UTF-8), used = flags
     kind LAYER    one segment of layer ``layer``: bytes [start, start + used) of that
                   layer's file; segments of a layer are contiguous, every one but the
                   last is full (used == cap). ``start`` of the first one is the "base":
@@ -34,7 +43,7 @@ import struct
 import numpy as np
 
 MAGIC = b"KVMAP\x00\r\n"
-VERSION = 1
+VERSION = 2
 
 # header slot: magic, version, summary_dim, seq, created, shard, shards, shard_key,
 # index_cap, index_off, total_bytes, total_tokens, sessions, padding; then crc32c of the
@@ -60,21 +69,29 @@ ENTRY = np.dtype(
         ("layer", "<u4"),
         ("start", "<u8"),  # logical byte offset in the stream (META: sequence number)
         ("off", "<u8"),  # extent offset in the file
-        ("cap", "<u8"),  # extent length
-        ("used", "<u8"),  # bytes valid (NAME: flags), mutable
+        ("cap", "<u8"),  # data capacity of the extent (block checksums follow it)
+        ("seal", "<u8"),  # used | scrc << 32 (NAME: used = flags), mutable, one store
         ("aux", "<f8"),  # NAME: last use time, mutable
     ]
 )
 assert ENTRY.itemsize == 64
 ENTRY_SIZE = 64
 IMMUTABLE = struct.Struct("<QIIQQQ")  # uid, kind, layer, start, off, cap == bytes 8..48
-assert IMMUTABLE.size == 40 and ENTRY.fields["uid"][1] == 8 and ENTRY.fields["used"][1] == 48
+assert IMMUTABLE.size == 40 and ENTRY.fields["uid"][1] == 8 and ENTRY.fields["seal"][1] == 48
+USED = struct.Struct("<Q")  # the first bytes a seal checksum covers
 
 EMPTY, LIVE, DEAD = 0, 1, 2
 K_NAME, K_LAYER, K_SUMMARY, K_META = 1, 2, 3, 4
 FLAG_MIGRATING = 1  # set while the session is being copied to cold; see WarmTier reopen
 
+BLOCK = 16 << 10  # data bytes per block checksum: a read checks at most 2 more blocks
 ALIGN = 64  # extent alignment (cache line); extents >= one page are page aligned
 MIN_SEGMENT = 16 << 10  # first segment of a stream
 MAX_SEGMENT = 64 << 20  # doubling stops here (a bigger single append gets its own size)
+MAX_EXTENT = 1 << 30  # ``used`` is 32 bits in the seal: bigger appends are split
 MAX_GROW = 256 << 20  # the file grows by doubling, at most this much at a time
+
+
+def footprint(kind: int, cap: int) -> int:
+    """Bytes an extent occupies in the file: data plus its block checksums."""
+    return cap if kind == K_NAME else cap + 4 * (cap // BLOCK)

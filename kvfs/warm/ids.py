@@ -9,7 +9,13 @@ from .format import KEY_DEVICE, KEY_SESSION
 
 
 class WarmError(Exception):
-    """A refused warm-tier request: bad session id, no cold tier, incompatible root..."""
+    """A refused warm-tier request: bad session id, no cold tier, incompatible or unsafe
+    root, a cold tier that refuses writes, a full tier... The message names the path and
+    the reason."""
+
+
+class WarmCorrupt(WarmError):
+    """Stored warm bytes failed their checksum (and the cold tier has no copy of them)."""
 
 
 _DEVICE_RE = re.compile(r"[0-9]{1,20}")

@@ -13,6 +13,13 @@ migration is finished by dropping the warm copy; otherwise the warm copy is kept
 next migration appends only what cold lacks. Cold files are only appended to or cut
 shorter, never rewritten (the mount refuses writes anywhere but at the end).
 
+A cold tier that refuses a migration (full, I/O errors, a session directory that is not
+ours) is not retried on every append: the tier backs off (``retry_s``, doubling up to
+``retry_max_s``), counts kv_warm_migration_failures and logs one line per back-off
+period; while it backs off, a write that would pass the byte cap is refused with a
+WarmError instead of growing RAM without bound. An explicit ``migrate`` always tries and
+raises the failure when nothing could move.
+
 A mixin of WarmTier (tier.py owns the locks and the LRU). Never imports torch.
 """
 
@@ -30,10 +37,11 @@ from kvfs.ops import metrics
 
 from .cold import META, SUMMARIES, ColdStore, layer_name
 from .format import FLAG_MIGRATING, K_LAYER
-from .ids import WarmError, shard_file_name
-from .records import Session, ShardCorrupt, Slot
+from .ids import WarmCorrupt, WarmError, shard_file_name
+from .records import ShardCorrupt, Slot, WarmSession
+from .rootdir import RootDir
 from .shard import ShardFile
-from .shardload import load_shard
+from .shardload import ShardOutdated, load_shard
 
 log = logging.getLogger("kvfs.warm")
 PAUSE_ENV = "KVFS_WARM_TEST_PAUSE"  # test hook: a crash point name (see _pause)
@@ -66,7 +74,7 @@ class _Staged:
 
     __slots__ = ("sid", "session", "gen", "syncs", "made_dir", "error")
 
-    def __init__(self, sid: str, session: Session) -> None:
+    def __init__(self, sid: str, session: WarmSession) -> None:
         self.sid, self.session, self.gen = sid, session, session.gen
         self.syncs: list[Future] = []
         self.made_dir = False
@@ -78,6 +86,7 @@ class Mover:
 
     # owned by WarmTier (tier.py); listed here for readers of this module
     root: str
+    rootdir: RootDir
     shards: int
     key: int
     dim: int
@@ -93,29 +102,39 @@ class Mover:
     _bytes: int
     _closed: bool
     _warned_full: bool
+    retry_s: float
+    retry_max_s: float
+    _backoff: float
+    _retry_at: float
+    _cold_error: str | None
     _pool: ThreadPoolExecutor | None = None  # fsync workers, made on first migration
 
     def _scan(self) -> None:
         """Load every shard file, reconcile sessions caught mid-migration, rebuild the LRU
         from the recorded last-use times."""
         found: list[tuple[float, str]] = []
-        for name in sorted(os.listdir(self.root)):
-            path = os.path.join(self.root, name)
+        for name in sorted(self.rootdir.listdir()):
+            path = self.rootdir.join(name)
             if ".kvmap.tmp." in name:  # a shard being created when a process died
-                os.unlink(path)
+                self.rootdir.unlink(name)
                 continue
             if not name.endswith(".kvmap"):
                 continue
             try:
-                f = load_shard(path)
+                f = load_shard(self.rootdir, name)
                 if name != shard_file_name(f.shard, f.shards):
                     raise ShardCorrupt(f"header says shard {f.shard}")
-            except (ShardCorrupt, OSError) as e:
-                aside = f"{path}.corrupt.{int(time.time())}"
+            except ShardOutdated as e:
+                log.warning("warm shard %s: %s; discarded (a cache: sessions are served from "
+                            "their cold copies)", path, e)
+                self.rootdir.unlink(name)
+                continue
+            except (ShardCorrupt, WarmError, OSError) as e:
+                aside = f"{name}.corrupt.{int(time.time())}"
                 log.error("warm shard %s: %s; its sessions are treated as missing (kept as %s)",
                           path, e, aside)
-                with contextlib.suppress(OSError):
-                    os.rename(path, aside)
+                with contextlib.suppress(WarmError):
+                    self.rootdir.rename(name, aside)
                 continue
             if (f.shards, f.key, f.dim) != (self.shards, self.key, self.dim):
                 f.unmap()
@@ -125,8 +144,15 @@ class Mover:
             slot = self._slots[f.shard] = Slot(f.shard)
             slot.file = f
             for s in list(f.sessions.values()):
-                s.cold = self.cold.layer_sizes(s.name) if self.cold else None
-                self._reconcile(f, s)
+                try:
+                    s.cold = self.cold.layer_sizes(s.name) if self.cold else None
+                    self._reconcile(f, s)
+                except WarmCorrupt as e:
+                    log.error("%s; its warm copy is dropped", e)
+                    f.drop(s)
+                except (WarmError, OSError) as e:  # kept warm; migration reports it again
+                    log.error("warm session %r: cold copy unusable: %s", s.name, e)
+                    s.cold = None
                 if s.name in f.sessions:
                     found.append((s.last_used, s.name))
             self._bytes += f.total_bytes
@@ -139,7 +165,7 @@ class Mover:
         if found:
             log.info("warm tier %s: %d session(s), %d bytes", self.root, len(found), self._bytes)
 
-    def _reconcile(self, f: ShardFile, s: Session) -> None:
+    def _reconcile(self, f: ShardFile, s: WarmSession) -> None:
         if s.cold is None:
             if any(st.base for st in s.layers.values()):
                 log.error("warm session %r: cold copy missing; bytes below the warm part are lost", s.name)
@@ -163,7 +189,7 @@ class Mover:
                 log.info("warm session %r: interrupted migration incomplete; warm copy kept", s.name)
                 f.set_flags(s, 0)
 
-    def _cold_complete(self, f: ShardFile, s: Session) -> bool:
+    def _cold_complete(self, f: ShardFile, s: WarmSession) -> bool:
         if any((s.cold or {}).get(layer, 0) != st.end for layer, st in s.layers.items()):
             return False
         if (self.cold.read_small(s.name, SUMMARIES) or b"") != self._summary_bytes(f, s):
@@ -172,11 +198,15 @@ class Mover:
         return meta is None or self.cold.read_small(s.name, META) == meta
 
     def migrate(self, n: int | None = None) -> list[str]:
-        """Move the ``n`` (default: group) least recently used sessions to cold now."""
+        """Move the ``n`` (default: group) least recently used sessions to cold now (also
+        while backing off); WarmError when the cold tier refused and nothing moved."""
         if self.cold is None:
             raise WarmError("no cold tier")
         with self._mig_lock:
-            return self._migrate_group(n or self.group, set())
+            done = self._migrate_group(n or self.group, set())
+        if not done and self._cold_error is not None:
+            raise WarmError(f"migration to cold tier {self.cold.root!r} failed: {self._cold_error}")
+        return done
 
     def _maybe_migrate(self, exclude: set[str] | frozenset = frozenset()) -> None:
         limit = self.migrate_at * self.cap
@@ -189,14 +219,52 @@ class Mover:
                             100 * self.migrate_at)
                 self._warned_full = True
             return
-        if not self._mig_lock.acquire(blocking=False):
-            return  # another thread is migrating already
+        if time.monotonic() < self._retry_at or not self._mig_lock.acquire(blocking=False):
+            return  # backing off, or another thread is migrating already
         try:
-            while self._bytes > limit and not self._closed:
+            while self._bytes > limit and not self._closed and time.monotonic() >= self._retry_at:
                 if not self._migrate_group(self.group, exclude):
                     break
         finally:
             self._mig_lock.release()
+
+    def _admit(self, n: int) -> None:
+        """Refuse a write of ``n`` bytes that would pass the cap while the cold tier refuses
+        migrations (after one more try once the back-off has passed)."""
+        if self.cold is None or self._bytes + n <= self.cap:
+            return
+        self._maybe_migrate()
+        if self._cold_error is not None and self._bytes + n > self.cap:
+            wait = max(0.0, self._retry_at - time.monotonic())
+            raise WarmError(
+                f"warm tier {self.root!r} is full ({self._bytes} of {self.cap} bytes) and "
+                f"migration to cold tier {self.cold.root!r} fails ({self._cold_error}); "
+                f"next try in {wait:.0f} s")
+
+    def _cold_failed(self, reason: str, sessions: int) -> None:
+        """Start a back-off period: one metric increment and one log line per period."""
+        self._backoff = min(self.retry_max_s, 2 * self._backoff) if self._backoff else self.retry_s
+        self._retry_at = time.monotonic() + self._backoff
+        self._cold_error = reason
+        metrics.warm_migration_failures.inc()
+        log.error("migration of %d session(s) to cold tier %s failed: %s; they stay in warm, "
+                  "next try in %.1f s (warm at %.0f%% of its cap)", sessions, self.cold.root,
+                  reason, self._backoff, 100 * self._bytes / self.cap)
+
+    def _drop_damaged(self, sid: str, err: WarmCorrupt) -> None:
+        """A warm copy that fails its checksums cannot be migrated: drop it (the cold copy,
+        written from checked bytes only, stays a prefix of the content)."""
+        log.error("%s; its warm copy is dropped, the cold copy kept", err)
+        with self._locked(sid) as slot:
+            f, s = self._warm(slot, sid)
+            if s is None:
+                return
+            freed = f.drop(s)
+            if not f.sessions:
+                self._remove_file(slot)
+            with self._lock:
+                self._lru.pop(sid, None)
+                self._bytes -= freed
 
     def _migrate_group(self, n: int, exclude: set[str] | frozenset) -> list[str]:
         """Move the ``n`` least recently used sessions in three steps: write each one's
@@ -212,11 +280,15 @@ class Mover:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(FSYNC_THREADS, thread_name_prefix="kvfs-warm-fsync")
         staged: list[_Staged] = []
+        errors: list[str] = []
         for sid in victims:
             try:
                 st = self._stage(sid, self._pool)
+            except WarmCorrupt as e:
+                self._drop_damaged(sid, e)
+                continue
             except (OSError, WarmError) as e:
-                log.error("migration of %r to cold failed (%s); it stays in warm", sid, e)
+                errors.append(f"{sid!r}: {e}")
                 continue
             if st is not None:
                 staged.append(st)
@@ -238,6 +310,14 @@ class Mover:
             if freed is not None:
                 done.append(st.sid)
                 moved += freed
+            elif st.error is not None:
+                errors.append(f"{st.sid!r}: {st.error}")
+        if errors:
+            self._cold_failed(errors[0] + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""),
+                              len(errors))
+        elif self._cold_error is not None:
+            log.info("migration to cold tier %s works again", self.cold.root)
+            self._backoff, self._cold_error = 0.0, None
         ms = (time.perf_counter() - t0) * 1000
         metrics.warm_evict_latency.observe(ms)
         metrics.warm_migrations.inc(len(done))
@@ -245,7 +325,8 @@ class Mover:
             self.stats["migrations"] += len(done)
             self.stats["groups"] += 1
         self._gauges()
-        log.info("migrated %d session(s), %d bytes, to cold in %.1f ms", len(done), moved, ms)
+        if done:
+            log.info("migrated %d session(s), %d bytes, to cold in %.1f ms", len(done), moved, ms)
         return done
 
     def _stage(self, sid: str, pool: ThreadPoolExecutor) -> _Staged | None:
@@ -268,7 +349,8 @@ class Mover:
                         self.cold.truncate(sid, name, stream.end)
                         c = stream.end
                     if c < stream.end or layer not in s.cold:
-                        c = self.cold.append(sid, name, c, f.segments(stream, c, stream.end), sync=False)
+                        pieces = f.segments(s, stream, c, stream.end, f"layer {layer}")
+                        c = self.cold.append(sid, name, c, pieces, sync=False)
                         st.syncs.append(pool.submit(self.cold.fsync_file, sid, name))
                     s.cold[layer] = c
                     if k == 0:
@@ -293,8 +375,6 @@ class Mover:
                 return None  # deleted (and maybe re-created) meanwhile
             if st.error is not None or s.gen != st.gen:
                 f.set_flags(s, s.flags & ~FLAG_MIGRATING)
-                if st.error is not None:
-                    log.error("migration of %r to cold failed (%s); it stays in warm", st.sid, st.error)
                 return None
             _pause("cold_written")
             freed = f.drop(s)  # the cold copy is complete and durable: now RAM may go
@@ -313,7 +393,9 @@ class Mover:
         if changed:
             self._maybe_migrate(exclude={sid})
 
-    def _promote_locked(self, slot: Slot, sid: str) -> bool:
+    def _promote_locked(self, slot: Slot, sid: str, soft: bool = False) -> bool:
+        """Promote under the shard lock. While migrations fail, a promotion that would pass
+        the cap is skipped (``soft``: the read is served from cold) or refused."""
         f, s = self._warm(slot, sid)
         if s is None:
             if self.cold is None or not self.cold.exists(sid):
@@ -322,6 +404,12 @@ class Mover:
         if s.cold is None:
             return False
         s.cold = self.cold.layer_sizes(sid) or {}
+        need = sum(self._span(s, layer)[0] for layer in s.cold)
+        if self._cold_error is not None and self._bytes + need > self.cap:
+            if soft:
+                return False
+            raise WarmError(f"warm tier {self.root!r} is full and migration to cold fails "
+                            f"({self._cold_error}): {sid!r} not promoted")
         changed = False
         for layer, c in sorted(s.cold.items()):
             base = self._span(s, layer)[0]
@@ -329,13 +417,14 @@ class Mover:
                 continue
             if base > c:
                 raise WarmError(f"{sid}/layer_{layer}: cold copy has {c} bytes, warm starts at {base}")
-            seg, view = f.prepend(s, layer, base)
+            pieces = f.prepend(s, layer, base)
             try:
-                self.cold.read_into(sid, layer, 0, view)
+                for g, view in pieces:
+                    self.cold.read_into(sid, layer, g.start, view)
             except BaseException:
-                f.abandon(seg)
+                f.abandon(pieces)
                 raise
-            f.publish(s, layer, seg)
+            f.publish(s, layer, pieces)
             self._account(base)
             changed = True
         self._touch(f, s)

@@ -46,7 +46,7 @@ class Stream:
         return sum(s.used for s in self.segs)
 
 
-class Session:
+class WarmSession:
     """In-memory index of one session in a shard. ``cold`` is WarmTier's: the cold copy's
     layer sizes (None: no cold copy), cached because only this process writes them."""
 

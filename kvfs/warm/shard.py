@@ -1,13 +1,16 @@
 """One ``.kvmap`` shard file: its sessions, their byte streams, extents and index table.
 
-Owns the file format of ``layout.py``: reading and validating a file, allocating extents,
-appending to and truncating streams, and persisting the index in place. Data is written
-and read through one ``numpy.memmap`` of the whole file (slices, never a Python object per
-token). Appends fill the last segment of a stream, then add a segment of twice the size
-at a free place; nothing already written moves, so an append never rewrites the file.
+Owns the file format of ``format.py``: allocating extents, appending to and truncating
+streams, sealing and checking extents, and persisting the index in place. Data is written
+and read through one shared mapping of the whole file (numpy slices, never a Python
+object per token). Appends fill the last segment of a stream, then add a segment of
+twice the size at a free place; nothing already written moves. Every read checks the
+checksums of what it returns (``WarmCorrupt`` otherwise); every change checks what it
+builds on first, so a damaged byte is never sealed as good.
 
-Not thread-safe: WarmTier holds this shard's lock around every call. Knows nothing of the
-cold tier, the LRU or the byte cap. Never imports torch.
+The file is opened relative to the checked root (``RootDir``) each time it is mapped and
+must still be the same inode. Not thread-safe: WarmTier holds this shard's lock around
+every call. Knows nothing of the cold tier, the LRU or the byte cap. Never imports torch.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ import os
 import crc32c
 import numpy as np
 
+from .extent import fill_blocks, name_seal, seal_of
 from .format import (
     ALIGN,
+    BLOCK,
     DEAD,
     EMPTY,
     ENTRY,
@@ -40,12 +45,16 @@ from .format import (
     K_NAME,
     LIVE,
     MAGIC,
+    MAX_EXTENT,
     MAX_GROW,
     MAX_SEGMENT,
     MIN_SEGMENT,
     VERSION,
+    footprint,
 )
-from .records import Seg, Session, Stream, tokens_of
+from .ids import WarmCorrupt, WarmError
+from .records import Seg, Stream, WarmSession, tokens_of
+from .rootdir import RootDir
 
 log = logging.getLogger("kvfs.warm")
 PAGE = mmap.PAGESIZE
@@ -60,13 +69,14 @@ class ShardFile:
     """A ``.kvmap`` file. Use ``create`` or ``shardload.load_shard``; map/unmap freely
     (remapped lazily)."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.mm: np.memmap | None = None
+    def __init__(self, root: RootDir, name: str) -> None:
+        self.root, self.name, self.path = root, name, root.join(name)
+        self.ino = 0  # the inode we made or loaded: a file swapped under us is refused
+        self._mm: mmap.mmap | None = None
         self._buf: np.ndarray | None = None
         self._tbl: np.ndarray | None = None
-        self.sessions: dict[str, Session] = {}
-        self.by_uid: dict[int, Session] = {}
+        self.sessions: dict[str, WarmSession] = {}
+        self.by_uid: dict[int, WarmSession] = {}
         self.free: list[tuple[int, int]] = []  # sorted (off, len) gaps
         self.free_slots: list[int] = []  # heap of non-live entry numbers
         self.seq = 0
@@ -77,21 +87,30 @@ class ShardFile:
         self.shard = self.shards = self.key = self.dim = 0
         self.index_off, self.index_cap = FIRST_TABLE, FIRST_TABLE_ENTRIES
         self.total_bytes = self.total_tokens = 0
+        self.damaged: dict[str, str] = {}  # sessions a load dropped for a bad seal: why
 
     # ---- header -------------------------------------------------------------------
     @classmethod
-    def create(cls, path: str, shard: int, shards: int, key: int, dim: int, now: float) -> ShardFile:
-        sh = cls(path)
+    def create(cls, root: RootDir, name: str, shard: int, shards: int, key: int, dim: int,
+               now: float) -> ShardFile:
+        sh = cls(root, name)
         sh.created, sh.shard, sh.shards, sh.key, sh.dim = now, shard, shards, key, dim
         sh.free = [(DATA_START, FIRST_TABLE - DATA_START)]  # rest of the header page
         sh.end = FIRST_TABLE + FIRST_TABLE_ENTRIES * ENTRY_SIZE
         sh.fsize = max(_up(sh.end, PAGE), 64 << 10)  # sparse: costs no RAM until written
         sh.free_slots = list(range(FIRST_TABLE_ENTRIES))
         # build under a temporary name and rename: a crash never leaves a half-made shard
-        tmp = f"{path}.tmp.{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.truncate(sh.fsize)
-        os.rename(tmp, path)
+        tmp = f"{name}.tmp.{os.getpid()}"
+        root.unlink(tmp)  # a leftover of a killed process with our pid
+        fd = root.create(tmp)
+        try:
+            os.ftruncate(fd, sh.fsize)
+            sh.ino = os.fstat(fd).st_ino
+        except OSError as e:
+            raise WarmError(f"warm file {root.join(tmp)!r}: {e.strerror}") from e
+        finally:
+            os.close(fd)
+        root.rename(tmp, name)
         sh._write_header()
         return sh
 
@@ -108,20 +127,36 @@ class ShardFile:
             HEADER_CRC.pack(crc32c.crc32c(body)), np.uint8)
 
     # ---- mapping ------------------------------------------------------------------
+    def open_fd(self) -> int:
+        """A descriptor of our file, opened relative to the root; WarmError if the name
+        now holds another file or one of a different size (a mapping past its end would
+        fault on access)."""
+        fd = self.root.open(self.name)
+        st = os.fstat(fd)
+        if (self.ino and st.st_ino != self.ino) or (self.fsize and st.st_size != self.fsize):
+            os.close(fd)
+            raise WarmError(f"warm file {self.path!r} was replaced or resized by someone else")
+        self.ino = st.st_ino
+        return fd
+
     def map(self) -> np.ndarray:
-        """The whole file as a uint8 array over its ``numpy.memmap`` (a plain ndarray view:
-        slicing a memmap subclass costs several microseconds per slice)."""
+        """The whole file as a writable uint8 array over one shared mapping."""
         if self._buf is None:
-            self.mm = np.memmap(self.path, dtype=np.uint8, mode="r+", shape=(self.fsize,))
-            self._buf = self.mm.view(np.ndarray)
+            fd = self.open_fd()
+            try:
+                self._mm = mmap.mmap(fd, self.fsize)
+            finally:
+                os.close(fd)
+            self._buf = np.frombuffer(self._mm, np.uint8)
             self._tbl = None
         return self._buf
 
     def unmap(self) -> None:
         """Drop our mapping (arrays still referring to it keep it alive)."""
-        if self.mm is not None:
-            self.mm.flush()
-        self.mm = self._buf = self._tbl = None
+        if self._mm is not None:
+            with contextlib.suppress(ValueError):  # already closed
+                self._mm.flush()
+        self._mm = self._buf = self._tbl = None
 
     @property
     def tbl(self) -> np.ndarray:
@@ -131,8 +166,8 @@ class ShardFile:
         return self._tbl
 
     def flush(self) -> None:
-        if self.mm is not None:
-            self.mm.flush()
+        if self._mm is not None:
+            self._mm.flush()
 
     # ---- space --------------------------------------------------------------------
     def _alloc(self, size: int) -> int:
@@ -151,10 +186,16 @@ class ShardFile:
             self._add_free(self.end, a - self.end, advise=False)
         self.end = a + size
         if self.end > self.fsize:
-            new = max(self.end, min(self.fsize * 2, self.fsize + MAX_GROW))
-            self.fsize = _up(new, PAGE)
-            os.truncate(self.path, self.fsize)  # sparse growth; remapped on next access
-            self.mm = self._buf = self._tbl = None
+            new = _up(max(self.end, min(self.fsize * 2, self.fsize + MAX_GROW)), PAGE)
+            fd = self.open_fd()
+            try:
+                os.ftruncate(fd, new)  # sparse growth; remapped on next access
+            except OSError as e:
+                raise WarmError(f"warm file {self.path!r}: cannot grow: {e.strerror}") from e
+            finally:
+                os.close(fd)
+            self.fsize = new
+            self._mm = self._buf = self._tbl = None
         return a
 
     def _add_free(self, off: int, n: int, advise: bool = True) -> None:
@@ -167,7 +208,7 @@ class ShardFile:
             if b > a:
                 self.map()
                 with contextlib.suppress(AttributeError, OSError, ValueError):
-                    self.mm._mmap.madvise(mmap.MADV_REMOVE, a, b - a)
+                    self._mm.madvise(mmap.MADV_REMOVE, a, b - a)
         k = bisect.bisect_left(self.free, (off, n))
         if k < len(self.free) and self.free[k][0] == off + n:  # merge with the next gap
             n += self.free.pop(k)[1]
@@ -202,28 +243,65 @@ class ShardFile:
         for i in range(old_cap, new_cap):
             heapq.heappush(self.free_slots, i)
 
-    # ---- entries ------------------------------------------------------------------
+    # ---- entries and checks -------------------------------------------------------
     def _put_entry(self, uid: int, kind: int, layer: int, start: int, off: int, cap: int,
-                   used: int, aux: float = 0.0, extra: bytes = b"") -> int:
+                   seal: int, aux: float = 0.0, extra: bytes = b"") -> int:
         """Write a complete entry, not yet live (``_live`` publishes it)."""
         i = self._slot()
         t = self.tbl
         t["state"][i] = DEAD
         crc = crc32c.crc32c(IMMUTABLE.pack(uid, kind, layer, start, off, cap) + extra)
-        t[i] = (crc, DEAD, uid, kind, layer, start, off, cap, used, aux)
+        t[i] = (crc, DEAD, uid, kind, layer, start, off, cap, seal, aux)
         return i
 
     def _live(self, i: int) -> None:
         self.tbl["state"][i] = LIVE
 
-    def _kill(self, i: int) -> None:
+    def kill_entry(self, i: int) -> None:
+        """Retire entry ``i`` and make its number reusable (each live entry once)."""
         t = self.tbl
         if t["state"][i] != EMPTY:
             t["state"][i] = DEAD
-        heapq.heappush(self.free_slots, i)  # callers kill each live entry once
+        heapq.heappush(self.free_slots, i)
+
+    def _new_extent(self, uid: int, kind: int, layer: int, start: int, data: np.ndarray,
+                    cap: int) -> Seg:
+        """Allocate, fill, checksum and publish an extent holding ``data``."""
+        off = self._alloc(footprint(kind, cap))
+        mm = self.map()
+        mm[off:off + len(data)] = data
+        fill_blocks(mm, off, cap, 0, len(data))
+        i = self._put_entry(uid, kind, layer, start, off, cap, seal_of(mm, off, cap, len(data)))
+        self._live(i)
+        return Seg(i, start, off, cap, len(data))
+
+    def check(self, s: WarmSession, g: Seg, lo: int, hi: int, what: str = "",
+              seal: bool | None = None) -> None:
+        """WarmCorrupt unless the blocks of ``g`` overlapping [lo, hi) (extent-relative)
+        match their checksums, and its seal too when ``seal`` (default: when the range
+        reaches into the partial tail block, which only the seal covers, or is empty).
+        ``used`` itself is this process's own, so a read of full blocks needs no seal."""
+        mm = self._buf if self._buf is not None else self.map()
+        full = g.used // BLOCK
+        if seal is None:
+            seal = hi <= lo or hi > full * BLOCK
+        bad = seal and int(self.tbl["seal"][g.idx]) != seal_of(mm, g.off, g.cap, g.used)
+        k0, k1 = lo // BLOCK, min(-(-hi // BLOCK), full)
+        if not bad and k1 > k0:
+            at = g.off + g.cap
+            bc = mm[at + 4 * k0:at + 4 * k1].view("<u4").tolist()
+            at = g.off + k0 * BLOCK
+            for want in bc:
+                if crc32c.crc32c(mm[at:at + BLOCK]) != want:
+                    bad = True
+                    break
+                at += BLOCK
+        if bad:
+            raise WarmCorrupt(f"warm file {self.path!r}: session {s.name!r} {what or 'extent'} "
+                              f"bytes [{g.start}, {g.start + g.used}): checksum mismatch")
 
     # ---- sessions -----------------------------------------------------------------
-    def new_session(self, name: str, now: float, live: bool = True) -> Session:
+    def new_session(self, name: str, now: float, live: bool = True) -> WarmSession:
         """Add a session. ``live=False``: its name entry is published later by
         ``publish_session``, so what is written before (meta and summaries loaded from a
         cold copy) is all there or, after a crash, all orphaned."""
@@ -232,24 +310,24 @@ class ShardFile:
         self.map()[off:off + len(nb)] = np.frombuffer(nb, np.uint8)
         uid = self.next_uid
         self.next_uid += 1
-        i = self._put_entry(uid, K_NAME, 0, 0, off, len(nb), 0, now, extra=nb)
+        i = self._put_entry(uid, K_NAME, 0, 0, off, len(nb), name_seal(0), now, extra=nb)
         if live:
             self._live(i)
-        s = Session(name, uid, i, now, 0)
+        s = WarmSession(name, uid, i, now, 0)
         self.sessions[name] = s
         self.by_uid[uid] = s
         self._write_header()
         return s
 
-    def publish_session(self, s: Session) -> None:
+    def publish_session(self, s: WarmSession) -> None:
         self._live(s.idx)
 
-    def drop(self, s: Session) -> int:
+    def drop(self, s: WarmSession) -> int:
         """Remove a session; returns the bytes it held. Killing the name entry first makes
         the removal atomic for a later load (its segments become orphans, reclaimed)."""
         held = s.held
         t = self.tbl
-        self._kill(s.idx)
+        self.kill_entry(s.idx)
         # the last session: the caller unlinks the file, which frees the pages at once
         advise = len(self.sessions) > 1
         self._add_free(int(t["off"][s.idx]), int(t["cap"][s.idx]), advise)
@@ -266,19 +344,20 @@ class ShardFile:
 
     def _release(self, segs: list[Seg], advise: bool = True) -> None:
         for g in reversed(segs):
-            self._kill(g.idx)
-            self._add_free(g.off, g.cap, advise)
+            self.kill_entry(g.idx)
+            self._add_free(g.off, footprint(K_LAYER, g.cap), advise)
 
-    def set_last_used(self, s: Session, t: float) -> None:
+    def set_last_used(self, s: WarmSession, t: float) -> None:
         s.last_used = t
         self.tbl["aux"][s.idx] = t
 
-    def set_flags(self, s: Session, flags: int) -> None:
+    def set_flags(self, s: WarmSession, flags: int) -> None:
         s.flags = flags
-        self.tbl["used"][s.idx] = flags
+        self.tbl["seal"][s.idx] = name_seal(flags)
 
     # ---- streams ------------------------------------------------------------------
-    def write(self, s: Session, kind: int, layer: int, pos: int, buf: np.ndarray, base: int = 0) -> int:
+    def write(self, s: WarmSession, kind: int, layer: int, pos: int, buf: np.ndarray,
+              base: int = 0) -> int:
         """Write ``buf`` (uint8) at stream offset ``pos`` (base <= pos <= end): overwrite in
         place up to the end, append the rest. ``base`` is the start of a stream's first
         segment when it has none. Returns the change in held bytes."""
@@ -292,27 +371,27 @@ class ShardFile:
             if not st.base <= pos <= st_end:
                 raise ValueError(f"write at {pos} outside [{st.base}, {st_end}]")
         n = len(buf)
+        what = f"layer {layer}" if kind == K_LAYER else "summaries"
+        # check everything this write builds on before changing anything
+        touched = [g for g in st.segs if max(pos, g.start) < min(pos + n, g.start + g.cap)]
+        for g in touched:
+            lo = max(pos, g.start) - g.start
+            self.check(s, g, lo, min(pos + n - g.start, g.used), what, seal=True)
         mm = self.map()
         done = 0
-        for g in st.segs:  # overwrite (summaries of a redone round), then fill the last
+        for g in touched:  # overwrite (summaries of a redone round), then fill the last
             a, b = max(pos, g.start), min(pos + n, g.start + g.cap)
-            if a >= b:
-                continue
             mm[g.off + a - g.start:g.off + b - g.start] = buf[a - pos:b - pos]
-            if b - g.start > g.used:
-                self.tbl["used"][g.idx] = g.used = b - g.start  # after the data
+            g.used = max(g.used, b - g.start)
+            fill_blocks(mm, g.off, g.cap, a - g.start, g.used)
+            self.tbl["seal"][g.idx] = seal_of(mm, g.off, g.cap, g.used)  # after the data
             done = b - pos
         while done < n:
             prev = st.segs[-1].cap if st.segs else 0
             start = st.segs[-1].start + st.segs[-1].cap if st.segs else base
-            cap = max(n - done, min(max(2 * prev, MIN_SEGMENT), MAX_SEGMENT))
-            off = self._alloc(cap)
-            mm = self.map()
+            cap = min(max(n - done, min(max(2 * prev, MIN_SEGMENT), MAX_SEGMENT)), MAX_EXTENT)
             take = min(cap, n - done)
-            mm[off:off + take] = buf[done:done + take]
-            i = self._put_entry(s.uid, kind, layer, start, off, cap, take)
-            self._live(i)
-            st.segs.append(Seg(i, start, off, cap, take))
+            st.segs.append(self._new_extent(s.uid, kind, layer, start, buf[done:done + take], cap))
             done += take
         delta = max(0, pos + n - st_end)
         self.total_bytes += delta
@@ -320,44 +399,52 @@ class ShardFile:
         self._write_header()
         return delta
 
-    def prepend(self, s: Session, layer: int, data_len: int) -> tuple[Seg, np.ndarray]:
-        """Allocate the segment [0, data_len) under a layer's current base (promotion from
-        cold). Fill the returned view, then ``publish`` it."""
-        off = self._alloc(data_len)  # data_len > 0: the caller skips empty prefixes
-        i = self._put_entry(s.uid, K_LAYER, layer, 0, off, data_len, data_len)
-        return Seg(i, 0, off, data_len, data_len), self.map()[off:off + data_len]
+    def prepend(self, s: WarmSession, layer: int, data_len: int) -> list[tuple[Seg, np.ndarray]]:
+        """Allocate segments for [0, data_len) under a layer's current base (promotion
+        from cold). Fill the returned views, then ``publish`` (or ``abandon``) them."""
+        out = []
+        for start in range(0, data_len, MAX_EXTENT):  # data_len > 0: empty prefixes skipped
+            n = min(MAX_EXTENT, data_len - start)
+            off = self._alloc(footprint(K_LAYER, n))
+            out.append((Seg(-1, start, off, n, n), self.map()[off:off + n]))
+        return out
 
-    def abandon(self, seg: Seg) -> None:
-        """Give back a prepared segment that will not be published (a failed cold read)."""
-        self._kill(seg.idx)
-        self._add_free(seg.off, seg.cap)
+    def abandon(self, pieces: list[tuple[Seg, np.ndarray]]) -> None:
+        """Give back prepared segments that will not be published (a failed cold read)."""
+        for g, _ in pieces:
+            self._add_free(g.off, footprint(K_LAYER, g.cap))
 
-    def publish(self, s: Session, layer: int, seg: Seg) -> None:
-        self._live(seg.idx)
-        s.stream(K_LAYER, layer).segs.insert(0, seg)
-        self.total_bytes += seg.used
+    def publish(self, s: WarmSession, layer: int, pieces: list[tuple[Seg, np.ndarray]]) -> None:
+        mm = self.map()
+        for g, _ in pieces:
+            fill_blocks(mm, g.off, g.cap, 0, g.used)
+            g.idx = self._put_entry(s.uid, K_LAYER, layer, g.start, g.off, g.cap,
+                                    seal_of(mm, g.off, g.cap, g.used))
+            self._live(g.idx)
+            self.total_bytes += g.used
+        s.stream(K_LAYER, layer).segs[:0] = [g for g, _ in pieces]
         s.gen += 1
         self._write_header()
 
-    def read_into(self, st: Stream, start: int, end: int, out: np.ndarray) -> None:
+    def segments(self, s: WarmSession, st: Stream, start: int, end: int, what: str = ""):
+        """Checked (memmap slice) pieces covering [start, end) of the warm part, in order."""
+        for g in st.segs:
+            a, b = max(start, g.start), min(end, g.start + g.used)
+            if a < b:
+                self.check(s, g, a - g.start, b - g.start, what)
+                yield self.map()[g.off + a - g.start:g.off + b - g.start]
+
+    def read_into(self, s: WarmSession, st: Stream, start: int, end: int, out: np.ndarray,
+                  what: str = "") -> None:
         """Copy stream bytes [start, end) (all within the warm part) into ``out``."""
-        mm = self.map()
-        for g in st.segs:
-            a, b = max(start, g.start), min(end, g.start + g.used)
-            if a < b:
-                out[a - start:b - start] = mm[g.off + a - g.start:g.off + b - g.start]
+        k = 0
+        for piece in self.segments(s, st, start, end, what):
+            out[k:k + len(piece)] = piece
+            k += len(piece)
 
-    def segments(self, st: Stream, start: int, end: int):
-        """(memmap slice) pieces covering [start, end) of the warm part, in order."""
-        mm = self.map()
-        for g in st.segs:
-            a, b = max(start, g.start), min(end, g.start + g.used)
-            if a < b:
-                yield mm[g.off + a - g.start:g.off + b - g.start]
-
-    def truncate(self, s: Session, kind: int, layer: int, length: int) -> int:
+    def truncate(self, s: WarmSession, kind: int, layer: int, length: int) -> int:
         """Cut the warm part of a stream to ``length`` (everything when length <= base).
-        Returns the bytes released. The cut segment's ``used`` is stored first: a load that
+        Returns the bytes released. The cut segment's seal is stored first: a load that
         finds later segments after a non-full one drops them, completing the truncate."""
         st = s.layers.get(layer) if kind == K_LAYER else s.summary
         if st is None or not st.segs or length >= st.end:
@@ -369,7 +456,10 @@ class ShardFile:
         else:
             k = max(j for j, g in enumerate(st.segs) if g.start < length)
             g = st.segs[k]
-            self.tbl["used"][g.idx] = g.used = length - g.start
+            used = length - g.start
+            self.check(s, g, used // BLOCK * BLOCK, used, seal=True)  # the new tail is resealed
+            g.used = used
+            self.tbl["seal"][g.idx] = seal_of(self.map(), g.off, g.cap, used)
             self._release(st.segs[k + 1:])
             del st.segs[k + 1:]
         if kind == K_LAYER and not st.segs:
@@ -381,15 +471,12 @@ class ShardFile:
         return freed
 
     # ---- meta ---------------------------------------------------------------------
-    def put_meta(self, s: Session, raw: bytes) -> int:
+    def put_meta(self, s: WarmSession, raw: bytes) -> int:
         """Store meta.json bytes in a new extent, then retire the old one (never torn)."""
         old = s.meta
-        off = self._alloc(max(len(raw), 1))
-        self.map()[off:off + len(raw)] = np.frombuffer(raw, np.uint8)
         s.meta_seq += 1
-        i = self._put_entry(s.uid, K_META, 0, s.meta_seq, off, len(raw), len(raw))
-        self._live(i)
-        s.meta = Seg(i, s.meta_seq, off, len(raw), len(raw))
+        s.meta = self._new_extent(s.uid, K_META, 0, s.meta_seq, np.frombuffer(raw, np.uint8),
+                                  max(len(raw), 1))
         if old is not None:
             self._release([old])
         delta = len(raw) - (old.used if old else 0)
@@ -401,7 +488,8 @@ class ShardFile:
         self._write_header()
         return delta
 
-    def meta_bytes(self, s: Session) -> bytes | None:
+    def meta_bytes(self, s: WarmSession) -> bytes | None:
         if s.meta is None:
             return None
+        self.check(s, s.meta, 0, s.meta.used, "meta.json")
         return self.map()[s.meta.off:s.meta.off + s.meta.used].tobytes()

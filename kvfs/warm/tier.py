@@ -34,9 +34,10 @@ from kvfs.ops import metrics
 
 from .cold import META, SUMMARIES, ColdStore, layer_name
 from .format import K_LAYER, K_SUMMARY, KEY_DEVICE, KEY_SESSION
-from .ids import WarmError, check_shards, check_sid, shard_file_name, shard_of
+from .ids import WarmCorrupt, WarmError, check_shards, check_sid, shard_file_name, shard_of
 from .migrate import Mover
-from .records import Session, Slot
+from .records import Slot, WarmSession
+from .rootdir import RootDir
 from .shard import ShardFile
 
 log = logging.getLogger("kvfs.warm")
@@ -65,24 +66,36 @@ class WarmTier(Mover):
     def __init__(self, cold_root: str | None, root: str = "/dev/shm/kvfs-warm", *,
                  cap_bytes: int = 16 << 30, migrate_at: float = 0.85, group: int = 10,
                  shards: int = 65536, shard_key: str = "session", summary_dim: int = 128,
-                 clock: Callable[[], float] = time.time, max_open_shards: int = 512) -> None:
+                 clock: Callable[[], float] = time.time, max_open_shards: int = 512,
+                 retry_s: float = 1.0, retry_max_s: float = 300.0) -> None:
         if shard_key not in ("session", "device"):
             raise WarmError(f"shard_key must be 'session' or 'device', got {shard_key!r}")
         self.key = KEY_SESSION if shard_key == "session" else KEY_DEVICE
         check_shards(shards, self.key)
         if cap_bytes <= 0 or not 0 < migrate_at <= 1 or group < 1 or summary_dim < 1 or max_open_shards < 1:
             raise WarmError("cap_bytes, group, summary_dim, max_open_shards must be > 0 and 0 < migrate_at <= 1")
+        if not 0 < retry_s <= retry_max_s:
+            raise WarmError("retry_s must be > 0 and at most retry_max_s")
         self.cold = ColdStore(cold_root) if cold_root is not None else None  # WarmError if absent
         self.root, self.cap, self.migrate_at, self.group = root, int(cap_bytes), float(migrate_at), int(group)
         self.shards, self.dim, self.clock, self.max_open = shards, int(summary_dim), clock, max_open_shards
         self._row = 4 * self.dim  # bytes of one round summary
-        os.makedirs(root, exist_ok=True)
-        self._lockfd = os.open(os.path.join(root, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        self.rootdir = RootDir(root)  # WarmError if it is not safely ours
+        try:
+            self._lockfd = self.rootdir.open_or_create(".lock")
+        except BaseException:
+            self.rootdir.close()
+            raise
         try:
             fcntl.flock(self._lockfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             os.close(self._lockfd)
+            self.rootdir.close()
             raise WarmError(f"warm root {root!r} is in use by another process") from e
+        self.retry_s, self.retry_max_s = float(retry_s), float(retry_max_s)
+        self._backoff = 0.0  # current retry interval after failed migrations; 0: healthy
+        self._retry_at = 0.0  # time.monotonic() before which no migration is tried
+        self._cold_error: str | None = None  # why the last migration failed
         self._lock = threading.RLock()
         self._mig_lock = threading.Lock()
         self._slots: dict[int, Slot] = {}
@@ -96,6 +109,7 @@ class WarmTier(Mover):
             self._scan()
         except BaseException:
             os.close(self._lockfd)
+            self.rootdir.close()
             raise
         self._gauges()
 
@@ -118,7 +132,11 @@ class WarmTier(Mover):
         with slot.lock:
             for k in over:
                 self._try_unmap(k)
-            yield slot
+            try:
+                yield slot
+            except OSError as e:  # every failure of the tier is a WarmError
+                where = e.filename if e.filename else f"warm tier {self.root}"
+                raise WarmError(f"{where!r}: {e.strerror or e}") from e
 
     def _try_unmap(self, shard: int) -> None:
         slot = self._slots.get(shard)
@@ -135,10 +153,9 @@ class WarmTier(Mover):
     def _remove_file(self, slot: Slot) -> None:
         f, slot.file = slot.file, None
         f.unmap()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(f.path)
+        self.rootdir.unlink(f.name)
 
-    def _warm(self, slot: Slot, sid: str, create: bool = False) -> tuple[ShardFile | None, Session | None]:
+    def _warm(self, slot: Slot, sid: str, create: bool = False) -> tuple[ShardFile | None, WarmSession | None]:
         """The shard file and warm record of ``sid``; with ``create``, make them, loading
         meta and summaries of a cold copy so the warm record is whole for them."""
         f = slot.file
@@ -146,8 +163,9 @@ class WarmTier(Mover):
         if s is not None or not create:
             return f, s
         if f is None:
-            path = os.path.join(self.root, shard_file_name(slot.shard, self.shards))
-            f = slot.file = ShardFile.create(path, slot.shard, self.shards, self.key, self.dim, self.clock())
+            name = shard_file_name(slot.shard, self.shards)
+            f = slot.file = ShardFile.create(self.rootdir, name, slot.shard, self.shards,
+                                             self.key, self.dim, self.clock())
         cold = self.cold.layer_sizes(sid) if self.cold else None
         s = f.new_session(sid, self.clock(), live=cold is None)
         s.cold, held = cold, 0
@@ -169,7 +187,7 @@ class WarmTier(Mover):
             self._bytes += held
         return f, s
 
-    def _touch(self, f: ShardFile, s: Session) -> None:
+    def _touch(self, f: ShardFile, s: WarmSession) -> None:
         f.set_last_used(s, self.clock())
         with self._lock:
             self._lru[s.name] = None
@@ -185,13 +203,13 @@ class WarmTier(Mover):
         metrics.warm_sessions.set(len(self._lru))
         metrics.warm_usage_ratio.set(self._bytes / self.cap)
 
-    def _summary_bytes(self, f: ShardFile, s: Session) -> bytes:
+    def _summary_bytes(self, f: ShardFile, s: WarmSession) -> bytes:
         out = np.empty(s.summary.end, np.uint8)
-        f.read_into(s.summary, 0, s.summary.end, out)
+        f.read_into(s, s.summary, 0, s.summary.end, out, "summaries")
         return out.tobytes()
 
     @staticmethod
-    def _span(s: Session, layer: int) -> tuple[int, int]:
+    def _span(s: WarmSession, layer: int) -> tuple[int, int]:
         """(base, size) of a layer of a warm session: bytes below base are on cold."""
         st = s.layers.get(layer)
         if st is not None and st.segs:
@@ -204,6 +222,7 @@ class WarmTier(Mover):
         """Append token-major bytes to a layer; returns its new size. May then migrate the
         least recently used group to cold if usage passed the threshold."""
         layer, buf = _check_layer(layer), _as_u8(data)
+        self._admit(len(buf))
         with self._locked(sid) as slot:
             f, s = self._warm(slot, sid, create=True)
             base, size = self._span(s, layer)
@@ -247,7 +266,7 @@ class WarmTier(Mover):
                 base, size = self._span(s, layer) if s is not None else (self.cold.size(sid, layer),) * 2
                 whole = start == 0 and end == size and start < base  # a whole layer, partly cold
                 if promote or whole:
-                    promoted = self._promote_locked(slot, sid)
+                    promoted = self._promote_locked(slot, sid, soft=True)
                     f, s = self._warm(slot, sid)
             out = np.empty(end - start, np.uint8)
             hit = self._fill(f, s, sid, layer, start, end, out)
@@ -271,7 +290,7 @@ class WarmTier(Mover):
         with self._locked(sid) as slot:
             f, s = self._warm(slot, sid)
             if promote and self.cold is not None:
-                promoted = self._promote_locked(slot, sid)
+                promoted = self._promote_locked(slot, sid, soft=True)
                 f, s = self._warm(slot, sid)
             hit = all([self._fill(f, s, sid, layer, start, end, out[k]) for k, layer in enumerate(layers)])
             if s is not None:
@@ -281,7 +300,7 @@ class WarmTier(Mover):
             self._maybe_migrate(exclude={sid})
         return out
 
-    def _fill(self, f: ShardFile | None, s: Session | None, sid: str, layer: int,
+    def _fill(self, f: ShardFile | None, s: WarmSession | None, sid: str, layer: int,
               start: int, end: int, out: np.ndarray) -> bool:
         """Copy layer bytes [start, end) into ``out``; True when all came from warm."""
         if s is not None:
@@ -296,7 +315,14 @@ class WarmTier(Mover):
                 raise WarmError(f"{sid}/layer_{layer}: bytes below {base} are on a cold tier not configured")
             self.cold.read_into(sid, layer, start, out[:split - start])
         if end > split:
-            f.read_into(s.layers[layer], split, end, out[split - start:])
+            try:
+                f.read_into(s, s.layers[layer], split, end, out[split - start:], f"layer {layer}")
+            except WarmCorrupt as e:  # the cold copy is a prefix of the content: use it
+                if self.cold is None or self.cold.size(sid, layer) < end:
+                    raise
+                log.error("%s; served from the cold copy", e)
+                self.cold.read_into(sid, layer, split, out[split - start:])
+                return False
         return split == start
 
     def _count(self, hit: bool) -> None:
@@ -331,6 +357,7 @@ class WarmTier(Mover):
         if not isinstance(meta, dict):
             raise TypeError("meta must be a dict")
         raw = json.dumps(meta, separators=(",", ":")).encode()
+        self._admit(len(raw))
         with self._locked(sid) as slot:
             f, s = self._warm(slot, sid, create=True)
             self._account(f.put_meta(s, raw))
@@ -353,6 +380,7 @@ class WarmTier(Mover):
             raise ValueError(f"summary must have {self.dim} floats, got {v.size}")
         if isinstance(round_idx, bool) or not isinstance(round_idx, (int, np.integer)) or round_idx < 0:
             raise ValueError(f"bad round index {round_idx!r}")
+        self._admit(self._row)
         with self._locked(sid) as slot:
             f, s = self._warm(slot, sid, create=True)
             have = s.summary.end
@@ -438,6 +466,7 @@ class WarmTier(Mover):
         with self._lock:
             return {"bytes": self._bytes, "cap": self.cap, "ratio": self._bytes / self.cap,
                     "threshold": self.migrate_at, "sessions": len(self._lru),
+                    "cold_error": self._cold_error,
                     "shard_files": sum(1 for s in self._slots.values() if s.file is not None),
                     **self.stats}
 
@@ -455,6 +484,7 @@ class WarmTier(Mover):
             if self._pool is not None:
                 self._pool.shutdown()
             os.close(self._lockfd)
+            self.rootdir.close()
 
     def __enter__(self) -> WarmTier:
         return self

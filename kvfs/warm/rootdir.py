@@ -1,0 +1,150 @@
+"""The warm root directory, opened once and checked, and file calls relative to it.
+
+The root holds every session's KV bytes, on a RAM filesystem whose parent (``/dev/shm``)
+anyone may write to and which is emptied at boot. So the root is created 0700, must be a
+real directory (not a symlink) owned by this process's uid without group/other write
+bits, and everything inside is reached relative to its checked descriptor
+(``dir_fd``, ``O_NOFOLLOW``): a name planted as a symlink, or a file owned by someone
+else, is refused and never followed. Files are created 0600 with ``O_EXCL``. Every
+failure is a WarmError naming the path and the reason.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+
+from .ids import WarmError
+
+log = logging.getLogger("kvfs.warm")
+_OPEN = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _reason(e: OSError) -> str:
+    if e.errno == errno.ELOOP:
+        return "is a symbolic link (refused)"
+    return e.strerror or str(e)
+
+
+def _owner_error(path: str, st: os.stat_result, uid: int, what: str) -> WarmError | None:
+    if st.st_uid != uid:
+        return WarmError(f"{what} {path!r} is owned by uid {st.st_uid}, not by this process "
+                         f"(uid {uid}): refused")
+    if st.st_mode & 0o022:
+        return WarmError(f"{what} {path!r} is writable by group/other "
+                         f"(mode {stat.S_IMODE(st.st_mode):04o}): refused")
+    return None
+
+
+class RootDir:
+    """A checked warm root. ``open``/``create`` return descriptors of checked files."""
+
+    def __init__(self, path: str) -> None:
+        self.path = os.path.abspath(path)
+        self.uid = os.geteuid()
+        parent = os.path.dirname(self.path)
+        try:
+            os.makedirs(parent, exist_ok=True)
+            os.mkdir(self.path, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise WarmError(f"warm root {self.path!r}: cannot create it: {_reason(e)}") from e
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | _OPEN)
+        except OSError as e:
+            reason = _reason(e)
+            try:  # say whose it is when we may not enter it
+                st = os.lstat(self.path)
+                if stat.S_ISLNK(st.st_mode):
+                    reason = "is a symbolic link"
+                elif not stat.S_ISDIR(st.st_mode):
+                    reason = "is not a directory"
+                elif st.st_uid != self.uid:
+                    reason = f"is owned by uid {st.st_uid}, not by this process (uid {self.uid})"
+            except OSError:
+                pass
+            raise WarmError(f"warm root {self.path!r} {reason}: refused") from e
+        st = os.fstat(fd)
+        err = _owner_error(self.path, st, self.uid, "warm root")
+        if err is not None:
+            os.close(fd)
+            raise err
+        if st.st_mode & 0o077:  # made by an older version: readable by others
+            os.fchmod(fd, 0o700)
+            log.warning("warm root %s was mode %04o; made private (0700)", self.path,
+                        stat.S_IMODE(st.st_mode))
+        self.fd = fd
+
+    def join(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def _checked(self, fd: int, name: str) -> int:
+        """Keep ``fd`` if it is a regular file of ours; make it private if it was not."""
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise WarmError(f"warm file {self.join(name)!r} is not a regular file: refused")
+            err = _owner_error(self.join(name), st, self.uid, "warm file")
+            if err is not None:
+                raise err
+            if st.st_mode & 0o077:
+                os.fchmod(fd, 0o600)
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def open(self, name: str, flags: int = os.O_RDWR) -> int:
+        """Open an existing file of the root (never through a symlink)."""
+        try:
+            fd = os.open(name, flags | _OPEN, dir_fd=self.fd)
+        except OSError as e:
+            raise WarmError(f"warm file {self.join(name)!r}: {_reason(e)}") from e
+        return self._checked(fd, name)
+
+    def create(self, name: str, flags: int = os.O_RDWR) -> int:
+        """Create a new file, 0600; an existing name (or a planted symlink) is an error."""
+        try:
+            fd = os.open(name, flags | os.O_CREAT | os.O_EXCL | _OPEN, 0o600, dir_fd=self.fd)
+        except OSError as e:
+            raise WarmError(f"warm file {self.join(name)!r}: cannot create: {_reason(e)}") from e
+        return self._checked(fd, name)
+
+    def open_or_create(self, name: str, flags: int = os.O_RDWR) -> int:
+        try:
+            fd = os.open(name, flags | os.O_CREAT | _OPEN, 0o600, dir_fd=self.fd)
+        except OSError as e:
+            raise WarmError(f"warm file {self.join(name)!r}: {_reason(e)}") from e
+        return self._checked(fd, name)
+
+    def lstat(self, name: str) -> os.stat_result:
+        return os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+
+    def listdir(self) -> list[str]:
+        try:
+            return os.listdir(self.fd)
+        except OSError as e:
+            raise WarmError(f"warm root {self.path!r}: {_reason(e)}") from e
+
+    def unlink(self, name: str) -> None:
+        """Remove a name (a symlink itself, never its target); gone already is fine."""
+        try:
+            os.unlink(name, dir_fd=self.fd)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise WarmError(f"warm file {self.join(name)!r}: cannot remove: {_reason(e)}") from e
+
+    def rename(self, src: str, dst: str) -> None:
+        try:
+            os.rename(src, dst, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        except OSError as e:
+            raise WarmError(f"warm file {self.join(src)!r}: cannot rename: {_reason(e)}") from e
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
