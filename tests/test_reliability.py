@@ -67,6 +67,16 @@ def test_64_sessions_under_load(tmp_path: Path) -> None:
     assert r.counts["rss_end_kib"] > 0
 
 
+@need_fuse
+def test_stale_handles_race_reads_and_buffer_bound_in_a_loop(tmp_path: Path) -> None:
+    stale = run("stale", tmp_path / "stale")
+    assert stale.done == torture.QUICK["stale"] and stale.counts["estale"] == 3 * stale.done
+    race = run("race", tmp_path / "race")
+    assert race.done > 100 and race.counts["bytes_verified"] > 0
+    buf = run("buffers", tmp_path / "buffers")
+    assert buf.counts["enospc_at_write"] > 0 and buf.counts["rss_growth_mib"] <= 80
+
+
 # --- regressions for engine bugs the torture found (minimal reproducers) ----------------------
 
 def test_append_whose_reclaim_reloads_the_session_keeps_its_copied_extents(tmp_path: Path) -> None:

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""kvfs torture: crash loops, power cuts, bit flips, full volume, bad input, load.
+"""kvfs torture: crash loops, power cuts, bit flips, full volume, bad input, load, handles.
 
     python tools/torture.py [--trials N] [--seconds S] [--only NAME[,NAME]] [--json OUT]
                             [--workdir DIR] [--seed N] [--quick]
 
 Scenarios (``docs/reliability.md`` says what each one checks): ``kill9``, ``faults``
 (``torture_crash.py``), ``flips``, ``full`` (``torture_mount.py``), ``badinput``, ``load``
-(``torture_input.py``). Each is bounded by a count -- its full-run default, ``--quick``
+(``torture_input.py``), ``stale``, ``race``, ``buffers`` (``torture_hardening.py``). Each is bounded by a count -- its full-run default, ``--quick``
 for the pytest-sized one, or ``--trials`` (kills, power cuts, flipped bits, rounds; for
 ``load``, seconds) -- and by ``--seconds``, a time cap per scenario; it stops by itself. A
 summary table is printed; the exit status is 1 when any check failed.
@@ -31,6 +31,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torture_crash as tc
+import torture_hardening as th
 import torture_input as ti
 import torture_mount as tm
 from torture_common import FULL, QUICK, Result
@@ -38,14 +39,15 @@ from torture_common import FULL, QUICK, Result
 log = logging.getLogger("kvfs.torture")
 
 Scenario = Callable[[Path, int, float, random.Random], Result]
-NAMES = ("kill9", "faults", "flips", "full", "badinput", "load")
+NAMES = ("kill9", "faults", "flips", "full", "badinput", "load", "stale", "race", "buffers")
 
 
 def scenarios() -> dict[str, Scenario]:
     """Name -> function: 1-2 in ``torture_crash.py``, 3-4 in ``torture_mount.py``, 5-6 in
     ``torture_input.py``."""
     return {"kill9": tc.kill9, "faults": tc.faults, "flips": tm.flips, "full": tm.full,
-            "badinput": ti.badinput, "load": ti.load}
+            "badinput": ti.badinput, "load": ti.load, "stale": th.stale, "race": th.race,
+            "buffers": th.buffers}
 
 
 def table(results: list[Result]) -> str:

@@ -27,8 +27,10 @@ ROOT = Path(__file__).resolve().parent.parent
 log = logging.getLogger("kvfs.torture")
 
 # kill9: kills; faults: power cuts/failpoints; flips: bits; full: rounds; load: seconds
-FULL = {"kill9": 200, "faults": 10_000, "flips": 10_000, "full": 3, "badinput": 1, "load": 60}
-QUICK = {"kill9": 5, "faults": 60, "flips": 300, "full": 1, "badinput": 1, "load": 10}
+FULL = {"kill9": 200, "faults": 10_000, "flips": 10_000, "full": 3, "badinput": 1, "load": 60,
+        "stale": 2_000, "race": 20_000, "buffers": 3}
+QUICK = {"kill9": 5, "faults": 60, "flips": 300, "full": 1, "badinput": 1, "load": 10,
+         "stale": 40, "race": 1_000, "buffers": 1}
 MB = 1 << 20
 _COUNT_LOCK = threading.Lock()
 
