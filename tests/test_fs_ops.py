@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import trio
-from pyfuse3 import FUSEError
+from pyfuse3 import EntryAttributes, FUSEError
 
 from kvfs.engine import errors
 from kvfs.engine.store import Store
@@ -272,3 +272,58 @@ def test_full_volume_refuses_at_write_and_keeps_what_was_acknowledged(store, cap
 
     run(main)
     assert "could not be stored" not in caplog.text
+
+
+
+def test_small_sequential_reads_come_from_a_window_never_across_a_truncate(store) -> None:
+    async def main() -> None:
+        ops = Operations(store)
+        ino, fh = await _new_file(ops, "s", "f")
+        data = os.urandom(600_000)
+        assert await ops.write(fh, 0, data) == len(data)
+        await ops.flush(fh)
+        rfh = (await ops.open(ino, os.O_RDONLY, CTX)).fh
+        got = b"".join([await ops.read(rfh, off, 4096) for off in range(0, 262_144, 4096)])
+        assert got == data[:262_144]
+        assert ops.counters.window_hits == 63  # one engine read for 64 reads of 4 KiB
+        attr = EntryAttributes()
+        attr.st_size = 8192
+        fields = SimpleNamespace(update_size=True, update_mode=False, update_uid=False,
+                                 update_gid=False, update_atime=False, update_mtime=False)
+        await ops.setattr(ino, attr, fields, None, CTX)
+        new = os.urandom(100_000)
+        assert await ops.write(fh, 8192, new) == len(new)
+        await ops.flush(fh)
+        # the window covered these offsets, but they were cut and written anew
+        assert await ops.read(rfh, 8192, 4096) == new[:4096]
+        assert await ops.read(rfh, 12288, 4096) == new[4096:8192]
+        assert await ops.read(rfh, 16384, 4096) == new[8192:12288]
+        assert ops.counters.window_hits == 64  # from the window fetched after the cut
+        await ops.release(rfh)
+        await ops.release(fh)
+
+    run(main)
+
+
+def test_fsync_flushes_the_device_only_after_changes(store) -> None:
+    async def main() -> None:
+        ops = Operations(store)
+        files = await _new_files(ops, "s", 4)
+        for _, fh in files:
+            await ops.write(fh, 0, b"x" * 1000)
+            await ops.flush(fh)  # close: the bytes reach the engine, not the device
+        for _, fh in files:
+            await ops.fsync(fh, False)
+        assert ops.worker.syncs == 1  # one device flush covers the whole batch
+        await ops.write(files[2][1], 1000, b"y")  # buffered only: no engine change yet
+        await ops.fsync(files[0][1], False)
+        assert ops.worker.syncs == 1
+        await ops.fsync(files[2][1], False)  # its buffer becomes an append: flushed
+        assert ops.worker.syncs == 2
+        assert store.read("s", "f2", 0, 2000) == b"x" * 1000 + b"y"
+        await ops.fsync(files[1][1], False)
+        assert ops.worker.syncs == 2
+        for _, fh in files:
+            await ops.release(fh)
+
+    run(main)

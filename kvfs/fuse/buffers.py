@@ -140,7 +140,7 @@ class WriteBuffers:
         Holds no lock of ``mine`` and one other lock at a time, so two writers making room
         cannot wait on each other. Stops at the first engine refusal (a full volume refuses
         the others too); those bytes stay buffered and are retried later."""
-        self._headroom = await self.call(self._headroom_now)
+        self._headroom = await self.call(self._headroom_now, changes=False)
         if self._fits(n):
             return
         for q in sorted(self._by_ino.values(), key=lambda q: len(q.buf), reverse=True):
@@ -169,7 +169,7 @@ class WriteBuffers:
         n = len(buf)
         p = self._by_ino.get(node.ino)
         if p is None:
-            st = await self.call(on_live, node, self.store.file_stat, *node.key)
+            st = await self.call(on_live, node, self.store.file_stat, *node.key, changes=False)
             p = self._by_ino.setdefault(node.ino, Pending(node, st.size))
         if not self._fits(n):
             if trio.current_time() < self._full_until:
@@ -270,15 +270,19 @@ class WriteBuffers:
         file's lock: a flush in between moves bytes from the buffer into the engine."""
         p = self._by_ino.get(node.ino)
         if p is None or off + size <= p.base:  # the engine's part only: it never shrinks
-            return await self.call(on_live, node, self.store.read, *node.key, off, size)
+            return await self._engine_read(node, off, size)
         async with p.lock:
             if off + size <= p.base or not p.buf:
-                return await self.call(on_live, node, self.store.read, *node.key, off, size)
+                return await self._engine_read(node, off, size)
             head = b""
             if off < p.base:
                 want = p.base - off
-                head = await self.call(on_live, node, self.store.read, *node.key, off, want)
+                head = await self._engine_read(node, off, want)
                 if len(head) < want:  # the engine holds less than it said: no splice
                     return head
             start = off + len(head) - p.base
             return head + bytes(p.buf[start:start + size - len(head)])
+
+    async def _engine_read(self, node: Node, off: int, size: int) -> bytes:
+        return await self.call(on_live, node, self.store.read, *node.key, off, size,
+                               changes=False)

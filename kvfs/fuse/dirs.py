@@ -28,6 +28,7 @@ class Directories:
     _dirs: dict[int, list[tuple[str, Key | int]]]
     inodes: Any
     store: Any
+    worker: Any
 
     @handler
     async def opendir(self, inode: int, ctx: RequestContext) -> int:
@@ -35,14 +36,14 @@ class Directories:
         if inode in FIXED_CHILDREN:
             entries += FIXED_CHILDREN[inode]
         elif inode == SESSIONS:
-            entries += [(n, (n,)) for n in await self.call(self.store.list_sessions)]
+            entries += [(n, (n,)) for n in await self.call(self.store.list_sessions, changes=False)]
         elif inode in FIXED:
             raise FUSEError(errno.ENOTDIR)
         else:
             key = self._key(inode)
             if len(key) != 1:
                 raise FUSEError(errno.ENOTDIR)
-            names = await self.call(self.store.list_files, key[0])
+            names = await self.call(self.store.list_files, key[0], changes=False)
             entries += [(n, (key[0], n)) for n in names]
         fh = self._new_fh(Handle(inode))
         self._dirs[fh] = entries  # a snapshot: offsets stay valid while entries change
@@ -80,7 +81,7 @@ class Directories:
                     out.append(None)
             return out
 
-        found = await self.call(stats) if keys else []
+        found = await self.call(stats, changes=False) if keys else []
         attrs = {key[-1]: self._dyn_attr(self.inodes.ino_of(key), key, st)
                  for key, st in zip(keys, found, strict=True) if st is not None}
         for name, ref in batch:
@@ -94,11 +95,11 @@ class Directories:
 
     @handler
     async def fsyncdir(self, fh: int, datasync: bool) -> None:
-        await self.call(self.store.sync)
+        await self.worker.sync()
 
     @handler
     async def statfs(self, ctx: RequestContext) -> pyfuse3.StatvfsData:
-        u = await self.call(self.store.usage)
+        u = await self.call(self.store.usage, changes=False)
         s = pyfuse3.StatvfsData()
         s.f_bsize = s.f_frsize = 4096
         s.f_blocks = u.capacity // 4096

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import pyfuse3
 import trio
 from pyfuse3 import EntryAttributes
 
@@ -41,6 +42,16 @@ class Ahead:
     data: bytes | None = None
 
 
+@dataclass
+class Window:
+    """Engine bytes of one handle from ``off``, fetched for its small sequential reads;
+    valid while the file's ``cuts`` (truncations) are what they were at the fetch."""
+
+    off: int
+    data: bytes
+    cuts: int
+
+
 class ReadAhead:
     """Read-ahead for direct I/O, which gets none from the kernel.
 
@@ -49,9 +60,16 @@ class ReadAhead:
     reader, so disk, decoding and the FUSE round trip overlap. Only bytes the engine
     already holds are read ahead; a truncate drops what was read ahead (``forget``).
     Without a nursery (``nursery`` None) it does nothing.
+
+    A sequential read below ``SMALL`` bytes fetches a ``WINDOW`` instead; the handle's
+    next small reads inside it are answered at once, with no engine call and no worker
+    hand-off (a 4 KiB reader costs one engine call per window, not per 4 KiB). Bytes the
+    engine holds never change but by a truncate, which the window checks (``Node.cuts``).
     """
 
     MIN = 128 << 10
+    SMALL = 64 << 10
+    WINDOW = 256 << 10
 
     def __init__(self, store: Any, call: Call, counters: Counters) -> None:
         self.store, self.call, self.counters = store, call, counters
@@ -61,6 +79,12 @@ class ReadAhead:
                    fetch: Callable[[], Awaitable[bytes]], stored: int | None) -> bytes:
         """``fetch()``'s bytes, or the read-ahead's when it covers them; maybe start the
         next. ``stored``: how far the engine holds the file (None: all of it)."""
+        w = h.window
+        if (w is not None and w.cuts == node.cuts and w.off <= off
+                and off + size <= w.off + len(w.data)):
+            h.seq_end = off + size
+            self.counters.window_hits += 1
+            return w.data[off - w.off:off + size - w.off]
         a, h.ahead = h.ahead, None
         data = None
         if isinstance(a, Ahead) and a.off == off and a.size >= size:
@@ -68,6 +92,9 @@ class ReadAhead:
             if a.data is not None and len(a.data) >= size:  # short: the file grew since
                 data = a.data[:size]
                 self.counters.readahead_hits += 1
+        if data is None and size < self.SMALL and off == h.seq_end and (
+                stored is None or off + size <= stored):
+            data = await self._window(h, node, off, size, stored)
         if data is None:
             data = await fetch()
         nxt = off + len(data)
@@ -78,9 +105,23 @@ class ReadAhead:
         h.seq_end = nxt
         return data
 
+    async def _window(self, h: Any, node: Node, off: int, size: int,
+                      stored: int | None) -> bytes | None:
+        """The first ``size`` bytes of a new window at ``off``; None when the engine holds
+        fewer (the rest may be buffered: the caller reads the usual way)."""
+        cuts = node.cuts
+        n = self.WINDOW if stored is None else min(self.WINDOW, stored - off)
+        got = await self.call(on_live, node, self.store.read, *node.key, off, n, changes=False)
+        if len(got) < size:
+            return None
+        if cuts == node.cuts:  # not cut while it was read
+            h.window = Window(off, got, cuts)
+        return got[:size]
+
     async def _fetch(self, a: Ahead, node: Node) -> None:
         try:
-            a.data = await self.call(on_live, node, self.store.read, *node.key, a.off, a.size)
+            a.data = await self.call(on_live, node, self.store.read, *node.key, a.off, a.size,
+                                   changes=False)
         except Exception as e:  # the reader will ask again and get the error itself
             log.debug("read-ahead of %s at %d failed: %r", node.key, a.off, e)
         finally:
@@ -88,10 +129,20 @@ class ReadAhead:
 
     @staticmethod
     def forget(handles: Any, ino: int) -> None:
-        """Drop read-ahead bytes of ``ino`` (its tail was truncated)."""
+        """Drop read-ahead and window bytes of ``ino`` (its tail was truncated)."""
         for h in handles:
             if h.ino == ino:
-                h.ahead = None
+                h.ahead = h.window = None
+
+
+def drop_kernel_pages(inos: list[int]) -> None:
+    """Drop the kernel's cached pages (and attributes) of these inodes; not on the FUSE
+    loop's thread: an invalidation waits for pages locked by reads the loop must answer."""
+    for ino in inos:
+        try:
+            pyfuse3.invalidate_inode(ino)
+        except OSError as e:  # ENOENT: the kernel no longer holds the inode, nor its pages
+            log.debug("invalidate inode %d: %r", ino, e)
 
 
 @dataclass
@@ -107,6 +158,9 @@ class Counters:
     errors: int = 0  # unexpected exceptions answered with EIO
     corrupt_reads: int = 0
     readahead_hits: int = 0
+    window_hits: int = 0  # small reads answered from a handle's window, no engine call
+    read_req_max: int = 0  # largest read / write request the kernel sent (request sizing)
+    write_req_max: int = 0
 
 
 def _ns(t: float) -> int:

@@ -76,7 +76,9 @@ class Node:
 
     ``unlinked``: the name now belongs to another incarnation (or none); ``last`` is the
     file's stat at unlink, answered (nlink 0) to fstat on a handle still open; ``sno``
-    the engine's never-reused number of a session, to notice one replaced behind us.
+    the engine's never-reused number of a session, to notice one replaced behind us;
+    ``truncated``: cut since its last open, so the next open drops the kernel's pages;
+    ``cuts``: how often it was cut (bytes read before a cut are not served after it).
     """
 
     ino: int
@@ -86,6 +88,8 @@ class Node:
     unlinked: bool = False
     last: Any = None
     sno: int = -1
+    truncated: bool = False
+    cuts: int = 0
 
     @property
     def is_dir(self) -> bool:
@@ -98,12 +102,14 @@ class InodeTable:
     An entry lives while the kernel knows the inode (lookups > 0) or a handle is open.
     ``unlink`` detaches the name at once (a new file of that name gets a new inode); the
     number itself is dropped by ``forget``/``close`` when nothing refers to it any more.
+    Detached file inodes are listed in ``detached`` until ``ops`` drops their cached pages.
     """
 
     def __init__(self) -> None:
         self._by_ino: dict[int, Node] = {}
         self._by_key: dict[Key, int] = {}
         self._next = FIRST_DYNAMIC
+        self.detached: list[int] = []
 
     def __len__(self) -> int:
         return len(self._by_ino)
@@ -153,6 +159,8 @@ class InodeTable:
             node = self._by_ino[ino]
             node.unlinked = True
             node.last = last
+            if len(key) == 2:
+                self.detached.append(ino)
             self._maybe_drop(node)
 
     def unlink_session(self, session: str) -> None:
@@ -177,3 +185,4 @@ class Handle:
     writable: bool = False
     seq_end: int = 0  # where the last read ended: the next one there is sequential
     ahead: object = None  # a read-ahead in flight or done (``files.Ahead``)
+    window: object = None  # engine bytes kept for small sequential reads (``files.Window``)

@@ -4,8 +4,8 @@ Owns the translation between the kernel's view (inodes, file handles, byte offse
 errno) and the engine's (session and file names, appends, engine exceptions), and the
 per-file write buffers that turn many small kernel writes into one engine append (one
 ring entry). It never touches the volume: every byte goes through the ``Store``, and
-every ``Store`` call runs on one worker thread at a time (``call``; the engine is not
-thread-safe), so the trio thread never blocks on disk I/O or zstd.
+every ``Store`` call runs on the engine worker (``call``, ``worker.Worker``; one call at a
+time, the engine is not thread-safe), so the trio thread never blocks on disk I/O or zstd.
 
 Namespace::
 
@@ -21,6 +21,12 @@ A handle is bound to its inode, and an inode to one incarnation of a name (inode
 are never reused within a mount): once the file is unlinked or its session removed, the
 handle answers ESTALE to reads, writes and truncates -- it never reaches a new file of
 the same name -- and fstat shows the file as it was, with no links (docs/mount.md).
+
+With the page cache (``direct_io=False``) files are opened with ``keep_cache``: files only
+grow and the mount is their only writer, so cached pages stay right across opens. A file
+cut since its last open is opened without it (the kernel drops its pages), and the pages
+of an unlinked or replaced file are dropped at once (``_drop_pages``), so an old handle
+still gets ESTALE rather than cached bytes.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from .files import (
     FIXED_TIMEOUT,
     Counters,
     ReadAhead,
+    drop_kernel_pages,
     file_attr,
     make_attr,
     metrics_body,
@@ -70,6 +77,7 @@ from .nodes import (
     check_name,
     shown,
 )
+from .worker import Worker
 
 log = logging.getLogger("kvfs.fs")
 
@@ -96,11 +104,12 @@ class Operations(Directories, pyfuse3.Operations):
         super().__init__()
         self.store = store
         self.direct_io = direct_io
+        self.notify_kernel = False  # set once mounted: cache invalidations go to the kernel
         self.alerts_state = alerts_state
         self.needs_fsck = False
         self.counters = Counters()
         self.inodes = InodeTable()
-        self._limiter = trio.CapacityLimiter(1)  # the Store is not thread-safe
+        self.worker = Worker(store)  # one engine call at a time: the Store is not thread-safe
         self._handles: dict[int, Handle] = {}
         self._dirs: dict[int, list[tuple[str, Key | int]]] = {}
         self.buffers = WriteBuffers(store, self.call, self.counters, flush_at, entry_max,
@@ -113,9 +122,10 @@ class Operations(Directories, pyfuse3.Operations):
         self._sessions_mode = stat.S_IFDIR | (0o1777 if allow_other else 0o755)
 
     # ------------------------------------------------------------------ plumbing
-    async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run one blocking ``Store`` call on the worker thread, one at a time."""
-        return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+    async def call(self, fn: Callable[..., T], *args: Any, changes: bool = True) -> T:
+        """Run one blocking ``Store`` call on the engine worker; ``changes=False`` for calls
+        that only look (see ``Worker.call``)."""
+        return await self.worker.call(fn, *args, changes=changes)
 
     def _internal_error(self, where: str, e: BaseException) -> None:
         log.error("internal error in %s; answering EIO, volume needs fsck", where,
@@ -198,7 +208,8 @@ class Operations(Directories, pyfuse3.Operations):
         if node.unlinked and node.last is not None:  # fstat of an open, unlinked file
             return file_attr(ino, node.last, None, nlink=0)
         key = self._key(ino)
-        return self._dyn_attr(ino, key, await self.call(on_live, node, self._stat_sync, key))
+        st = await self.call(on_live, node, self._stat_sync, key, changes=False)
+        return self._dyn_attr(ino, key, st)
 
     async def _generate(self, ino: int) -> bytes:
         def body() -> bytes:
@@ -207,11 +218,11 @@ class Operations(Directories, pyfuse3.Operations):
             fs = {**asdict(self.counters), "open_files": len(self._handles),
                   "inodes": len(self.inodes), "direct_io": self.direct_io,
                   "pending_bytes": self.buffers.pending_bytes,
-                  "max_pending": self.buffers.max_pending}
+                  "max_pending": self.buffers.max_pending, "device_syncs": self.worker.syncs}
             return stats_body(self.store.stats(), self.store.usage(), fs, self.needs_fsck,
                               self.alerts_state)
 
-        return await self.call(body)
+        return await self.call(body, changes=False)
 
     # ------------------------------------------------------------------ lookups
     @handler
@@ -234,11 +245,12 @@ class Operations(Directories, pyfuse3.Operations):
                     raise FUSEError(errno.ENOTDIR)
                 key = (parent[0], sname)
             try:
-                st = await self.call(self._stat_sync, key)
+                st = await self.call(self._stat_sync, key, changes=False)
             except errors.NotFound:
                 return negative()
             if len(key) == 1:
                 self._bind_session(key[0], st.sno)
+                await self._drop_pages()
             return self._dyn_attr(self.inodes.looked_up(key), key, st)
         attr = await self._attr_of(ino)
         if ino not in FIXED:
@@ -291,8 +303,8 @@ class Operations(Directories, pyfuse3.Operations):
             if len(key) == 1:
                 raise FUSEError(errno.EISDIR)
             await self.buffers.truncate(node, attr.st_size)
+            self._cut(node)
             self.buffers.space_freed()
-            ReadAhead.forget(self._handles.values(), inode)
         elif len(key) == 2:  # written bytes land first, so e.g. tar's futimens sticks
             await self.buffers.flush(node)
         if any(v is not None for v in changes.values()):
@@ -314,6 +326,7 @@ class Operations(Directories, pyfuse3.Operations):
         st = await self.call(make)
         self.inodes.unlink_session(key[0])  # inodes of an earlier session of this name
         self._bind_session(key[0], st.sno)
+        await self._drop_pages()
         return session_attr(self.inodes.looked_up(key), st)
 
     @handler
@@ -329,6 +342,7 @@ class Operations(Directories, pyfuse3.Operations):
         await self.call(remove)
         self.inodes.unlink_session(sname)
         self.buffers.space_freed()
+        await self._drop_pages()
 
     @handler
     async def unlink(self, parent_inode: int, name: bytes, ctx: RequestContext) -> None:
@@ -348,6 +362,7 @@ class Operations(Directories, pyfuse3.Operations):
         last.size += dropped  # the size its readers saw
         self.buffers.space_freed()
         self.inodes.unlink(key, last)
+        await self._drop_pages()
 
     async def _new_file(self, parent: int, name: bytes, mode: int,
                         ctx: RequestContext) -> tuple[int, EntryAttributes]:
@@ -359,6 +374,7 @@ class Operations(Directories, pyfuse3.Operations):
 
         st = await self.call(make)
         self.inodes.unlink(key)  # an inode of an earlier file of this name stays its own
+        await self._drop_pages()
         ino = self.inodes.looked_up(key)
         return ino, file_attr(ino, st, None)
 
@@ -390,8 +406,24 @@ class Operations(Directories, pyfuse3.Operations):
     # ------------------------------------------------------------------ open files
     def _open_file(self, ino: int, flags: int) -> FileInfo:
         fh = self._new_fh(Handle(ino, writable=_is_write(flags)))
+        node = self.inodes.get(ino)
+        keep = node is not None and not node.truncated and not flags & os.O_TRUNC
+        if node is not None:
+            node.truncated = False
         self.inodes.opened(ino)
-        return FileInfo(fh=fh, direct_io=self.direct_io)
+        return FileInfo(fh=fh, direct_io=self.direct_io, keep_cache=keep and not self.direct_io)
+
+    def _cut(self, node: Node) -> None:
+        """``node``'s file was truncated: bytes read before are not served from now on."""
+        node.truncated = True
+        node.cuts += 1
+        ReadAhead.forget(self._handles.values(), node.ino)
+
+    async def _drop_pages(self) -> None:
+        """Drop the kernel's pages of the file inodes just detached (page-cache mode)."""
+        inos, self.inodes.detached = self.inodes.detached, []
+        if inos and self.notify_kernel and not self.direct_io:
+            await trio.to_thread.run_sync(drop_kernel_pages, inos)
 
     @handler
     async def open(self, inode: int, flags: int, ctx: RequestContext) -> FileInfo:
@@ -405,7 +437,7 @@ class Operations(Directories, pyfuse3.Operations):
         node = self._file(inode)
         if flags & os.O_TRUNC:
             await self.buffers.truncate(node, 0)
-            ReadAhead.forget(self._handles.values(), inode)
+            self._cut(node)
         return self._open_file(inode, flags)
 
     @handler
@@ -414,6 +446,7 @@ class Operations(Directories, pyfuse3.Operations):
         if h.content is not None:
             return h.content[off:off + size]
         node = self._file(h.ino)
+        self.counters.read_req_max = max(self.counters.read_req_max, size)
         p = self.buffers.get(h.ino)
         data = await self.readahead.read(
             h, node, off, size, lambda: self.buffers.read(node, off, size),
@@ -431,6 +464,7 @@ class Operations(Directories, pyfuse3.Operations):
         h = self._handles[fh]
         if h.content is not None:
             raise FUSEError(errno.EROFS)
+        self.counters.write_req_max = max(self.counters.write_req_max, len(buf))
         return await self.buffers.write(self._file(h.ino), off, buf)
 
     @handler
@@ -445,7 +479,7 @@ class Operations(Directories, pyfuse3.Operations):
         h = self._handles[fh]
         if h.content is None:
             await self.buffers.flush(self._file(h.ino))
-            await self.call(self.store.sync)
+            await self.worker.sync()  # no device flush when nothing changed since the last
 
     @handler
     async def release(self, fh: int) -> None:

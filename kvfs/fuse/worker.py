@@ -1,0 +1,124 @@
+"""The FUSE layer's engine worker: blocking ``Store`` calls off the trio thread.
+
+Every ``Store`` call of the layer goes through ``Worker.call``. A job goes on a queue to a
+persistent worker thread, which runs it under ``engine_lock`` and wakes the waiting trio
+task directly (``TrioToken.run_sync_soon`` + ``reschedule``): no limiter, no per-call
+thread start, one checkpoint less than ``trio.to_thread.run_sync`` and one wake-up of the
+trio thread for all the jobs that finished while it slept. The trio thread never runs the
+engine: an index lookup may read tree pages and a read may go to the disk.
+
+Today the ``Store`` is not thread-safe, so ``engine_lock`` serialises every call and one
+thread is the right number. The pool and the queue are already shaped for more: once the
+engine takes its own lock for writes, ``Worker(threads=N, serialise=False)`` runs N reads
+at once with nothing else to change here.
+
+The worker also keeps the count of engine changes (appends, truncates, creates, deletes,
+attribute sets) against the count at the last device flush, so ``sync`` flushes the
+device only when something changed since: N files fsync'd after one batch cost one
+flush. A change is counted once it has returned, and a flush covers the changes counted
+before it began, so with concurrent calls a change still running is never taken as
+flushed.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import outcome
+import trio
+
+log = logging.getLogger("kvfs.fs")
+
+T = TypeVar("T")
+
+
+class Worker:
+    """Runs engine calls on ``threads`` persistent threads (see the module docstring)."""
+
+    def __init__(self, store: Any, threads: int = 1, serialise: bool = True) -> None:
+        self.store = store
+        self.engine_lock = threading.Lock() if serialise else None
+        self.changes = 0  # engine calls that may have changed the volume
+        self.synced = 0  # ``changes`` when the last device flush began
+        self.syncs = 0  # device flushes done (``sync`` calls that were not skipped)
+        self._threads = threads
+        self._count_lock = threading.Lock()
+        self._q: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._started: list[threading.Thread] = []
+        self._start_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ calls
+    async def call(self, fn: Callable[..., T], *args: Any, changes: bool = True) -> T:
+        """``fn(*args)`` on a worker thread; its result or its exception.
+
+        ``changes=False`` for calls that only look (reads, stats, listings); anything else
+        counts as a change, so a forgotten flag costs a device flush, never durability.
+        Not cancellable once queued (like ``trio.to_thread.run_sync``): the engine call
+        runs to its end and its result is delivered."""
+        if not self._started:
+            self._start()
+        task = trio.lowlevel.current_task()
+        token = trio.lowlevel.current_trio_token()
+        self._q.put((fn, args, changes, task, token))
+        # the worker reschedules this task with the call's outcome: its value, or it raises
+        return await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
+
+    async def sync(self) -> bool:
+        """Make every change durable (``store.sync``), unless nothing changed since the
+        last flush began. Returns whether the device was flushed."""
+        return await self.call(self._sync, changes=False)
+
+    def _sync(self) -> bool:  # on a worker
+        with self._count_lock:
+            upto = self.changes
+            if upto == self.synced:
+                return False
+        self.store.sync()
+        with self._count_lock:  # only once it succeeded: a failed sync is retried next time
+            self.synced = max(self.synced, upto)
+            self.syncs += 1
+        return True
+
+    # ------------------------------------------------------------------ threads
+    def _start(self) -> None:
+        with self._start_lock:
+            while len(self._started) < self._threads:
+                t = threading.Thread(target=self._run, name=f"kvfs-engine-{len(self._started)}",
+                                     daemon=True)
+                t.start()
+                self._started.append(t)
+
+    def _run(self) -> None:
+        lock = self.engine_lock
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            fn, args, changes, task, token = job
+            if lock is not None:
+                lock.acquire()
+            try:
+                result = outcome.capture(fn, *args)
+                if changes:  # failed or not: it may have written part of its entries
+                    with self._count_lock:
+                        self.changes += 1
+            finally:
+                if lock is not None:
+                    lock.release()
+            try:
+                token.run_sync_soon(trio.lowlevel.reschedule, task, result)
+            except trio.RunFinishedError:  # the loop that asked is gone (process exit)
+                log.debug("engine call finished after its trio loop ended")
+
+    def close(self) -> None:
+        """Stop the threads once the queued jobs are done (idempotent)."""
+        with self._start_lock:
+            for _ in self._started:
+                self._q.put(None)
+            for t in self._started:
+                t.join()
+            self._started.clear()

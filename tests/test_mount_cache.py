@@ -1,0 +1,105 @@
+"""The request path's caching through the kernel: the page cache mode (``--page-cache``:
+keep_cache across opens, coherent after truncate, dropped at unlink), the request sizes
+the kernel sends, and fsync's device flush skipped when nothing changed."""
+
+from __future__ import annotations
+
+import errno
+import json
+import mmap
+import os
+from pathlib import Path
+
+import pytest
+from conftest import Mount
+
+MiB = 1 << 20
+
+
+def fs_stats(m: Mount) -> dict:
+    return json.loads((m.root / ".kvfs" / "stats").read_bytes())["fs"]
+
+
+def read_aligned(path: Path) -> bytes:
+    """The whole file in 1 MiB reads into a page-aligned buffer (as cat and dd do)."""
+    buf = mmap.mmap(-1, MiB)
+    out = bytearray()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while n := os.readv(fd, [buf]):
+            out += buf[:n]
+    finally:
+        os.close(fd)
+    return bytes(out)
+
+
+def test_page_cache_keeps_pages_and_stays_coherent(make_mount) -> None:
+    m = make_mount(extra=("--page-cache",))
+    d = m.sessions / "s"
+    d.mkdir()
+    path = d / "layer_0"
+    first = os.urandom(4 * MiB)
+    path.write_bytes(first)
+    assert read_aligned(path) == first
+    reads = fs_stats(m)["reads"]
+    assert fs_stats(m)["read_req_max"] == MiB  # readahead raised: 1 MiB requests, not 128 KiB
+    assert read_aligned(path) == first  # a new open keeps the pages: no request reaches us
+    assert fs_stats(m)["reads"] == reads
+
+    os.truncate(path, MiB)  # cut, then grown with other bytes: never the old pages
+    tail = os.urandom(MiB)
+    with open(path, "ab") as f:
+        f.write(tail)
+    assert read_aligned(path) == first[:MiB] + tail
+    with open(path, "wb") as f:  # O_TRUNC
+        f.write(tail)
+    assert path.read_bytes() == tail
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert os.pread(fd, 4096, 0) == tail[:4096]  # cached now
+        path.unlink()
+        path.write_bytes(b"new file")
+        with pytest.raises(OSError) as e:  # the old handle: never its cached pages
+            os.pread(fd, 4096, 0)
+        assert e.value.errno == errno.ESTALE
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"new file"
+
+
+def test_direct_io_requests_are_1_mib(kvfs: Mount) -> None:
+    d = kvfs.sessions / "s"
+    d.mkdir()
+    buf = mmap.mmap(-1, MiB)
+    buf.write(os.urandom(MiB))
+    fd = os.open(d / "f", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for _ in range(3):
+            assert os.writev(fd, [buf]) == MiB
+    finally:
+        os.close(fd)
+    assert read_aligned(d / "f") == bytes(buf) * 3
+    fs = fs_stats(kvfs)
+    assert fs["read_req_max"] == fs["write_req_max"] == MiB
+
+
+def test_fsync_flushes_the_device_once_per_batch(kvfs: Mount) -> None:
+    d = kvfs.sessions / "s"
+    d.mkdir()
+    for i in range(8):
+        (d / f"l{i}").write_bytes(os.urandom(96 << 10))
+    before = fs_stats(kvfs)["device_syncs"]
+    fds = [os.open(d / f"l{i}", os.O_RDWR | os.O_APPEND) for i in range(8)]
+    try:
+        for fd in fds:
+            os.fsync(fd)
+        assert fs_stats(kvfs)["device_syncs"] == before + 1
+        os.write(fds[3], b"more")  # a change since: the next fsync flushes again
+        os.fsync(fds[5])
+        os.fsync(fds[3])
+        assert fs_stats(kvfs)["device_syncs"] == before + 2
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert (d / "l3").read_bytes().endswith(b"more")
