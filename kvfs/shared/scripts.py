@@ -1,0 +1,213 @@
+"""The Lua scripts of the shared tier: every change to a session is one script on the
+session's slot, so the lease check, the chunk write and the file index change together
+(a node that lost its lease cannot write; a reader never sees an index ahead of its chunks).
+
+Retention: every key of a session carries the same deadline (now + retention), refreshed
+for all of them at once when the index's TTL has fallen below 90 % of the retention; a key
+written in between gets a full retention of its own. So no chunk ever expires before the
+index that points at it, and the refresh walks the session's keys only about once per
+tenth of the retention.
+"""
+
+from __future__ import annotations
+
+_COMMON = """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function refresh(prefix, retention, chunk)
+  if retention <= 0 then return end
+  local idx = prefix .. 'files'
+  local ttl = redis.call('PTTL', idx)
+  if ttl >= retention * 0.9 then return end
+  local deadline = now_ms() + retention
+  local all = redis.call('HGETALL', idx)
+  for i = 1, #all, 2 do
+    local n = math.ceil(tonumber(all[i + 1]) / chunk)
+    for c = 0, n - 1 do redis.call('PEXPIREAT', prefix .. all[i] .. ':' .. c, deadline) end
+  end
+  for _, k in ipairs({'files', 'meta', 'holder', 'sync'}) do
+    redis.call('PEXPIREAT', prefix .. k, deadline)
+  end
+end
+-- APPEND allocates greedily (up to twice a value's length); a copy of the value is exact.
+-- COPY + RENAME trims a chunk where it is finished (full, or its session's lease released)
+-- and replicates as two short commands, not as the chunk's bytes.
+local function trim(prefix, key)
+  redis.call('COPY', key, prefix .. 'tmp', 'REPLACE')
+  redis.call('RENAME', prefix .. 'tmp', key)
+end
+local function put(key, value, mode, retention)
+  if mode == 'A' and redis.call('EXISTS', key) == 1 then
+    return redis.call('APPEND', key, value)
+  end
+  redis.call('SET', key, value)
+  if retention > 0 then redis.call('PEXPIRE', key, retention) end
+  return #value
+end
+"""
+
+# KEYS: files, lease, chunk keys...   ARGV: node, file, offset, new size, retention ms,
+# chunk bytes, prefix, lease ms, first mode ('A' append to the chunk, 'S' start it), pieces...
+# -> {'OK', length of the last chunk value} | {'LEASE', owner} | {'SIZE', size}
+APPEND = _COMMON + """
+local owner = redis.call('GET', KEYS[2])
+if owner ~= ARGV[1] then return {'LEASE', owner or ''} end
+local size = tonumber(redis.call('HGET', KEYS[1], ARGV[2]) or '0')
+if size ~= tonumber(ARGV[3]) then return {'SIZE', tostring(size)} end
+local retention = tonumber(ARGV[5])
+local last = 0
+for i = 3, #KEYS do
+  last = put(KEYS[i], ARGV[i + 7], i == 3 and ARGV[9] or 'S', retention)
+end
+if ARGV[9] == 'A' and (#KEYS > 3 or tonumber(ARGV[4]) % tonumber(ARGV[6]) == 0) then
+  trim(ARGV[7], KEYS[3])        -- the appended chunk is full now
+end
+redis.call('HSET', KEYS[1], ARGV[2], ARGV[4])
+redis.call('PEXPIRE', KEYS[2], ARGV[8])
+refresh(ARGV[7], retention, tonumber(ARGV[6]))
+return {'OK', tostring(last)}
+"""
+
+# KEYS: files, lease, chunk n, chunks n+1..   ARGV: node, file, expected size, new size
+# (-1: remove the file), value of chunk n ('' deletes it), retention, chunk bytes, prefix
+# -> {'OK', bytes freed} | {'LEASE', owner} | {'SIZE', size}
+REWRITE = _COMMON + """
+local owner = redis.call('GET', KEYS[2])
+if owner ~= ARGV[1] then return {'LEASE', owner or ''} end
+local size = tonumber(redis.call('HGET', KEYS[1], ARGV[2]) or '-1')
+if size ~= tonumber(ARGV[3]) then return {'SIZE', tostring(size)} end
+local retention = tonumber(ARGV[6])
+local freed = 0
+for i = 3, #KEYS do freed = freed + redis.call('STRLEN', KEYS[i]) end
+redis.call('DEL', unpack(KEYS, 3))
+if #ARGV[5] > 0 then freed = freed - put(KEYS[3], ARGV[5], 'S', retention) end
+if tonumber(ARGV[4]) < 0 then redis.call('HDEL', KEYS[1], ARGV[2])
+else redis.call('HSET', KEYS[1], ARGV[2], ARGV[4]) end
+refresh(ARGV[8], retention, tonumber(ARGV[7]))
+return {'OK', tostring(freed)}
+"""
+
+# KEYS: files, lease, meta   ARGV: node, value, retention, chunk bytes, prefix
+# -> {'OK', bytes added} | {'LEASE', owner}
+PUT_META = _COMMON + """
+local owner = redis.call('GET', KEYS[2])
+if owner ~= ARGV[1] then return {'LEASE', owner or ''} end
+local retention = tonumber(ARGV[3])
+local old = redis.call('STRLEN', KEYS[3])
+redis.call('SET', KEYS[3], ARGV[2])
+local ttl = redis.call('PTTL', KEYS[1])
+if ttl > 0 then redis.call('PEXPIRE', KEYS[3], ttl)
+elseif retention > 0 then redis.call('PEXPIRE', KEYS[3], retention) end
+refresh(ARGV[5], retention, tonumber(ARGV[4]))
+return {'OK', tostring(#ARGV[2] - old)}
+"""
+
+# KEYS: files, lease, meta, holder, sync   ARGV: node, chunk bytes, prefix, mode
+# mode 'delete': refused while another node holds the lease; 'evict': refused while anyone does
+# -> {'OK', bytes freed} | {'BUSY', owner, ms left}
+DELETE = """
+local owner = redis.call('GET', KEYS[2])
+if owner and (ARGV[4] == 'evict' or owner ~= ARGV[1]) then
+  return {'BUSY', owner, redis.call('PTTL', KEYS[2])}
+end
+local chunk = tonumber(ARGV[2])
+local freed = redis.call('STRLEN', KEYS[3])
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  for c = 0, math.ceil(tonumber(all[i + 1]) / chunk) - 1 do
+    local k = ARGV[3] .. all[i] .. ':' .. c
+    freed = freed + redis.call('STRLEN', k)
+    redis.call('DEL', k)
+  end
+end
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+return {'OK', tostring(freed)}
+"""
+
+# KEYS: lease, holder   ARGV: node, lease ms, retention ms
+# -> {'NEW', previous holder or ''} | {'TAKEOVER', previous holder} | {'RENEWED', ''}
+#    | {'BUSY', owner, ms left}
+ACQUIRE = """
+local owner = redis.call('GET', KEYS[1])
+if owner == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return {'RENEWED', ''}
+end
+if owner then return {'BUSY', owner, redis.call('PTTL', KEYS[1])} end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+local prev = redis.call('GET', KEYS[2])
+redis.call('SET', KEYS[2], ARGV[1])
+if tonumber(ARGV[3]) > 0 then redis.call('PEXPIRE', KEYS[2], ARGV[3]) end
+if prev and prev ~= ARGV[1] then return {'TAKEOVER', prev} end
+return {'NEW', prev or ''}
+"""
+
+# KEYS: lease, holder   ARGV: node, lease ms  -> {'OK'} | {'RETAKEN'} | {'LOST', owner or ''}
+# A lease that expired with nobody taking it since (the holder record is still this node)
+# is taken again: no other node can have written in between.
+RENEW = """
+local owner = redis.call('GET', KEYS[1])
+if owner == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return {'OK'}
+end
+if owner then return {'LOST', owner} end
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then return {'LOST', ''} end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return {'RETAKEN'}
+"""
+
+# KEYS: lease, holder, files   ARGV: node, chunk bytes, prefix  -> 1 released, 0 not ours
+# The session is finished for now: trim the partial last chunk of each file.
+RELEASE = _COMMON + """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1], KEYS[2])
+local chunk = tonumber(ARGV[2])
+local all = redis.call('HGETALL', KEYS[3])
+for i = 1, #all, 2 do
+  local size = tonumber(all[i + 1])
+  local key = ARGV[3] .. all[i] .. ':' .. math.floor(size / chunk)
+  if size % chunk ~= 0 and redis.call('EXISTS', key) == 1 then trim(ARGV[3], key) end
+end
+return 1
+"""
+
+# KEYS: files, sync, meta   ARGV: node, retention ms
+# A write (the marker) so that a WAIT on the same connection covers everything before it.
+SYNC = """
+redis.call('SET', KEYS[2], ARGV[1])
+if tonumber(ARGV[2]) > 0 then redis.call('PEXPIRE', KEYS[2], ARGV[2]) end
+return {redis.call('HGETALL', KEYS[1]), redis.call('GETRANGE', KEYS[3], 0, 19)}
+"""
+
+# Capacity bookkeeping, one slot for the whole cluster.
+# KEYS: lru (zset session -> last write ms), bytes (hash session -> bytes), total
+# ARGV: session, delta bytes, retention ms   -> total bytes
+NOTE_WRITE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[1], now, ARGV[1])
+redis.call('HINCRBY', KEYS[2], ARGV[1], ARGV[2])
+local total = redis.call('INCRBY', KEYS[3], ARGV[2])
+local retention = tonumber(ARGV[3])
+if retention > 0 then
+  -- sessions not written for a whole retention have expired on their own
+  local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. (now - retention), 'LIMIT', 0, 64)
+  for _, s in ipairs(gone) do
+    total = redis.call('DECRBY', KEYS[3], tonumber(redis.call('HGET', KEYS[2], s) or '0'))
+    redis.call('HDEL', KEYS[2], s)
+    redis.call('ZREM', KEYS[1], s)
+  end
+end
+return total
+"""
+
+# KEYS: lru, bytes, total   ARGV: session   -> total bytes
+FORGET = """
+local b = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[1], ARGV[1])
+return redis.call('DECRBY', KEYS[3], b)
+"""

@@ -1,0 +1,488 @@
+"""``SharedTier``: session files replicated to a Redis Cluster, shared by every host.
+
+Synchronous and thread-safe (one cluster client with a connection pool per node, a lock
+around this object's own state); every call is bounded (``client``: ``timeout_s`` per
+attempt, a failed shard not retried for ``retry_after_s``), so a caller gets
+``SharedUnavailable`` quickly and keeps serving from its local tiers. Never imports pyfuse3,
+trio or torch. The format is in ``chunks``, the scripts in ``scripts``, the leases in
+``lease``; the guarantees are in docs/scale-out.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .chunks import (
+    CAP_TAG,
+    HEADER_SIZE,
+    ChunkError,
+    SessionKeys,
+    check_name,
+    chunks_of,
+    decode_meta,
+    decode_pieces,
+    encode_piece,
+    split_append,
+)
+from .client import ClusterClient
+from .errors import (
+    BadRange,
+    LeaseLost,
+    NotAppend,
+    NotFoundShared,
+    SessionBusy,
+    SharedCorrupt,
+    SharedError,
+    SharedLost,
+    SharedUnavailable,
+)
+from .lease import Leases
+from .scripts import (
+    ACQUIRE,
+    APPEND,
+    DELETE,
+    FORGET,
+    NOTE_WRITE,
+    PUT_META,
+    RELEASE,
+    RENEW,
+    REWRITE,
+    SYNC,
+)
+from .stats import Stats
+
+log = logging.getLogger(__name__)
+
+# 1 MiB - 16 KiB of data: a full chunk with its piece headers (up to ~800 of them) stays
+# within jemalloc's 1 MiB size class; 1 MiB of data would take the 1.25 MiB class
+CHUNK_BYTES = (1 << 20) - (16 << 10)
+BATCH_CHUNKS = 16          # chunks per script call: one call moves at most ~16 MiB
+COMPACT_PIECES = 256       # a chunk of more pieces than this, each small, is rewritten as one
+
+
+def _offset(v: object, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise BadRange(f"{what} must be a non-negative int, not {v!r}")
+    return v
+
+
+def _status(res: list[Any]) -> str:
+    s = res[0]
+    return s.decode() if isinstance(s, bytes) else str(s)
+
+
+class SharedTier:
+    """Session files and meta.json of many hosts in one Redis Cluster (see module doc)."""
+
+    def __init__(self, urls: str | Sequence[str], *, node_id: str, chunk_bytes: int = CHUNK_BYTES,
+                 lease_ms: int = 15_000, retention_s: float = 48 * 3600,
+                 max_bytes: int | None = None, replicas_ack: int = 1, timeout_s: float = 1.0,
+                 retry_after_s: float = 1.0, auto_renew: bool = True) -> None:
+        self.node_id = check_name(node_id, "node id")
+        if chunk_bytes < 4096 or lease_ms < 100 or timeout_s <= 0 or replicas_ack < 0:
+            raise ValueError("chunk_bytes >= 4096, lease_ms >= 100, timeout_s > 0, replicas_ack >= 0")
+        self.chunk_bytes, self.lease_ms = chunk_bytes, lease_ms
+        self.retention_ms = int(retention_s * 1000) if retention_s else 0
+        self.max_bytes, self.replicas_ack, self.timeout_s = max_bytes, replicas_ack, timeout_s
+        self.stats_ = Stats()
+        self._lock = threading.Lock()
+        self._written: dict[str, dict[str, int]] = {}          # session -> file -> size
+        self._meta_head: dict[str, bytes] = {}                 # session -> header of our meta
+        self._c = ClusterClient(urls, timeout_s, retry_after_s)
+        self.addresses = self._c.addresses
+        self._leases = Leases(self.renew, lease_ms, auto_renew)
+
+    # -- plumbing ----------------------------------------------------------------
+    def _eval(self, k: SessionKeys, what: str, script: str, keys: list[str], args: list[Any]) -> Any:
+        return self._c.eval(f"{what} {k.session}", script, keys, args)
+
+    def _get(self, key: str, what: str, fn: Any) -> Any:
+        return self._c.guard(key, what, fn)
+
+    def _keys(self, session: str) -> SessionKeys:
+        return SessionKeys(check_name(session, "session"))
+
+    # -- leases ------------------------------------------------------------------
+    def acquire(self, session: str, wait_s: float = 0.0) -> bool:
+        """Take the session's lease: True when newly taken (a dead owner's expired lease is
+        a takeover, counted), False when this node held it already (renewed). Raises
+        ``SessionBusy`` naming the owner if another node still holds it after ``wait_s``."""
+        k = self._keys(session)
+        deadline = time.monotonic() + wait_s
+        while True:
+            res = self._eval(k, "acquire", ACQUIRE, [k.lease, k.holder],
+                             [self.node_id, self.lease_ms, self.retention_ms])
+            st = _status(res)
+            if st != "BUSY":
+                self._leases.add(session)
+                if st == "TAKEOVER":
+                    self.stats_.add("lease_takeovers")
+                    log.warning("session %s: took over the lease of node %s", session, res[1].decode())
+                return st != "RENEWED"
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SessionBusy(session, res[1].decode(), int(res[2]))
+            time.sleep(min(left, 0.05, max(int(res[2]), 1) / 1000))
+
+    def renew(self, session: str) -> None:
+        """Extend this node's lease; ``LeaseLost`` if another node holds it now."""
+        k = self._keys(session)
+        res = self._eval(k, "renew", RENEW, [k.lease, k.holder], [self.node_id, self.lease_ms])
+        if _status(res) == "LOST":
+            self._leases.discard(session)
+            self.stats_.add("lease_lost")
+            raise LeaseLost(session, res[1].decode() or None)
+
+    def release(self, session: str) -> bool:
+        """Give the lease up (a clean hand-over: the next owner's acquire is no takeover)."""
+        k = self._keys(session)
+        self._leases.discard(session)
+        return bool(self._eval(k, "release", RELEASE, [k.lease, k.holder, k.files],
+                               [self.node_id, self.chunk_bytes, k.prefix]))
+
+    def _lease_refused(self, session: str, res: list[Any]) -> LeaseLost:
+        self._leases.discard(session)
+        self.stats_.add("lease_lost")
+        return LeaseLost(session, res[1].decode() or None)
+
+    # -- writes ------------------------------------------------------------------
+    def append(self, session: str, file: str, offset: int, data: bytes | bytearray | memoryview) -> int:
+        """Append ``data`` at ``offset`` == the stored size (a new file starts at 0); needs
+        the lease. Returns the new size. ``NotAppend`` (nothing changed) when the offset is
+        not the size. An append of more than 16 chunks is applied 16 chunks at a time, each
+        step atomic, like a short write."""
+        k = self._keys(session)
+        check_name(file, "file")
+        pos = _offset(offset, "offset")
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise BadRange(f"data must be bytes-like, not {type(data).__name__}")
+        if not len(data):
+            return pos
+        t0 = time.perf_counter()
+        pieces = split_append(pos, data, self.chunk_bytes)
+        added, last_len = 0, 0
+        for i in range(0, len(pieces), BATCH_CHUNKS):
+            batch = pieces[i:i + BATCH_CHUNKS]
+            end = pos + sum(len(p) - HEADER_SIZE for _, p in batch)
+            keys = [k.files, k.lease, *(k.chunk(file, n) for n, _ in batch)]
+            args = [self.node_id, file, pos, end, self.retention_ms, self.chunk_bytes, k.prefix,
+                    self.lease_ms, "A" if pos % self.chunk_bytes else "S", *(p for _, p in batch)]
+            res = self._eval(k, "append", APPEND, keys, args)
+            st = _status(res)
+            if st == "LEASE":
+                raise self._lease_refused(session, res)
+            if st == "SIZE":
+                raise NotAppend(session, file, pos, int(res[1]))
+            last_len = int(res[1])
+            added += sum(len(p) for _, p in batch)
+            pos = end
+            with self._lock:
+                self._written.setdefault(session, {})[file] = pos
+        self.stats_.add("appends")
+        self.stats_.add("bytes_in", len(data))
+        self.stats_.time("append", (time.perf_counter() - t0) * 1000)
+        self._note_write(session, added)
+        last = (pos - 1) // self.chunk_bytes
+        data_in_last = pos - last * self.chunk_bytes
+        pieces_in_last = (last_len - data_in_last) // HEADER_SIZE
+        if pieces_in_last > COMPACT_PIECES and pieces_in_last * HEADER_SIZE * 4 > data_in_last:
+            self._compact(k, file, last, pos)
+        return pos
+
+    def _compact(self, k: SessionKeys, file: str, n: int, size: int) -> None:
+        """Rewrite chunk ``n`` (the last) as one piece: many tiny appends cost a header each."""
+        start = n * self.chunk_bytes
+        data = self._chunk(k, file, n, size, None)
+        value = encode_piece(start, data)
+        keys = [k.files, k.lease, k.chunk(file, n)]
+        res = self._eval(k, "compact", REWRITE, keys,
+                         [self.node_id, file, size, size, value, self.retention_ms,
+                          self.chunk_bytes, k.prefix])
+        if _status(res) == "OK":
+            self.stats_.add("compactions")
+            self._note_write(k.session, -int(res[1]))
+
+    def truncate(self, session: str, file: str, size: int) -> None:
+        """Cut ``file`` to ``size`` bytes (<= its size; an agent retrying a turn). Needs the lease."""
+        self._rewrite(session, file, _offset(size, "size"))
+
+    def remove_file(self, session: str, file: str) -> None:
+        """Remove one file of the session. Needs the lease."""
+        self._rewrite(session, file, -1)
+
+    def _rewrite(self, session: str, file: str, size: int) -> None:
+        k = self._keys(session)
+        check_name(file, "file")
+        cur = self.size(session, file)
+        if size > cur:
+            raise BadRange(f"{session}/{file}: truncate to {size} beyond its size {cur}")
+        if size == cur:
+            return
+        keep = max(size, 0)
+        n, cut = divmod(keep, self.chunk_bytes)
+        value = b""
+        if cut:
+            value = encode_piece(n * self.chunk_bytes, self._chunk(k, file, n, cur, None)[:cut])
+        keys = [k.files, k.lease, *(k.chunk(file, c) for c in range(n, max(n + 1, chunks_of(cur, self.chunk_bytes))))]
+        res = self._eval(k, "truncate", REWRITE, keys,
+                         [self.node_id, file, cur, size, value, self.retention_ms,
+                          self.chunk_bytes, k.prefix])
+        st = _status(res)
+        if st == "LEASE":
+            raise self._lease_refused(session, res)
+        if st == "SIZE":
+            raise NotAppend(session, file, cur, int(res[1]))
+        with self._lock:
+            files = self._written.setdefault(session, {})
+            if size < 0:
+                files.pop(file, None)
+            else:
+                files[file] = size
+        self._note_write(session, -int(res[1]))
+
+    def put_meta(self, session: str, data: bytes) -> None:
+        """Store meta.json (replacing it). Write it after the files it describes: a session
+        becomes visible to readers (``has_session``) only once its meta is there."""
+        k = self._keys(session)
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise BadRange(f"meta must be bytes-like, not {type(data).__name__}")
+        value = encode_piece(0, data)
+        res = self._eval(k, "put_meta", PUT_META, [k.files, k.lease, k.meta],
+                         [self.node_id, value, self.retention_ms, self.chunk_bytes, k.prefix])
+        if _status(res) == "LEASE":
+            raise self._lease_refused(session, res)
+        with self._lock:
+            self._meta_head[session] = value[:HEADER_SIZE]
+        self.stats_.add("bytes_in", len(data))
+        self._note_write(session, int(res[1]))
+
+    def delete_session(self, session: str) -> bool:
+        """Remove the session from the cluster (never from any volume). Refused with
+        ``SessionBusy`` while another node holds its lease. True if anything was there."""
+        k = self._keys(session)
+        res = self._eval(k, "delete", DELETE, [k.files, k.lease, k.meta, k.holder, k.sync],
+                         [self.node_id, self.chunk_bytes, k.prefix, "delete"])
+        if _status(res) == "BUSY":
+            raise SessionBusy(session, res[1].decode(), int(res[2]))
+        self._leases.discard(session)
+        with self._lock:
+            self._written.pop(session, None)
+            self._meta_head.pop(session, None)
+        self._forget(session)
+        return int(res[1]) > 0
+
+    # -- reads -------------------------------------------------------------------
+    def has_session(self, session: str) -> bool:
+        k = self._keys(session)
+        return bool(self._get(k.meta, f"has_session {session}", lambda: self._c.rc.exists(k.meta)))
+
+    def get_meta(self, session: str) -> bytes | None:
+        """meta.json, checked; None if the cluster has no such session."""
+        k = self._keys(session)
+        for attempt in (0, 1):
+            value = self._get(k.meta, f"get_meta {session}", lambda: self._c.rc.get(k.meta))
+            if value is None:
+                self.stats_.add("misses")
+                return None
+            try:
+                data = decode_meta(value)
+            except ChunkError as e:
+                self.stats_.add("refetches" if attempt == 0 else "corrupt")
+                if attempt:
+                    raise SharedCorrupt(f"{session}/meta.json: {e}") from e
+                continue
+            self.stats_.add("hits")
+            self.stats_.add("bytes_out", len(data))
+            return data
+        raise AssertionError("unreachable")
+
+    def list_files(self, session: str) -> dict[str, int]:
+        """file -> size of every file of the session the cluster holds (meta.json aside)."""
+        k = self._keys(session)
+        raw = self._get(k.files, f"list_files {session}", lambda: self._c.rc.hgetall(k.files))
+        return {f.decode(): int(s) for f, s in raw.items()}
+
+    def size(self, session: str, file: str) -> int:
+        k = self._keys(session)
+        check_name(file, "file")
+        s = self._get(k.files, f"size {session}", lambda: self._c.rc.hget(k.files, file))
+        if s is None:
+            raise NotFoundShared(f"{session}/{file}: not in the shared tier")
+        return int(s)
+
+    def read(self, session: str, file: str, offset: int, length: int) -> bytes:
+        """Up to ``length`` bytes at ``offset`` (short at the end of the file, like pread).
+        Every chunk is checked; a bad one is fetched again once, then ``SharedCorrupt``.
+        ``NotFoundShared`` (a miss) if the cluster does not hold the file."""
+        k = self._keys(session)
+        check_name(file, "file")
+        off, length = _offset(offset, "offset"), _offset(length, "length")
+        t0 = time.perf_counter()
+        c = self.chunk_bytes
+        end = off + length
+        if length and (end - 1) // c - off // c >= BATCH_CHUNKS:
+            end = min(end, self.size(session, file))          # clamp a long read first
+        first, out = off // c, []
+        last = (end - 1) // c if end > off else first - 1
+        n, size = first, None
+        while True:
+            batch = list(range(n, min(last + 1, n + BATCH_CHUNKS)))
+            # one MULTI/EXEC: the size and the chunks as of one instant
+            cmds = [("HGET", k.files, file), *(("GET", k.chunk(file, i)) for i in batch)]
+            res = self._c.on_master(k.files, f"read {session}", cmds, transaction=True)
+            if res[0] is None:
+                self.stats_.add("misses")
+                raise NotFoundShared(f"{session}/{file}: not in the shared tier")
+            size = int(res[0])
+            for i, value in zip(batch, res[1:], strict=False):
+                if i * c >= size:
+                    break
+                out.append(self._chunk(k, file, i, size, value))
+            n += len(batch)
+            if n > last or n * c >= size:
+                break
+        lo, n = off - first * c, max(0, min(end, size) - off)
+        whole = out[0] if len(out) == 1 else b"".join(out)
+        data = whole if lo == 0 and n == len(whole) else whole[lo:lo + n]
+        self.stats_.add("hits")
+        self.stats_.add("reads")
+        self.stats_.add("bytes_out", len(data))
+        self.stats_.time("read", (time.perf_counter() - t0) * 1000)
+        return data
+
+    def _chunk(self, k: SessionKeys, file: str, n: int, size: int, value: bytes | None) -> bytes:
+        """The checked bytes of chunk ``n`` of a file of ``size`` bytes (``value`` as read,
+        or None to fetch it). A chunk that fails is fetched once more, then reported."""
+        c = self.chunk_bytes
+        want = min(c, size - n * c)
+        key = k.chunk(file, n)
+        for attempt in (0, 1):
+            if value is None or attempt:
+                value = self._get(key, f"read {k.session}", lambda: self._c.rc.get(key))
+            try:
+                if value is None:
+                    raise ChunkError("chunk missing")
+                data, _ = decode_pieces(value, n * c)
+                if len(data) < want:
+                    raise ChunkError(f"{len(data)} bytes where {want} were expected")
+                return data if len(data) == want else data[:want]
+            except ChunkError as e:
+                self.stats_.add("refetches" if attempt == 0 else "corrupt")
+                if attempt:
+                    log.error("%s/%s chunk %d corrupt: %s", k.session, file, n, e)
+                    raise SharedCorrupt(f"{k.session}/{file}: chunk {n} (bytes {n * c}.."
+                                        f"{n * c + want}) is corrupt: {e}") from e
+        raise AssertionError("unreachable")
+
+    # -- durability --------------------------------------------------------------
+    def sync(self, session: str) -> None:
+        """Return once every byte this node appended to the session (and its meta) is held
+        by the shard's master and acknowledged by ``replicas_ack`` replica(s) when the shard
+        has any (``WAIT``). ``SharedLost`` if a failover lost acknowledged writes,
+        ``SharedUnavailable`` if the replicas do not acknowledge within ``timeout_s``."""
+        k = self._keys(session)
+        t0 = time.perf_counter()
+        wait_ms = max(1, int(self.timeout_s * 800))
+        cmds: list[tuple[Any, ...]] = [("EVAL", SYNC, 3, k.files, k.sync, k.meta,
+                                        self.node_id, self.retention_ms)]
+        if self.replicas_ack:
+            cmds.append(("WAIT", self.replicas_ack, wait_ms))
+        out = self._c.on_master(k.files, f"sync {session}", cmds, transaction=False)
+        (index, meta_head), acked = out[0], int(out[1]) if self.replicas_ack else 0
+        have = {f.decode(): int(s) for f, s in zip(index[::2], index[1::2], strict=True)}
+        with self._lock:
+            mine = dict(self._written.get(session, {}))
+            meta_crc = self._meta_head.get(session)
+        lost = {f: (want, have.get(f, 0)) for f, want in mine.items() if have.get(f, 0) < want}
+        if meta_crc is not None and meta_head != meta_crc:
+            lost["meta.json"] = (1, 0)
+        if lost:
+            with self._lock:   # reset: the caller re-appends from its copy at the new sizes
+                for f, (_, now) in lost.items():
+                    self._written.get(session, {})[f] = now
+                self._meta_head.pop(session, None)
+            raise SharedLost(session, lost)
+        if self.replicas_ack and acked < self.replicas_ack:
+            if self._c.replicas_of(k.files) > 0:
+                self.stats_.add("unavailable")
+                raise SharedUnavailable(f"sync {session}: {acked} of {self.replicas_ack} replica(s) "
+                                        f"acknowledged within {wait_ms} ms")
+            self.stats_.add("sync_unreplicated")   # a shard without replicas: master only
+        self.stats_.add("syncs")
+        self.stats_.time("sync", (time.perf_counter() - t0) * 1000)
+
+    # -- capacity ----------------------------------------------------------------
+    def _cap(self, script: str, args: list[Any]) -> int | None:
+        keys = [CAP_TAG + "lru", CAP_TAG + "bytes", CAP_TAG + "total"]
+        try:
+            return int(self._c.eval("capacity", script, keys, args))
+        except SharedUnavailable as e:     # bookkeeping only: the write itself succeeded
+            log.warning("capacity bookkeeping skipped: %s", e)
+            return None
+
+    def _note_write(self, session: str, delta: int) -> None:
+        if self.max_bytes is None:
+            return
+        total = self._cap(NOTE_WRITE, [session, delta, self.retention_ms])
+        if total is not None and total > self.max_bytes:
+            self._evict(total, protect=session)
+
+    def _forget(self, session: str) -> None:
+        if self.max_bytes is not None:
+            self._cap(FORGET, [session])
+
+    def _evict(self, total: int, protect: str) -> None:
+        """Drop least recently written sessions (none leased) until under ``max_bytes``."""
+        lru = CAP_TAG + "lru"
+        names = self._get(lru, "evict", lambda: self._c.rc.zrange(lru, 0, 31))
+        for raw in names:
+            s = raw.decode()
+            if s == protect or s in self._leases:
+                continue
+            k = SessionKeys(s)
+            res = self._eval(k, "evict", DELETE, [k.files, k.lease, k.meta, k.holder, k.sync],
+                             [self.node_id, self.chunk_bytes, k.prefix, "evict"])
+            if _status(res) != "OK":
+                continue
+            self.stats_.add("evicted_sessions")
+            log.info("shared tier over %d bytes: dropped session %s (least recently written)",
+                     self.max_bytes, s)
+            t = self._cap(FORGET, [s])
+            total = total if t is None else t
+            if total <= (self.max_bytes or 0):
+                return
+        log.warning("shared tier holds %d bytes over its bound of %d: every old session is leased",
+                    total, self.max_bytes)
+
+    # -- health and life cycle ---------------------------------------------------
+    def healthy(self) -> bool:
+        """True when every shard's master answers PING within ``timeout_s`` (the topology is
+        refreshed once after a failure); never raises. Clears the failed-shard marks."""
+        return self._c.healthy()
+
+    def stats(self) -> dict[str, float]:
+        out = self.stats_.snapshot()
+        out["lease_lost"] += self._leases.lost
+        out["unavailable"] += self._c.unavailable
+        out["leases_held"] = len(self._leases.held())
+        return out
+
+    def close(self) -> None:
+        """Stop renewing, hand held leases back (best effort), close the connections."""
+        self._leases.close()
+        for s in self._leases.held():
+            try:
+                self.release(s)
+            except SharedError as e:
+                log.debug("release of %s at close: %s", s, e)
+        self._c.close()
+
+    def __enter__(self) -> SharedTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,155 @@
+"""Shared-tier benchmark: reading 1 MiB chunks through ``SharedTier`` vs ``redis-benchmark``
+GETs of 1 MiB values against the same cluster (the engine's own figure, the ceiling).
+
+* ``redis-benchmark -c C -n N -d 1048576 -t set,get --cluster --csv``: its GET line
+  (the SET fills the keys GET reads); requests/s x 1 MiB = MiB/s.
+* ``SharedTier.read`` of one whole chunk, ``C`` threads sharing one tier (the way the mount's
+  worker threads would), ``N`` reads over sessions written beforehand; every chunk is
+  checksummed on the way back, so this is the price of the checks and of Python.
+
+Prints JSON with both figures and the ratio (shared / redis-benchmark). Starts its own local
+3 + 3 cluster unless ``--urls`` is given; ``--footprint`` adds the measured cluster memory of
+agent-shaped sessions (docs/scale-out.md sizes the fleet from it).
+``python tools/bench_shared.py [-c 8] [-n 2000] [--footprint]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import logging
+import os
+import subprocess
+import threading
+import time
+
+from kvfs.shared import SharedTier
+from kvfs.shared.testing import REDIS_BENCHMARK, Cluster
+
+MIB = 1 << 20
+log = logging.getLogger("bench_shared")
+
+
+def redis_benchmark_get(urls: str, clients: int, requests: int) -> float:
+    """MiB/s of ``redis-benchmark``'s GET of 1 MiB values (cluster mode, then one node)."""
+    if REDIS_BENCHMARK is None:
+        raise SystemExit("redis-benchmark not found (apt-get install redis-tools)")
+    host, port = urls.removeprefix("redis://").split(",")[0].rsplit(":", 1)
+    base = [REDIS_BENCHMARK, "-h", host, "-p", port, "-c", str(clients), "-n", str(requests),
+            "-d", str(MIB), "-t", "set,get", "--csv"]
+    r = subprocess.run([*base, "--cluster"], capture_output=True, text=True, timeout=600)
+    if r.returncode != 0 or "GET" not in r.stdout:       # an old redis-benchmark: one node
+        log.warning("redis-benchmark --cluster failed (%s); measuring one node", r.stderr.strip()[-200:])
+        r = subprocess.run(base, capture_output=True, text=True, timeout=600, check=True)
+    for row in csv.reader(io.StringIO(r.stdout)):
+        if row and row[0] == "GET":
+            return float(row[1])          # requests/s of 1 MiB values = MiB/s
+    raise RuntimeError(f"no GET line in redis-benchmark's output:\n{r.stdout}")
+
+
+def shared_read(urls: str, clients: int, requests: int, sessions: int = 8,
+                chunks: int = 16) -> dict[str, float]:
+    with SharedTier(urls, node_id="bench", chunk_bytes=MIB, timeout_s=5.0) as t:
+        t0 = time.perf_counter()
+        for i in range(sessions):
+            s = f"bench-{i}"
+            t.acquire(s)
+            if t.list_files(s).get("layer_0") != chunks * MIB:
+                t.delete_session(s)
+                t.acquire(s)
+                t.append(s, "layer_0", 0, os.urandom(chunks * MIB))
+            t.sync(s)
+        write_s = time.perf_counter() - t0
+        per = requests // clients
+
+        def reader(k: int) -> None:
+            for j in range(per):
+                n = (k * per + j) % (sessions * chunks)
+                data = t.read(f"bench-{n % sessions}", "layer_0", (n // sessions) * MIB, MIB)
+                assert len(data) == MIB
+
+        ths = [threading.Thread(target=reader, args=(k,)) for k in range(clients)]
+        t0 = time.perf_counter()
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join()
+        elapsed = time.perf_counter() - t0
+        st = t.stats()
+        for i in range(sessions):
+            t.delete_session(f"bench-{i}")
+    return {"read_mib_s": per * clients / elapsed, "read_ms_p50": st["read_ms_p50"],
+            "read_ms_p99": st["read_ms_p99"],
+            "write_synced_mib_s": sessions * chunks / write_s}
+
+
+def session_footprint(cluster: Cluster, sessions: int = 50, layers: int = 30, rounds: int = 13,
+                      tokens: int = 8, layer_token_bytes: int = 768) -> dict[str, float]:
+    """Cluster memory of sessions shaped like an agent's (``rounds`` appends of ``tokens``
+    tokens to each of ``layers`` layer files, meta.json after each round), written and then
+    released: ``MEMORY USAGE`` summed over every key on the masters, per session, while
+    leased and after release (the last partial chunk of each file trimmed)."""
+    with SharedTier(cluster.urls, node_id="footprint", timeout_s=5.0, auto_renew=False) as t:
+        for i in range(sessions):
+            s, piece = f"fp-{i}", tokens * layer_token_bytes
+            t.acquire(s)
+            for r in range(rounds):
+                for layer in range(layers):
+                    t.append(s, f"layer_{layer}", r * piece, os.urandom(piece))
+                t.put_meta(s, b'{"format": 1, "tokens": %d}' % ((r + 1) * tokens) + b" " * 200)
+
+        def usage() -> int:
+            total = 0
+            for i in range(sessions):
+                r = cluster.client(cluster.master_of_key(f"kvfs:{{fp-{i}}}:files"))
+                total += sum(r.memory_usage(k, samples=0) for k in r.scan_iter(f"kvfs:{{fp-{i}}}:*"))
+            return total
+
+        raw = layers * rounds * tokens * layer_token_bytes
+        leased = usage() / sessions
+        for i in range(sessions):
+            t.release(f"fp-{i}")
+        released = usage() / sessions
+        for i in range(sessions):
+            t.delete_session(f"fp-{i}")
+    return {"session_raw_bytes": raw, "session_bytes_leased": round(leased),
+            "session_bytes_released": round(released),
+            "overhead_released": round(released / raw, 3), "overhead_leased": round(leased / raw, 3)}
+
+
+def run(urls: str, clients: int, requests: int) -> dict:
+    ours = shared_read(urls, clients, requests)
+    theirs = redis_benchmark_get(urls, clients, requests)
+    return {"clients": clients, "requests": requests, "value_bytes": MIB,
+            "redis_benchmark_get_mib_s": round(theirs, 1),
+            "shared_read_mib_s": round(ours["read_mib_s"], 1),
+            "ratio": round(ours["read_mib_s"] / theirs, 3),
+            "shared_read_ms_p50": round(ours["read_ms_p50"], 2),
+            "shared_read_ms_p99": round(ours["read_ms_p99"], 2),
+            "shared_write_synced_mib_s": round(ours["write_synced_mib_s"], 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--urls", help="an existing cluster (default: start a local 3 + 3 one)")
+    ap.add_argument("-c", "--clients", type=int, default=8)
+    ap.add_argument("-n", "--requests", type=int, default=2000)
+    ap.add_argument("--footprint", action="store_true",
+                    help="also measure the cluster memory of 50 agent-shaped sessions (SmolLM2-135M: "
+                         "30 layers x 768 bytes per token, 13 rounds of 8 tokens)")
+    a = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if a.urls:
+        out = run(a.urls, a.clients, a.requests)
+    else:
+        with Cluster(masters=3, replicas=1) as c:
+            out = run(c.urls, a.clients, a.requests)
+            if a.footprint:
+                out["footprint"] = session_footprint(c)
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
