@@ -9,7 +9,7 @@ import pytest
 
 from kvfs.engine.errors import Corrupt, NotFound
 from kvfs.engine.faults import FaultyVolume, PowerCut
-from kvfs.engine.format import HDR_SIZE, SB_SLOT
+from kvfs.engine.format import BLOCK, BLOCK_ENTRY, HDR_SIZE, SB_SLOT
 from kvfs.engine.ring import ScanReport
 from kvfs.engine.store import Store
 from kvfs.engine.types import StoreConfig
@@ -22,25 +22,26 @@ def snapshot(store: Store) -> dict[str, dict[str, bytes]]:
             for n in store.list_sessions()}
 
 
-def test_torn_last_entry_at_every_byte(tmp_path):
+def _torn_last_entry(tmp_path, size: int, cuts, vol_size: int = 4 * MB) -> None:  # noqa: ANN001
     path = str(tmp_path / "v.kvvol")
-    s = Store.create(path, 4 * MB, StoreConfig(compression="none"), volume=FaultyVolume)
+    s = Store.create(path, vol_size, StoreConfig(compression="none"), volume=FaultyVolume)
     s.create_session("s")
     s.create_file("s", "layer_0")
     s.append("s", "layer_0", 0, b"a" * 3000)
     s.sync()
     before = snapshot(s)
-    payload = os.urandom(1000)
+    payload = os.urandom(size)
     s.append("s", "layer_0", 3000, payload)
     s.flush()
     vol = s.vol
     assert isinstance(vol, FaultyVolume) and vol.unsynced() == 1
     off, pre, data = vol.journal[0]
     s.crash()
+    nblocks = -(-size // BLOCK)
+    complete = HDR_SIZE + nblocks * BLOCK_ENTRY.size + len(payload)
     fd = os.open(path, os.O_RDWR)
     try:
-        complete = HDR_SIZE + len(payload)
-        for cut in range(len(data) + 1):
+        for cut in cuts(len(data), nblocks):
             os.pwrite(fd, pre, off)
             os.pwrite(fd, data[:cut], off)
             r = Store.open(path, readonly=True)
@@ -65,6 +66,20 @@ def test_torn_last_entry_at_every_byte(tmp_path):
     s = Store.open(path)
     assert s.read("s", "layer_0", 0, 10**9) == b"a" * 3000 + b"b" * 10
     s.close()
+
+
+def test_torn_last_entry_at_every_byte(tmp_path):
+    _torn_last_entry(tmp_path, 1000, lambda n, _: range(n + 1))
+
+
+def test_torn_entry_of_several_blocks(tmp_path):
+    """Cut inside the header, inside the block table, and inside each block: never the
+    torn entry's bytes, never a read error; the whole entry once it is all there."""
+    def cuts(n: int, nblocks: int) -> list[int]:
+        table_end = HDR_SIZE + nblocks * BLOCK_ENTRY.size
+        return sorted({*range(table_end + 2), *range(table_end, n + 1, 997), n - 1, n})
+
+    _torn_last_entry(tmp_path, 3 * BLOCK + 777, cuts, 32 * MB)  # one entry of 4 blocks
 
 
 def test_failpoint_before_superblock_write(tmp_path):

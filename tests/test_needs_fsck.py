@@ -88,8 +88,8 @@ def test_superblock_decoding_tells_magic_version_and_checksum_apart(vol: str) ->
         with pytest.raises(BadSuperblock) as e:
             Superblock.unpack(bad)
         assert e.value.kind == kind
-    with pytest.raises(BadSuperblock, match="created by a newer kvfs \\(version 2\\)"):
-        Superblock.unpack(with_version(raw, 2))
+    with pytest.raises(BadSuperblock, match=f"created by a newer kvfs \\(version {VERSION + 1}\\)"):
+        Superblock.unpack(with_version(raw, VERSION + 1))
     with pytest.raises(BadSuperblock, match="unsupported version 0") as e:
         Superblock.unpack(with_version(raw, 0))
     assert e.value.kind == "version" and e.value.version == 0
@@ -107,6 +107,21 @@ def test_newer_version_volume_is_named_as_such(vol: str) -> None:
     assert "corrupt" not in str(e.value)
     res = check_volume(vol)
     assert res.status == UNUSABLE and "newer kvfs" in res.problems[0]
+
+
+def test_version_1_volume_is_refused_with_what_to_do(vol: str) -> None:
+    """Version 1 stored data entries without blocks: refused, never misread."""
+    for slot in (0, 1):
+        rewrite_slot(vol, slot, with_version(raw_slot(vol, slot), 1))
+    for opener in (lambda: Store.open(vol), lambda: Store.open(vol, readonly=True)):
+        with pytest.raises(FormatError) as e:
+            opener()
+        msg = str(e.value)
+        assert f"created by an older kvfs (version 1); this kvfs reads version {VERSION}" in msg
+        assert "copy the sessions out" in msg and "corrupt" not in msg
+    res = check_volume(vol, repair=True)
+    assert res.status == UNUSABLE and "older kvfs (version 1)" in res.problems[0]
+    assert raw_slot(vol, 0)[8:12] == struct.pack("<I", 1)  # nothing written
 
 
 def test_both_checksums_bad_says_corrupt_and_names_fsck(vol: str) -> None:
@@ -182,7 +197,7 @@ def test_unexpected_exception_in_an_operation_marks_the_volume(vol: str, monkeyp
     def broken(self, raw):  # noqa: ANN001, ANN202
         raise RuntimeError("bug in the codec")
 
-    monkeypatch.setattr(codec.Codec, "encode", broken)
+    monkeypatch.setattr(codec.Codec, "compress", broken)
     with pytest.raises(RuntimeError):
         s.append("s", "f", 5000, b"y" * 4096)
     assert newest_flags(vol) & SB_NEEDS_FSCK  # written at once: the process may die next

@@ -1,8 +1,9 @@
 """kvfs.engine: the storage engine of the cold tier.
 
 Owns one preallocated volume (``volume``: superblocks and the file lock), the ring of
-checksummed entries (``ring``, ``format``, ``codec``), the session records and index
-(``records``, ``index``, ``btree``), recovery and reclaim, the needs-fsck mark
+checksummed entries (``ring``, ``format``; data entries hold independently checked and
+compressed blocks: ``blocks``, ``codec``), the session records and index (``records``,
+``index``, ``btree``, ``btree_page``), recovery and reclaim, the needs-fsck mark
 (``failsafe``), the consistency checker (``fsck``) and fault injection for tests
 (``faults``). ``store.Store`` is the API; what it depends on is passed in (the volume
 class, an ``Observer`` for latencies and errors), never patched.

@@ -1,7 +1,7 @@
 """On-disk copy-on-write B+ tree: the engine's periodic index checkpoint (sorted bytes -> bytes).
 
-Owns the pages of one fixed region of the volume file: their format, append-only allocation
-inside the active half, compaction into the other half, a small LRU of decoded pages, and
+Owns the pages of one fixed region of the volume file (their format is in ``btree_page``):
+append-only allocation inside the active half, compaction into the other half, a small LRU of decoded pages, and
 fsck-style verification (``BTree.check``). Reads and writes go through the volume object
 (``pread(n, off)`` / ``pwrite(data, off)``), the same one the ring uses, so fault injection
 sees tree pages too. Never fsyncs, never touches the superblock, never opens or closes the
@@ -23,109 +23,40 @@ from __future__ import annotations
 import bisect
 import heapq
 import logging
-import struct
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from operator import itemgetter
-from typing import Protocol
 
-import crc32c
+from kvfs.engine.btree_page import (
+    CHILD,
+    HDR,
+    LEAF_ENT,
+    MAX_KEY,
+    MAX_PAGE_SIZE,
+    MAX_VALUE,
+    MIN_PAGE_SIZE,
+    TREE_ROOT_SIZE,
+    Node,
+    PageCorrupt,
+    PageIO,
+    TreeFull,
+    TreeRoot,
+    decode_page,
+    encode_page,
+)
 
-from kvfs.engine.errors import Corrupt, KVFSError
+__all__ = ["TREE_ROOT_SIZE", "BTree", "PageCorrupt", "PageIO", "TreeFull", "TreeRoot"]
 
 log = logging.getLogger(__name__)
-
-MAGIC = b"KVB1"
-LEAF, BRANCH = 1, 2
-MAX_KEY = 64
-MAX_VALUE = 1024
-MIN_PAGE_SIZE = 256
-MAX_PAGE_SIZE = 65536  # entry lengths and nkeys are u16
 COMPACT_CHUNK = 256  # pages per pwrite while compacting, to bound memory
-
-_HDR = struct.Struct("<4sBBHIQI")  # magic, kind, level, nkeys, self page, generation, crc
-_CRC = struct.Struct("<I")
-_CRC_OFF = struct.calcsize("<4sBBHIQ")
-_LEAF_ENT = struct.Struct("<BH")  # key length, value length; key and value follow
-_KLEN = struct.Struct("<B")
-_CHILD = struct.Struct("<I")
-_ROOT = struct.Struct("<qIbbxxQQQ")  # root, height, half, prev_half, count, alloc, generation
-assert _HDR.size == 24 and _CRC_OFF == 20
-assert _LEAF_ENT.size == 3 and _KLEN.size == 1 and _CHILD.size == 4
-assert _ROOT.size == 40
-TREE_ROOT_SIZE = _ROOT.size
 _key0 = itemgetter(0)
-
-
-class PageIO(Protocol):
-    """What the tree needs of a volume (``kvfs.engine.volume.VolumeFile`` is one)."""
-
-    def pread(self, n: int, off: int) -> bytes: ...
-
-    def pwrite(self, data: bytes | memoryview, off: int) -> None: ...
-
-
-class TreeFull(KVFSError):
-    """A commit cannot fit in the region; the tree stays at its old root.
-
-    Right after a compaction the other half still holds the previous root, so a commit too big
-    for what is left of the new half fails until a smaller commit lands: split the batch.
-    """
-
-
-class PageCorrupt(Corrupt):
-    """A page fails its checksum or structure check."""
 
 
 class _NoRoom(Exception):
     """Internal: the copy-on-write pages do not fit the active half; compact instead."""
 
-
-@dataclass(frozen=True)
-class TreeRoot:
-    root: int
-    height: int
-    count: int
-    half: int
-    alloc: int
-    prev_half: int
-    generation: int
-
-    def pack(self) -> bytes:
-        return _ROOT.pack(self.root, self.height, self.half, self.prev_half,
-                          self.count, self.alloc, self.generation)
-
-    @classmethod
-    def unpack(cls, b: bytes) -> TreeRoot:
-        """Parse a packed root; trailing bytes (the superblock's zero padding) are ignored."""
-        if len(b) < _ROOT.size:
-            raise Corrupt(f"tree root: {len(b)} bytes, need {_ROOT.size}")
-        root, height, half, prev, count, alloc, gen = _ROOT.unpack_from(b)
-        r = cls(root, height, count, half, alloc, prev, gen)
-        if (half not in (0, 1) or prev not in (-1, 0, 1) or root < -1 or height > 64
-                or (root == -1) != (height == 0) or (root == -1 and count)
-                or (root >= 0 and root >= alloc)):
-            raise Corrupt(f"tree root inconsistent: {r}")
-        return r
-
-    @classmethod
-    def empty(cls) -> TreeRoot:
-        return cls(root=-1, height=0, count=0, half=0, alloc=0, prev_half=-1, generation=0)
-
-
-class _Node:
-    """A decoded page. Leaf: keys + vals. Branch: keys (separators) + kids (page numbers)."""
-
-    __slots__ = ("level", "keys", "vals", "kids", "gen")
-
-    def __init__(self, level: int, keys: list[bytes], vals: list[bytes] | None = None,
-                 kids: list[int] | None = None, gen: int = 0) -> None:
-        self.level, self.keys, self.vals, self.kids, self.gen = level, keys, vals, kids, gen
-
-
 # A node's place in its parent while a commit rebuilds it: (lower bound or None, page or node).
-_Item = tuple[bytes | None, "int | _Node"]
+_Item = tuple[bytes | None, "int | Node"]
 
 
 def _ranges(sizes: list[int], cap: int) -> list[tuple[int, int]]:
@@ -143,7 +74,7 @@ def _ranges(sizes: list[int], cap: int) -> list[tuple[int, int]]:
 
 
 def _entry_size(k: bytes, v: bytes) -> int:
-    return _LEAF_ENT.size + len(k) + len(v)
+    return LEAF_ENT.size + len(k) + len(v)
 
 
 class _Writer:
@@ -153,10 +84,10 @@ class _Writer:
         self.tree, self.half, self.gen, self.chunk = tree, half, gen, chunk
         self.start = self.next = start  # first page not yet written / next page to hand out
         self.pages: list[bytes] = []
-        self.nodes: dict[int, _Node] = {}  # kept for the cache when not streaming
+        self.nodes: dict[int, Node] = {}  # kept for the cache when not streaming
         self.delta = 0  # change in key count
 
-    def alloc(self, node: _Node) -> int:
+    def alloc(self, node: Node) -> int:
         t = self.tree
         if self.next >= t.half_pages:
             raise _NoRoom
@@ -190,82 +121,23 @@ class BTree:
         self.vol, self.region_offset, self.page_size = vol, region_offset, page_size
         self.half_pages = region_pages // 2
         self.root = root
-        self._room = page_size - _HDR.size  # body bytes per page
+        self._room = page_size - HDR.size  # body bytes per page
         # one leaf entry must fit a page; small test pages cap the value size below 1024
-        self.max_value = min(MAX_VALUE, self._room - _LEAF_ENT.size - MAX_KEY)
-        self._cache: OrderedDict[tuple[int, int], _Node] = OrderedDict()
+        self.max_value = min(MAX_VALUE, self._room - LEAF_ENT.size - MAX_KEY)
+        self._cache: OrderedDict[tuple[int, int], Node] = OrderedDict()
         self._cache_pages = max(1, cache_pages)
         self._epoch = [0, 0]  # bumped when a half is overwritten by compaction
         self.page_reads = 0  # nothing is read until the first lookup
 
     # ---- pages ----
 
-    def _encode(self, node: _Node, abs_page: int, gen: int) -> bytes:
-        if node.level == 0:
-            parts = []
-            for k, v in zip(node.keys, node.vals, strict=True):
-                parts += (_LEAF_ENT.pack(len(k), len(v)), k, v)
-        else:
-            parts = [_CHILD.pack(node.kids[0])]
-            for k, c in zip(node.keys, node.kids[1:], strict=True):
-                parts += (_KLEN.pack(len(k)), k, _CHILD.pack(c))
-        body = b"".join(parts)
-        assert len(body) <= self._room, "node packed over a page"
-        buf = bytearray(self.page_size)
-        _HDR.pack_into(buf, 0, MAGIC, BRANCH if node.level else LEAF, node.level,
-                       len(node.keys), abs_page, gen, 0)
-        buf[_HDR.size:_HDR.size + len(body)] = body
-        _CRC.pack_into(buf, _CRC_OFF, crc32c.crc32c(buf))
-        return bytes(buf)
+    def _encode(self, node: Node, abs_page: int, gen: int) -> bytes:
+        return encode_page(node, abs_page, gen, self.page_size)
 
-    def _decode(self, buf: bytes, abs_page: int) -> _Node:
-        where = f"tree page {abs_page}"
-        if len(buf) != self.page_size:
-            raise PageCorrupt(f"{where}: short read ({len(buf)} bytes)")
-        magic, kind, level, n, self_no, gen, crc = _HDR.unpack_from(buf)
-        if magic != MAGIC:
-            raise PageCorrupt(f"{where}: bad magic {magic!r}")
-        if crc32c.crc32c(buf[:_CRC_OFF] + b"\0\0\0\0" + buf[_HDR.size:]) != crc:
-            raise PageCorrupt(f"{where}: checksum mismatch")
-        if kind not in (LEAF, BRANCH) or (kind == LEAF) != (level == 0) or self_no != abs_page:
-            raise PageCorrupt(f"{where}: bad header kind={kind} level={level} self={self_no}")
-        try:
-            return self._parse(buf, level, n, gen)
-        except (struct.error, IndexError, ValueError) as e:  # checksummed garbage: still no
-            raise PageCorrupt(f"{where}: {e}") from e
+    def _decode(self, buf: bytes, abs_page: int) -> Node:
+        return decode_page(buf, abs_page, self.page_size, self.half_pages)
 
-    def _parse(self, buf: bytes, level: int, n: int, gen: int) -> _Node:
-        keys: list[bytes] = []
-        off, end = _HDR.size, self.page_size
-        if level == 0:
-            vals: list[bytes] = []
-            for _ in range(n):
-                klen, vlen = _LEAF_ENT.unpack_from(buf, off)
-                off += _LEAF_ENT.size
-                if not 1 <= klen <= MAX_KEY or off + klen + vlen > end:
-                    raise ValueError(f"entry {len(keys)} out of bounds")
-                keys.append(buf[off:off + klen])
-                vals.append(buf[off + klen:off + klen + vlen])
-                off += klen + vlen
-            node = _Node(0, keys, vals=vals, gen=gen)
-        else:
-            kids = [_CHILD.unpack_from(buf, off)[0]]
-            off += _CHILD.size
-            for _ in range(n):
-                klen = buf[off]
-                if not 1 <= klen <= MAX_KEY or off + 1 + klen + _CHILD.size > end:
-                    raise ValueError(f"separator {len(keys)} out of bounds")
-                keys.append(buf[off + 1:off + 1 + klen])
-                kids.append(_CHILD.unpack_from(buf, off + 1 + klen)[0])
-                off += 1 + klen + _CHILD.size
-            if max(kids) >= self.half_pages:
-                raise ValueError("child pointer outside the half")
-            node = _Node(level, keys, kids=kids, gen=gen)
-        if any(a >= b for a, b in zip(keys, keys[1:], strict=False)):
-            raise ValueError("keys out of order")
-        return node
-
-    def _read(self, r: TreeRoot, page: int, level: int, cached: bool = True) -> _Node:
+    def _read(self, r: TreeRoot, page: int, level: int, cached: bool = True) -> Node:
         """Page ``page`` of root ``r``'s half, which must be a node at ``level``."""
         ck = (r.half, page)
         node = self._cache.get(ck) if cached else None
@@ -284,7 +156,7 @@ class BTree:
             raise PageCorrupt(f"tree page {page}: level {node.level}, expected {level}")
         return node
 
-    def _cache_put(self, ck: tuple[int, int], node: _Node) -> None:
+    def _cache_put(self, ck: tuple[int, int], node: Node) -> None:
         self._cache[ck] = node
         self._cache.move_to_end(ck)
         while len(self._cache) > self._cache_pages:
@@ -366,7 +238,7 @@ class BTree:
     def _cow(self, items: list, w: _Writer) -> TreeRoot | None:
         old = self.root
         if old.root < 0:
-            res = self._apply_leaf(_Node(0, [], vals=[]), items, w)
+            res = self._apply_leaf(Node(0, [], vals=[]), items, w)
             level = 0
         else:
             top = self._read(old, old.root, old.height - 1)
@@ -392,7 +264,7 @@ class BTree:
     def _prev(old: TreeRoot) -> int:
         return old.half if old.root >= 0 else -1  # an empty root has no pages to protect
 
-    def _apply(self, node: _Node, items: list, lo: int, hi: int, w: _Writer
+    def _apply(self, node: Node, items: list, lo: int, hi: int, w: _Writer
                ) -> list[_Item] | None:
         """Apply items[lo:hi] under ``node``: its replacement nodes, or None if unchanged."""
         if node.level == 0:
@@ -420,7 +292,7 @@ class BTree:
         return self._pack_branch(
             [(lw, ref if isinstance(ref, int) else w.alloc(ref)) for lw, ref in lst], node.level)
 
-    def _apply_leaf(self, node: _Node, items: list, w: _Writer) -> list[_Item] | None:
+    def _apply_leaf(self, node: Node, items: list, w: _Writer) -> list[_Item] | None:
         ok, ov = node.keys, node.vals
         keys: list[bytes] = []
         vals: list[bytes] = []
@@ -448,25 +320,25 @@ class BTree:
         sizes = list(map(_entry_size, keys, vals))
         if not sizes:
             return []
-        return [(keys[s] if s else None, _Node(0, keys[s:e], vals=vals[s:e]))
+        return [(keys[s] if s else None, Node(0, keys[s:e], vals=vals[s:e]))
                 for s, e in _ranges(sizes, self._room)]
 
     def _pack_branch(self, pairs: list[tuple[bytes | None, int]], level: int) -> list[_Item]:
         # a node's first child is costed like the rest (klen, key, child): a small overestimate
-        sizes = [1 + len(lw or b"") + _CHILD.size for lw, _ in pairs]
+        sizes = [1 + len(lw or b"") + CHILD.size for lw, _ in pairs]
         if not sizes:
             return []
         return [(pairs[s][0] if s else None,
-                 _Node(level, [lw for lw, _ in pairs[s + 1:e]], kids=[p for _, p in pairs[s:e]]))
+                 Node(level, [lw for lw, _ in pairs[s + 1:e]], kids=[p for _, p in pairs[s:e]]))
                 for s, e in _ranges(sizes, self._room)]
 
-    def _underfull(self, node: _Node) -> bool:
+    def _underfull(self, node: Node) -> bool:
         if node.level == 0:
             size = sum(map(_entry_size, node.keys, node.vals))
         elif not node.keys:
             return True  # a branch with one child is a wasted level
         else:
-            size = _CHILD.size + sum(1 + len(k) + _CHILD.size for k in node.keys)
+            size = CHILD.size + sum(1 + len(k) + CHILD.size for k in node.keys)
         return size < self._room // 4
 
     def _rebalance(self, lst: list[_Item], level: int) -> None:
@@ -479,8 +351,8 @@ class BTree:
                 continue
             a = i if i + 1 < len(lst) else i - 1
             (low_a, ra), (low_b, rb) = lst[a], lst[a + 1]
-            na = ra if isinstance(ra, _Node) else self._read(self.root, ra, level)
-            nb = rb if isinstance(rb, _Node) else self._read(self.root, rb, level)
+            na = ra if isinstance(ra, Node) else self._read(self.root, ra, level)
+            nb = rb if isinstance(rb, Node) else self._read(self.root, rb, level)
             if level == 0:
                 merged = self._pack_leaf(na.keys + nb.keys, na.vals + nb.vals)
             else:

@@ -1,18 +1,27 @@
-"""Payload codec: zstd when it pays, with a byte-plane filter for 16-bit floats.
+"""Block codec: zstd when it pays, with a byte-plane filter for 16-bit floats.
 
-fp16/bf16 KV compresses badly as is (1.09x / 1.29x with zstd -1) because the low byte of
+fp16/bf16 KV compresses badly as is (1.09x / 1.28x with zstd -1) because the low byte of
 each value is noise. Splitting the high bytes into their own plane and compressing only
-that plane gives 1.18x / 1.46x at twice the speed; the low plane is stored raw.
+that plane gives 1.18x / 1.47x (32 KiB blocks) at twice the speed; the low plane is stored
+raw. zstd runs with level 1's parameters for large inputs: for a 16 KiB plane the
+small-input ones give bf16 only 1.43x, and are slower.
+
+``auto`` keeps a block raw unless it shrinks by ``min_ratio`` (1.25 by default): fp16's
+1.18x saves too little to pay for compressing every write and decoding every read, bf16's
+1.47x pays. Misses back off exponentially, so an fp16 stream tries one block in 64.
 
 Stored layout with F_PLANES: u32 length of the compressed high plane, the compressed high
 plane, then the raw low plane. With F_ZSTD alone: one zstd frame. Neither: raw bytes.
-Never imports torch; never touches the volume.
+``compress`` and ``decode`` are pure and thread-safe (the writer compresses blocks on a
+pool); ``Codec`` holds the back-off state of one writer. Never imports torch; never touches
+the volume.
 """
 
 from __future__ import annotations
 
 import struct
 import threading
+from collections import OrderedDict
 
 import numpy as np
 import zstandard
@@ -30,7 +39,9 @@ def _cctx(level: int) -> zstandard.ZstdCompressor:
     if c is None:
         # The frame checksum makes a damaged frame fail to decode rather than decode to
         # other bytes of the right length (the entry CRC is checked first; this is depth).
-        c = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=True)
+        params = zstandard.ZstdCompressionParameters.from_level(
+            level, source_size=1 << 20, write_content_size=1, write_checksum=1)
+        c = zstandard.ZstdCompressor(compression_params=params)
         setattr(_local, key, c)
     return c
 
@@ -43,39 +54,71 @@ def _dctx() -> zstandard.ZstdDecompressor:
 
 
 class Codec:
-    """Chooses, per payload, raw / zstd / planes+zstd. ``auto`` backs off after misses."""
+    """Chooses, per block, raw / zstd / planes+zstd. ``auto`` backs off after misses, per
+    stream (``key``: one file), so an fp16 file does not stop a bf16 one compressing.
 
-    def __init__(self, mode: str = "auto", level: int = 1, min_ratio: float = 1.03,
+    One writer's state: ``plan`` (try this block?) and ``result`` (did it pay?) are called
+    in block order by that writer; ``compress`` may run on any thread in between."""
+
+    STREAMS = 1024  # back-off states kept (LRU): one per recently written file
+
+    def __init__(self, mode: str = "auto", level: int = 1, min_ratio: float = 1.25,
                  planes: bool = True) -> None:
         if mode not in ("auto", "zstd", "none"):
             raise ValueError(f"compression must be auto, zstd or none, not {mode!r}")
         self.mode, self.level, self.min_ratio, self.planes = mode, level, min_ratio, planes
-        self._skip = 0  # auto: payloads left to store raw before trying again
-        self._misses = 0
+        self._state: OrderedDict[object, list[int]] = OrderedDict()  # key -> [skip, misses]
 
-    def encode(self, raw: bytes | memoryview) -> tuple[int, bytes | memoryview]:
-        """(flags, stored bytes) for ``raw``."""
-        n = len(raw)
-        if self.mode == "none" or n < MIN_COMPRESS:
-            return 0, raw
-        if self.mode == "auto" and self._skip:
-            self._skip -= 1
-            return 0, raw
-        if self.planes and n % 2 == 0:
-            flags, out = F_PLANES | F_ZSTD, _encode_planes(raw, self._cctx())
+    def _get(self, key: object) -> list[int]:
+        st = self._state.get(key)
+        if st is None:
+            st = self._state[key] = [0, 0]
+            if len(self._state) > self.STREAMS:
+                self._state.popitem(last=False)
         else:
-            flags, out = F_ZSTD, self._cctx().compress(raw)
-        if len(out) * self.min_ratio <= n:
-            self._misses = 0
+            self._state.move_to_end(key)
+        return st
+
+    def plan(self, n: int, key: object = None) -> bool:
+        """Whether to try compressing the next block of stream ``key``, of ``n`` bytes."""
+        if self.mode == "none" or n < MIN_COMPRESS:
+            return False
+        st = self._get(key)
+        if self.mode == "auto" and st[0]:
+            st[0] -= 1
+            return False
+        return True
+
+    def compress(self, raw: bytes | memoryview) -> tuple[int, bytes | memoryview]:
+        """(flags, stored) for one block: compressed if that saves ``min_ratio``, else raw.
+        Thread-safe."""
+        n = len(raw)
+        if self.planes and n % 2 == 0:
+            flags, out = F_PLANES | F_ZSTD, _encode_planes(raw, _cctx(self.level))
+        else:
+            flags, out = F_ZSTD, _cctx(self.level).compress(raw)
+        if len(out) < n and len(out) * self.min_ratio <= n:
             return flags, out
-        # Incompressible (already compressed, random, fp32 noise): back off exponentially so
-        # a stream of such writes costs one trial in many, not one per write.
-        self._misses = min(self._misses + 1, 6)
-        self._skip = (1 << self._misses) - 1
         return 0, raw
 
-    def _cctx(self) -> zstandard.ZstdCompressor:
-        return _cctx(self.level)
+    def result(self, tried: bool, flags: int, key: object = None) -> None:
+        """Record whether a tried block paid. Incompressible data (already compressed,
+        random, fp16 under ``auto``) backs off exponentially: one trial in many blocks."""
+        if not tried:
+            return
+        st = self._get(key)
+        if flags:
+            st[1] = 0
+            return
+        st[1] = min(st[1] + 1, 6)
+        st[0] = (1 << st[1]) - 1
+
+    def encode(self, raw: bytes | memoryview, key: object = None) -> tuple[int, bytes | memoryview]:
+        """(flags, stored bytes) for one block, on the caller's thread."""
+        tried = self.plan(len(raw), key)
+        flags, out = self.compress(raw) if tried else (0, raw)
+        self.result(tried, flags, key)
+        return flags, out
 
 
 def _encode_planes(raw: bytes | memoryview, cctx: zstandard.ZstdCompressor) -> bytes:

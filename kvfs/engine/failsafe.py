@@ -4,7 +4,7 @@ When corruption or an internal error is seen while a volume is in use, the volum
 marked as needing fsck (S3QL's ``needs_fsck``): a flag bit in the superblock that survives
 a remount, so the next writable open refuses until ``kvfs-fsck --repair`` clears it.
 The mark may be set from any thread (the FUSE layer's error path); it reaches the disk on
-the next engine call, which is serialised with every other one. Never imports pyfuse3.
+the next engine call, under the store's writer lock. Never imports pyfuse3.
 """
 
 from __future__ import annotations
@@ -74,23 +74,45 @@ def persist(store: Store) -> None:
     store.sb, m.written = new, mark
 
 
-def guarded(fn: F) -> F:
+def _persist_locked(store: Store) -> None:
+    m = store.fsck_mark
+    if m.mark != m.written:  # pending(), inlined: this runs twice per call
+        with store._wlock, store._lock:
+            persist(store)
+
+
+def guarded(fn: F, mode: str = "write") -> F:
     """Run a Store operation. If the checkpoint tree proves bad, rebuild the index from the
     ring and run it once more from the start: every operation looks up before it writes, so
     the first attempt left nothing half-done (what reclaim copied is in the ring). Data
     corruption and unexpected exceptions mark the volume as needing fsck; a pending mark is
-    written before and after the call."""
+    written before and after the call.
+
+    ``mode`` says which of the store's locks the call holds: "write" both (one change at a
+    time, readers wait), "writer" only the writer lock (the operation takes the state lock
+    itself around what readers may see), "lookup" the state lock, "read" none (the
+    operation takes the state lock for its lookups). The writer lock is always taken first.
+    """
     from .recovery import rebuild
 
-    @functools.wraps(fn)
-    def wrapper(self: Store, *a: Any, **kw: Any) -> Any:
-        persist(self)
+    def attempt(self: Store, a: tuple, kw: dict) -> Any:
         try:
-            try:
-                return fn(self, *a, **kw)
-            except IndexCorrupt as e:
+            if mode == "lookup":
+                with self._lock:
+                    return fn(self, *a, **kw)
+            return fn(self, *a, **kw)
+        except IndexCorrupt as e:
+            with self._wlock, self._lock:
                 rebuild(self, e)
+        if mode == "lookup":
+            with self._lock:
                 return fn(self, *a, **kw)
+        return fn(self, *a, **kw)
+
+    def run(self: Store, a: tuple, kw: dict) -> Any:
+        _persist_locked(self)
+        try:
+            return attempt(self, a, kw)
         except Corrupt as e:
             self.mark_needs_fsck(f"{fn.__name__}: {e}")
             raise
@@ -100,6 +122,16 @@ def guarded(fn: F) -> F:
             self.mark_needs_fsck(f"{fn.__name__}: unexpected {type(e).__name__}: {e}")
             raise
         finally:
-            persist(self)
+            _persist_locked(self)
+
+    @functools.wraps(fn)
+    def wrapper(self: Store, *a: Any, **kw: Any) -> Any:
+        if mode == "write":
+            with self._wlock, self._lock:
+                return run(self, a, kw)
+        if mode == "writer":
+            with self._wlock:
+                return run(self, a, kw)
+        return run(self, a, kw)
 
     return wrapper  # type: ignore[return-value]

@@ -32,6 +32,7 @@ class FaultyVolume(VolumeFile):
         self.fail_after_writes: int | None = None  # raise PowerCut once this many more writes ran
         self.fail_at_sync: int | None = None  # raise PowerCut at this sync (0: the next one)
         self.dead = False  # a failpoint fired: no write or sync may reach the disk any more
+        self.syncs = 0  # fsyncs that reached the disk
         FaultyVolume.last = self
 
     def cut(self, where: str) -> PowerCut:
@@ -69,6 +70,7 @@ class FaultyVolume(VolumeFile):
                 raise self.cut("at sync")
             self.fail_at_sync -= 1
         super().sync()
+        self.syncs += 1
         self.journal.clear()
 
     def unsynced(self) -> int:

@@ -12,19 +12,21 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import crc32c
 
 from .errors import BadSuperblock
 
 VOLUME_MAGIC = b"KVFSVOL1"
-VERSION = 1
+VERSION = 2  # 2: data entries hold independently checked blocks (version 1 is refused)
 SB_SLOT = 4096
 PAGE = 4096
 ALIGN = 512  # entry alignment: one sector, so a torn write tears at most the last entry
 RING_ALIGN = 1 << 20  # ring start aligned to 1 MiB for large sequential I/O
 MIN_VOLUME = 4 << 20
 MAX_ENTRY_RAW = 4 << 20  # raw bytes per data entry; bounds the resync search after corruption
+BLOCK = 32 << 10  # raw bytes per block of a data entry (the last may be shorter)
 TREE_ROOT_AREA = 64
 
 SB_CLEAN = 1  # flag: closed cleanly
@@ -75,7 +77,11 @@ class Superblock:
             if version > VERSION:
                 raise BadSuperblock("version", f"created by a newer kvfs (version {version}); "
                                     f"this kvfs reads version {VERSION}", version)
-            raise BadSuperblock("version", f"unsupported version {version}", version)
+            if version == 0:
+                raise BadSuperblock("version", "unsupported version 0", version)
+            raise BadSuperblock("version", f"created by an older kvfs (version {version}); this "
+                                f"kvfs reads version {VERSION} only: copy the sessions out with "
+                                "the kvfs that wrote it, then create a new volume", version)
         f = struct.unpack(SB_FMT, raw[:SB_SIZE])
         if crc32c.crc32c(raw[: SB_SIZE - 4]) != f[-1]:
             raise BadSuperblock("checksum", "superblock checksum mismatch")
@@ -83,13 +89,19 @@ class Superblock:
 
 
 # ring entry header: magic, type, flags, reserved, pos, name_hash, sno, file_off, fno,
-# stored_len, raw_len, payload_crc, ts_ns, pad, header_crc (over the 68 bytes before it)
-ENTRY_MAGIC = 0x3145564B  # "KVE1"
-HDR_FMT = "<IBBHQQQQIIIIQ4xI"
+# stored_len, raw_len, payload_crc, ts_ns, nblocks, header_crc (over the 68 bytes before it)
+ENTRY_MAGIC = 0x3245564B  # "KVE2": version 1's "KVE1" entries never parse
+HDR_FMT = "<IBBHQQQQIIIIQII"
 HDR_SIZE = struct.calcsize(HDR_FMT)
 assert HDR_SIZE == 72
 _HDR = struct.Struct(HDR_FMT)
 _HDR_BODY = struct.Struct(HDR_FMT[:-1])
+
+# block table of a data entry (its payload starts with it): per block stored_len, raw_len,
+# crc32c of the stored block, codec flags (F_ZSTD, F_PLANES), 3 pad bytes. The header's
+# payload_crc is the CRC-32C of the table, so header -> table -> block is one chain.
+BLOCK_ENTRY = struct.Struct("<IIIB3x")
+assert BLOCK_ENTRY.size == 16
 
 # entry types
 T_PAD = 0  # filler up to the physical end of the ring; readers jump to the next lap
@@ -102,14 +114,16 @@ T_DELF = 6  # tombstone: file (sno, fno) deleted
 TYPE_NAMES = {T_PAD: "pad", T_DATA: "data", T_TRUNC: "trunc", T_SMETA: "smeta",
               T_FMETA: "fmeta", T_DELS: "dels", T_DELF: "delf"}
 
-# entry flags
-F_ZSTD = 1  # payload compressed with zstd
+# block flags (in the block table)
+F_ZSTD = 1  # block compressed with zstd
 F_PLANES = 2  # 16-bit values split into high/low byte planes (see codec.py)
+# entry flags (in the header)
 F_COPY = 4  # data copied forward by reclaim: replaces bytes, does not end the file there
 
 
-@dataclass(frozen=True)
-class Header:
+class Header(NamedTuple):
+    """An entry header (a tuple: built on every read, so it must be cheap)."""
+
     type: int
     flags: int
     pos: int
@@ -119,8 +133,9 @@ class Header:
     fno: int
     stored_len: int
     raw_len: int
-    payload_crc: int
+    payload_crc: int  # data: CRC-32C of the block table; others: of the whole payload
     ts_ns: int
+    nblocks: int = 0  # data: entries in the block table
 
     @property
     def size(self) -> int:
@@ -130,7 +145,7 @@ class Header:
     def pack(self) -> bytes:
         body = _HDR_BODY.pack(ENTRY_MAGIC, self.type, self.flags, 0, self.pos, self.name_hash,
                               self.sno, self.file_off, self.fno, self.stored_len, self.raw_len,
-                              self.payload_crc, self.ts_ns)
+                              self.payload_crc, self.ts_ns, self.nblocks)
         return body + struct.pack("<I", crc32c.crc32c(body))
 
 
@@ -143,11 +158,11 @@ def unpack_header(raw: bytes | memoryview, off: int = 0) -> Header | None:
         return None
     if crc32c.crc32c(raw[off: off + HDR_SIZE - 4]) != f[-1]:
         return None
-    return Header(f[1], f[2], f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11], f[12])
+    return Header(f[1], f[2], *f[4:14])
 
 
 def entry_size(stored_len: int) -> int:
-    return align(HDR_SIZE + stored_len)
+    return (HDR_SIZE + stored_len + ALIGN - 1) // ALIGN * ALIGN
 
 
 def align(n: int, a: int = ALIGN) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from .codec import decode
+from .blocks import Encoded, decode_payload, encode_entries
 from .errors import NoSpace
 from .format import F_COPY, T_DATA, T_DELS, T_FMETA, T_SMETA, T_TRUNC, entry_size
 from .records import Session, fmeta_payload, smeta_payload
@@ -102,7 +102,7 @@ def _handle(store: Store, item: ScanItem, evict: bool, keep: int = -1) -> bool:
     elif item.payload is None:
         # A corrupt entry cannot be copied: the file ends where its good bytes end.
         i = next(i for i, e in enumerate(f.ext) if e[0] == h.pos)
-        log.error("session %s file %s: corrupt entry at %d at the tail; file cut to %d bytes",
+        log.error("session %r file %r: corrupt entry at %d at the tail; file cut to %d bytes",
                   s.name, f.name, h.pos, f.off[i])
         store.mark_needs_fsck(f"corrupt entry at ring position {h.pos} met by reclaim")
         return _emit_trunc(store, s, f, f.off[i])
@@ -111,13 +111,12 @@ def _handle(store: Store, item: ScanItem, evict: bool, keep: int = -1) -> bool:
         for i, (pos, skip, n, _) in enumerate(f.ext):
             if pos != h.pos:
                 continue
-            if skip == 0 and n == h.raw_len:
-                payloads.append((i, h.flags, item.payload, n))
+            if skip == 0 and n == h.raw_len:  # the payload as it is: blocks and table
+                payloads.append((i, Encoded([item.payload], h.payload_crc, h.nblocks, n)))
             else:  # only the live part survives: the copy must not revive truncated bytes
-                raw = decode(h.flags, item.payload, h.raw_len)[skip: skip + n]
-                fl, st = store.codec.encode(raw)
-                payloads.append((i, fl, st, n))
-    sizes = [entry_size(len(p if h.type != T_DATA else p[2])) for p in payloads]
+                raw = memoryview(decode_payload(h, item.payload)[skip: skip + n])
+                payloads.append((i, encode_entries(store.codec, raw, n, (s.sno, f.fno))[0]))
+    sizes = [entry_size(len(p) if h.type != T_DATA else p[1].stored_len) for p in payloads]
     lap_left = store.ring.lap_left(store.ring.head)
     cost = sum(sizes) + (lap_left if sum(sizes) > lap_left else 0)
     if cost + TOMBSTONE_RESERVE > store.ring.room():
@@ -128,9 +127,9 @@ def _handle(store: Store, item: ScanItem, evict: bool, keep: int = -1) -> bool:
         elif h.type == T_FMETA:
             f.meta_pos, _ = store.ring.append(T_FMETA, 0, s.name_hash, s.sno, f.fno, 0, 0, payloads[0])
         else:
-            for i, fl, st, n in payloads:
-                pos, esize = store.ring.append(T_DATA, fl | F_COPY, s.name_hash, s.sno, f.fno, f.off[i], n, st)
-                f.ext[i] = (pos, 0, n, esize)
+            for i, enc in payloads:
+                pos, esize, _ = store.ring.append_data(F_COPY, s.name_hash, s.sno, f.fno, f.off[i], enc)
+                f.ext[i] = (pos, 0, enc.raw_len, esize)
                 store.counters["copied_forward"] += esize
     except RingFull as e:
         raise NoSpace(str(e)) from e
@@ -156,6 +155,6 @@ def _drop(store: Store, s: Session, evicted: bool) -> bool:
     store.idx.drop(s)
     key = "evicted_sessions" if evicted else "dropped_sessions"
     store.counters[key] += 1
-    log.info("session %s %s at the ring tail", s.name, "evicted (volume full)" if evicted else
+    log.info("session %r %s at the ring tail", s.name, "evicted (volume full)" if evicted else
              "dropped (idle past retention)")
     return True

@@ -53,6 +53,7 @@ def rebuild(store: Store, err: Exception) -> None:
     log.error("%s: checkpoint unusable at run time (%s); rebuilding the index from the ring",
               store.vol.path, err)
     store.ring.flush()
+    store.drop_caches()  # the scan may end the log earlier: positions after it are reused
     _reset(store)
     store.open_report = _replay(store, store.ring.tail, full=True)
     store.counters["full_scans"] += 1
@@ -155,5 +156,5 @@ def _apply(store: Store, items: list[ScanItem], full: bool) -> None:
     for s, f in touched.values():
         lost = f.close_gaps()
         if lost:
-            log.error("session %s file %s: %d bytes after a lost entry dropped", s.name, f.name, lost)
+            log.error("session %r file %r: %d bytes after a lost entry dropped", s.name, f.name, lost)
     store.next_sno = max(store.next_sno, max_sno + 1)

@@ -7,7 +7,13 @@ another lap and reads as "no entry": old laps reject themselves (RocksDB's kOldR
 
 Owns the write buffer and ``durable_tail``: the head never writes over space behind the
 tail recorded in the newest superblock (jbd2's rule). Moving the tail is the engine's job.
-Never fsyncs on its own except through ``sync``; never interprets payloads.
+Never fsyncs on its own except through ``sync``; interprets payloads only as far as the
+block table of data entries (``blocks``), to check them and read a range.
+
+Threads: the store calls the writing methods and ``locate`` under its lock; ``read_data``
+runs outside it (it only reads the volume), so its caller must check afterwards that the
+tail did not pass the entry while it read (``tail`` only grows, and the head writes over
+an entry's space only after the tail has passed it).
 """
 
 from __future__ import annotations
@@ -19,12 +25,16 @@ from dataclasses import dataclass
 
 import crc32c
 
+from .blocks import Encoded, Table, check_payload, parse_table, read_range
 from .errors import Corrupt
 from .format import (
     ALIGN,
+    BLOCK,
+    BLOCK_ENTRY,
     ENTRY_MAGIC,
     HDR_SIZE,
     MAX_ENTRY_RAW,
+    T_DATA,
     T_PAD,
     Header,
     align,
@@ -39,6 +49,8 @@ _MAGIC = struct.pack("<I", ENTRY_MAGIC)
 MAX_ENTRY = entry_size(MAX_ENTRY_RAW + (MAX_ENTRY_RAW >> 6) + 64)  # worst-case zstd expansion
 SCAN_WINDOW = 8 << 20
 DIRECT_WRITE = 64 << 10  # payloads this large are written without the buffer copy
+INLINE_SKIP = 64 << 10  # a range read this far into an entry still reads from its start
+PAGE_IO = 4096  # reads end on a page boundary: the rest of the page costs nothing
 
 
 class RingFull(Exception):
@@ -97,7 +109,24 @@ class Ring:
     def append(self, type_: int, flags: int, name_hash: int, sno: int, fno: int, file_off: int,
                raw_len: int, payload: bytes | memoryview = b"", ts_ns: int | None = None) -> tuple[int, int]:
         """Buffer one entry at the head; returns (pos, entry size). RingFull if no room."""
-        stored = len(payload)
+        pos, esize, _ = self.put(type_, flags, name_hash, sno, fno, file_off, raw_len,
+                                 [payload] if payload else [], crc32c.crc32c(payload), 0, ts_ns)
+        return pos, esize
+
+    def append_data(self, flags: int, name_hash: int, sno: int, fno: int, file_off: int,
+                    enc: Encoded, defer: bool = False) -> tuple[int, int, tuple | None]:
+        """Append a data entry (block table + blocks). With ``defer`` a large entry is only
+        reserved: (pos, esize, (bufs, offset)) and the caller writes it with ``write_reserved``
+        (outside the store's lock) or gives the space back with ``cancel``."""
+        return self.put(T_DATA, flags, name_hash, sno, fno, file_off, enc.raw_len, enc.parts,
+                        enc.table_crc, enc.nblocks, None, defer, enc.stored_len)
+
+    def put(self, type_: int, flags: int, name_hash: int, sno: int, fno: int, file_off: int,
+            raw_len: int, parts: list[bytes | memoryview], payload_crc: int, nblocks: int = 0,
+            ts_ns: int | None = None, defer: bool = False,
+            stored: int = -1) -> tuple[int, int, tuple | None]:
+        if stored < 0:
+            stored = sum(len(p) for p in parts)
         esize = entry_size(stored)
         if esize > self.size // 4:
             raise ValueError(f"entry of {esize} bytes is too large for a ring of {self.size}")
@@ -112,21 +141,39 @@ class Ring:
             self.flush()
         pos = self.head
         h = Header(type_, flags, pos, name_hash, sno, file_off, fno, stored, raw_len,
-                   crc32c.crc32c(payload), ts_ns if ts_ns is not None else now_ns())
+                   payload_crc, ts_ns if ts_ns is not None else now_ns(), nblocks)
         if stored >= DIRECT_WRITE:
             # Large payloads skip the buffer: one gathered write instead of a copy.
             self.flush()
-            self.vol.pwritev([h.pack(), payload, bytes(esize - HDR_SIZE - stored)], self.phys(pos))
+            job = ([h.pack(), *parts, bytes(esize - HDR_SIZE - stored)], self.phys(pos))
             self.head += esize
             self._buf_pos = self.head
-            return pos, esize
+            if defer:
+                return pos, esize, job
+            try:
+                self.vol.pwritev(*job)
+            except BaseException:
+                self.cancel(pos)
+                raise
+            return pos, esize, None
         self._buf += h.pack()
-        self._buf += payload
+        for p in parts:
+            self._buf += p
         self._buf += bytes(esize - HDR_SIZE - stored)
         self.head += esize
         if len(self._buf) >= self.write_buffer or self.head % self.size == 0:
             self.flush()
-        return pos, esize
+        return pos, esize, None
+
+    def write_reserved(self, job: tuple) -> None:
+        """Write an entry reserved by ``put(defer=True)``; needs no lock (nothing reads or
+        writes that space until the caller publishes it)."""
+        self.vol.pwritev(*job)
+
+    def cancel(self, pos: int) -> None:
+        """Give back a reserved entry at ``pos`` whose write failed: the head returns there."""
+        self.head = self._buf_pos = pos
+        self._buf = bytearray()
 
     def flush(self) -> None:
         """Write the buffered entries (one pwrite; they never cross the lap end)."""
@@ -136,8 +183,10 @@ class Ring:
         self._buf_pos = self.head
 
     def sync(self) -> None:
+        """Flush and fsync; no fsync when nothing was written since the last one."""
         self.flush()
-        self.vol.sync()
+        if self.vol.dirty:
+            self.vol.sync()
 
     # ------------------------------------------------------------------- read
     def on_disk(self, pos: int) -> bool:
@@ -153,10 +202,28 @@ class Ring:
             return None
         return bytes(self._buf[o: o + n])
 
-    def read_entry(self, pos: int, esize: int) -> tuple[Header, memoryview]:
-        """Header and payload of the entry at ``pos``; Corrupt unless both check out."""
+    def live(self, pos: int, esize: int) -> None:
         if not (self.tail <= pos and pos + esize <= self.head):
             raise Corrupt(f"entry at {pos} is outside the live ring [{self.tail}, {self.head})")
+
+    def locate(self, pos: int, esize: int) -> bytes | None:
+        """Under the store's lock, before ``read_data``: Corrupt unless the entry is in the
+        live ring; its bytes if they are still in the write buffer, else None."""
+        self.live(pos, esize)
+        return self.buffered(pos, esize)
+
+    def _check_header(self, raw: bytes | memoryview, pos: int, esize: int) -> Header:
+        h = unpack_header(raw)
+        if h is None or h.pos != pos:
+            raise Corrupt(f"bad entry header at ring position {pos}")
+        if h.size != esize:
+            raise Corrupt(f"entry at {pos} has size {h.size}, index says {esize}")
+        return h
+
+    def read_entry(self, pos: int, esize: int) -> tuple[Header, memoryview]:
+        """Header and payload of the entry at ``pos``; Corrupt unless both check out (for a
+        data entry: its block table and every block)."""
+        self.live(pos, esize)
         got = self.buffered(pos, esize)
         if got is not None:
             raw = memoryview(got)
@@ -164,15 +231,49 @@ class Ring:
             off = self.phys(pos)
             raw = memoryview(self.vol.pread(esize, off))
             self.vol.dontneed(off, esize)
-        h = unpack_header(raw)
-        if h is None or h.pos != pos:
-            raise Corrupt(f"bad entry header at ring position {pos}")
-        if h.size != esize:
-            raise Corrupt(f"entry at {pos} has size {h.size}, index says {esize}")
+        h = self._check_header(raw, pos, esize)
         payload = raw[HDR_SIZE: HDR_SIZE + h.stored_len]
-        if crc32c.crc32c(payload) != h.payload_crc:
+        if not check_payload(h, payload):
             raise Corrupt(f"payload checksum mismatch in entry at ring position {pos}")
         return h, payload
+
+    def read_data(self, pos: int, esize: int, a: int, b: int, src: bytes | None,
+                  known: tuple[Header, Table] | None, raw_hint: int = 0
+                  ) -> tuple[list[bytes | memoryview], dict[int, bytes | memoryview], tuple[Header, Table]]:
+        """Raw bytes [a, b) of the data entry at ``pos`` (pieces), the blocks decoded on the
+        way, and its header and table (``known``: from an earlier read). Reads, checks and
+        decodes only the blocks the range touches: the header and table come with the
+        first blocks in one read when they lie close, else in a read of their own.
+        ``src``: the entry's bytes from the write buffer (``locate``); ``raw_hint``: the
+        entry's raw length as far as the index knows (sizes the table). No lock needed."""
+        phys = self.phys(pos)
+
+        def fetch(o: int, n: int) -> bytes | memoryview:
+            if src is not None:
+                return memoryview(src)[o: o + n]
+            out = self.vol.pread(n, phys + o)
+            self.vol.dontneed(phys + o, n)
+            return out
+
+        have, have_off = memoryview(b""), 0
+        if known is None:
+            end = HDR_SIZE + BLOCK_ENTRY.size * -(-max(b, raw_hint) // BLOCK)
+            if a - a % BLOCK <= INLINE_SKIP:  # the blocks from the start up to b, in one read
+                end += -(-b // BLOCK) * BLOCK
+            n = min(esize, -(-(phys + end) // PAGE_IO) * PAGE_IO - phys)
+            have = memoryview(fetch(0, n))
+            h = self._check_header(have, pos, esize)
+            if h.type != T_DATA:
+                raise Corrupt(f"entry at {pos} is not a data entry")
+            tend = HDR_SIZE + BLOCK_ENTRY.size * h.nblocks
+            if tend > len(have) and tend <= esize:
+                have = memoryview(bytes(have) + bytes(fetch(len(have), tend - len(have))))
+            known = (h, parse_table(h, have[HDR_SIZE:]))
+        h, t = known
+        if not 0 <= a < b <= h.raw_len:
+            raise Corrupt(f"entry at {pos} holds {h.raw_len} bytes, index wants {a}..{b}")
+        pieces, decoded = read_range(h, t, a, b, have, have_off, fetch)
+        return pieces, decoded, known
 
     # ------------------------------------------------------------------- scan
     def scan(self, start: int, limit: int, report: ScanReport) -> Iterator[ScanItem]:
@@ -192,7 +293,7 @@ class Ring:
                 continue
             if h is not None and pos + h.size <= limit:
                 payload = reader.read(pos + HDR_SIZE, h.stored_len)
-                ok = crc32c.crc32c(payload) == h.payload_crc
+                ok = check_payload(h, payload)
                 if ok or self._resync(reader, pos + h.size, limit) is not None:
                     report.entries += 1
                     if not ok:

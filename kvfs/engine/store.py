@@ -3,7 +3,17 @@
 Owns one volume: sessions (directories) holding append-only files (``layer_<n>``,
 ``meta.json``...). Every change is a ring entry first; the in-memory index follows; the B+
 tree checkpoint is a shortcut for recovery, never the only truth. Never imports pyfuse3 or
-torch. Not thread-safe: callers serialise (the FUSE layer runs it on one worker at a time).
+torch.
+
+Threads: every method is safe to call from any thread, concurrently. Changes (create_*,
+delete_*, set_*_attrs, append, truncate, flush, sync, checkpoint, maybe_checkpoint, cleanup,
+close) run one at a time under a writer lock, in the order they get it. ``read`` runs in
+parallel with other reads and with a change's slow parts: it looks its extents up under the
+state lock (memory, or the session's tree pages), then reads, checks and decodes with no
+lock; a read whose entry was reclaimed meanwhile looks up again. An append holds the state
+lock only to reserve ring space and to publish each written entry (a concurrent read sees
+a prefix of it, never unwritten bytes); sync holds it only to flush, not to fsync. Lookups
+(list_*, *_stat, usage, stats, drop_caches) hold the state lock briefly.
 
 Contract (the FUSE layer, tools and tests rely on it):
   Store.create(path, size, config=None, *, volume=VolumeFile, observer=None) -> Store
@@ -40,19 +50,21 @@ volume class (``faults.FaultyVolume`` in tests); ``observer`` gets latencies and
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 
+from .blocks import Encoded, encode_entries
 from .btree import BTree, TreeFull, TreeRoot
-from .codec import Codec, decode
-from .errors import BadRange, Corrupt, Exists, FormatError, NeedsFsck, NoSpace, NotAppend, NotFound
+from .codec import Codec
+from .errors import BadRange, Exists, FormatError, NeedsFsck, NoSpace, NotAppend, NotFound
 from .failsafe import FsckMark, guarded
 from .format import (
+    BLOCK,
+    BLOCK_ENTRY,
     MAX_ENTRY_RAW,
     SB_CLEAN,
     SB_NEEDS_FSCK,
-    T_DATA,
     T_DELF,
     T_DELS,
     T_FMETA,
@@ -62,6 +74,7 @@ from .format import (
     entry_size,
 )
 from .index import Index
+from .reads import ReadPath
 from .reclaim import reclaim
 from .records import FileRec, Session, check_name, fmeta_payload, name_hash, smeta_payload
 from .recovery import recover
@@ -71,15 +84,13 @@ from .volume import VolumeFile, geometry
 
 log = logging.getLogger(__name__)
 
-DECODED_CACHE = 32 << 20  # bytes of decoded entries kept for sequential small reads
-READ_AHEAD = 4 << 20  # bytes advised ahead of a sequential reader
 
 
 def _ns(t: float | None) -> int | None:
     return None if t is None else int(t * 1e9)
 
 
-class Store:
+class Store(ReadPath):
     def __init__(self, vol: VolumeFile, sb: Superblock, config: StoreConfig,
                  clock: Callable[[], float], observer: Observer | None = None) -> None:
         self.vol, self.sb, self.cfg, self.clock = vol, sb, config, clock
@@ -90,8 +101,9 @@ class Store:
         self.idx = Index(tree, config.hot_sessions)
         self.codec = Codec(config.compression, config.zstd_level, config.min_ratio, config.plane_split)
         self.next_sno = sb.next_sno
-        self._decoded: OrderedDict[int, bytes | memoryview] = OrderedDict()
-        self._decoded_bytes = 0
+        self._wlock = threading.RLock()  # one change at a time, for its whole length
+        self._lock = threading.RLock()  # what readers look at: index, ring state, caches
+        self._init_read_caches()
         self.last_ckpt = time.monotonic()
         self.last_cleanup = 0.0
         self.readonly = vol.readonly
@@ -103,7 +115,7 @@ class Store:
         self.fsck_mark = FsckMark(sb.flags)
         self.counters = dict(appends=0, reads=0, raw_written=0, stored_written=0, copied_forward=0,
                              reclaims=0, checkpoints=0, corrupt_reads=0, dropped_sessions=0,
-                             evicted_sessions=0, full_scans=0)
+                             evicted_sessions=0, full_scans=0, read_retries=0)
 
     # ================================================================ lifecycle
     @classmethod
@@ -146,13 +158,14 @@ class Store:
         return store
 
     def close(self) -> None:
-        if self.vol.fd < 0:
-            return
-        try:
-            if not self.readonly:
-                self.checkpoint(clean=True)
-        finally:
-            self.vol.close()
+        with self._wlock, self._lock:
+            if self.vol.fd < 0:
+                return
+            try:
+                if not self.readonly:
+                    self.checkpoint(clean=True)
+            finally:
+                self.vol.close()
 
     def crash(self) -> None:
         """Drop the fd as a killed process would: unflushed entries are lost. For tests."""
@@ -164,17 +177,20 @@ class Store:
         return self.idx.tree
 
     def _session(self, name: str) -> Session:
-        check_name(name)
-        s = self.idx.find(name)
+        # A name the index holds is valid by construction: check only the others.
+        s = self.idx.find(name) if type(name) is str and name in self.idx.names else None
         if s is None:
-            raise NotFound(f"no session {name!r}")
+            check_name(name)
+            s = self.idx.find(name)
+            if s is None:
+                raise NotFound(f"no session {name!r}")
         return s
 
     def _file(self, session: str, name: str) -> tuple[Session, FileRec]:
         s = self._session(session)
-        check_name(name)
-        f = s.file(name)
+        f = s.file(name) if type(name) is str else None
         if f is None:
+            check_name(name)
             raise NotFound(f"no file {name!r} in session {session!r}")
         return s, f
 
@@ -278,7 +294,8 @@ class Store:
 
     # ================================================================ data
     def append(self, session: str, name: str, offset: int, data: bytes | memoryview) -> None:
-        s, f = self._file(session, name)
+        with self._lock:
+            s, f = self._file(session, name)
         if offset != f.size:
             raise NotAppend(f"{session}/{name}: write at {offset} is not an append (size {f.size})")
         mv = memoryview(data).cast("B")
@@ -286,20 +303,43 @@ class Store:
             return
         t0 = time.perf_counter()
         step = self.max_entry_raw
-        pieces = [mv[i: i + step] for i in range(0, len(mv), step)]
-        # Room for the whole write first (raw size bounds the stored size): a write that
-        # cannot fit fails before any of it is stored.
-        self._ensure_room(sum(self.ring.cost(len(p) + 64) for p in pieces), s)
-        for p in pieces:
-            flags, stored = self.codec.encode(p)
-            pos, esize = self._emit(T_DATA, s, f.fno, f.size, stored, flags, len(p))
-            f.add(pos, 0, len(p), esize)
-            self.counters["raw_written"] += len(p)
-            self.counters["stored_written"] += len(stored)
-        f.mtime = s.mtime = time.time_ns()
-        self.counters["appends"] += 1
-        self.idx.dirty(s)
+        # Room for the whole write first (raw size plus tables bounds the stored size): a
+        # write that cannot fit fails before any of it is stored.
+        need = sum(self.ring.cost(min(step, len(mv) - i) + BLOCK_ENTRY.size * (step // BLOCK + 1) + 64)
+                   for i in range(0, len(mv), step))
+        with self._lock:
+            self._ensure_room(need, s)
+        # Compressing needs no lock: only this writer touches the codec and the file's end.
+        encs = encode_entries(self.codec, mv, step, (s.sno, f.fno))
+        last = len(encs) - 1
+        for k, enc in enumerate(encs):
+            with self._lock:
+                self._ensure_room(self.ring.cost(enc.stored_len), s)
+                pos, esize, job = self.ring.append_data(0, s.name_hash, s.sno, f.fno, f.size, enc,
+                                                         defer=True)
+                if job is None:
+                    self._appended(s, f, pos, esize, enc, k == last)
+            if job is not None:  # a large entry: written with readers running
+                try:
+                    self.ring.write_reserved(job)
+                except BaseException:
+                    with self._lock:
+                        self.ring.cancel(pos)
+                    raise
+                with self._lock:
+                    self._appended(s, f, pos, esize, enc, k == last)
         self.observer.cold_write((time.perf_counter() - t0) * 1e3)
+
+    def _appended(self, s: Session, f: FileRec, pos: int, esize: int, enc: Encoded, last: bool) -> None:
+        """Under the state lock: publish one written entry of an append."""
+        f.add(pos, 0, enc.raw_len, esize)
+        c = self.counters
+        c["raw_written"] += enc.raw_len
+        c["stored_written"] += enc.stored_len
+        if last:
+            f.mtime = s.mtime = time.time_ns()
+            c["appends"] += 1
+            self.idx.dirty(s)
 
     def truncate(self, session: str, name: str, length: int) -> None:
         s, f = self._file(session, name)
@@ -312,80 +352,17 @@ class Store:
         f.mtime = s.mtime = time.time_ns()
         self.idx.dirty(s)
 
-    def read(self, session: str, name: str, offset: int, length: int) -> bytes:
-        s, f = self._file(session, name)
-        if offset < 0 or length < 0:
-            raise BadRange(f"read at {offset} of {length} bytes")
-        end = min(f.size, offset + length)
-        if offset >= end:
-            return b""
-        t0 = time.perf_counter()
-        if offset == f.seq_end:  # sequential reader: let the disk work ahead of us
-            self._read_ahead(f, end)
-        f.seq_end = end
-        out = []
-        i = f.find(offset)
-        while i < len(f.ext) and f.off[i] < end:
-            pos, skip, n, esize = f.ext[i]
-            o = f.off[i]
-            raw = self.entry_bytes(pos, esize)
-            a, b = max(offset, o) - o + skip, min(end, o + n) - o + skip
-            out.append(raw[a:b])
-            i += 1
-        self.counters["reads"] += 1
-        s.atime = f.atime = time.time_ns()
-        self.idx.touched(s)
-        self.observer.cold_read((time.perf_counter() - t0) * 1e3)
-        return b"".join(out)
-
-    def _read_ahead(self, f: FileRec, end: int) -> None:
-        """POSIX_FADV_WILLNEED on the entries holding the next READ_AHEAD bytes."""
-        if f.advised_to >= end + READ_AHEAD // 2:
-            return
-        i = max(f.find(max(end, f.advised_to)), 0)
-        stop = end + READ_AHEAD
-        while i < len(f.ext) and f.off[i] < stop:
-            pos, _, n, esize = f.ext[i]
-            if self.ring.on_disk(pos):
-                self.vol.willneed(self.ring.phys(pos), esize)
-            f.advised_to = f.off[i] + n
-            i += 1
-
-    def entry_bytes(self, pos: int, esize: int, cache: bool = True) -> bytes | memoryview:
-        """Decoded payload of the data entry at ``pos`` (a small cache serves re-reads;
-        ``cache=False`` for a one-off pass such as fsck's)."""
-        raw = self._decoded.get(pos)
-        if raw is not None:
-            self._decoded.move_to_end(pos)
-            return raw
-        try:
-            h, payload = self.ring.read_entry(pos, esize)
-            if h.type != T_DATA:
-                raise Corrupt(f"entry at {pos} is not a data entry")
-            raw = decode(h.flags, payload, h.raw_len)  # a view: sliced, then joined once
-        except Corrupt:
-            self.counters["corrupt_reads"] += 1
-            self.observer.cold_error()
-            raise
-        if not cache:
-            return raw
-        self._decoded[pos] = raw
-        self._decoded_bytes += len(raw)
-        while self._decoded_bytes > DECODED_CACHE and len(self._decoded) > 1:
-            self._decoded_bytes -= len(self._decoded.popitem(last=False)[1])
-        return raw
-
-    def drop_caches(self) -> None:
-        """Forget every decoded entry: the next reads go to the volume."""
-        self._decoded.clear()
-        self._decoded_bytes = 0
-
     # ================================================================ durability
     def flush(self) -> None:
         self.ring.flush()
 
     def sync(self) -> None:
-        self.ring.sync()
+        """Flush, then fsync (readers keep running); nothing to do when nothing was
+        written since the last sync, so syncing N files after one batch is one flush."""
+        with self._lock:
+            self.ring.flush()
+        if self.vol.dirty:
+            self.vol.sync()
 
     def checkpoint(self, clean: bool = False) -> None:
         """Persist the index (dirty sessions, purges, bitmap) and a superblock pointing at it."""
@@ -466,12 +443,20 @@ class Store:
 
     # ================================================================ reporting
     def usage(self) -> Usage:
+        with self._lock:
+            return self._usage()
+
+    def _usage(self) -> Usage:
         return Usage(self.ring.size, self.ring.used(), self.idx.n_sessions, self.ring.head,
                      self.ring.tail, self.sb.ckpt_pos, time.monotonic() - self.last_ckpt,
                      self.counters["raw_written"], self.counters["stored_written"])
 
     def stats(self) -> dict:
-        u = self.usage()
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> dict:
+        u = self._usage()
         raw, st = self.counters["raw_written"], self.counters["stored_written"]
         rep = self.open_report
         return {
@@ -490,8 +475,12 @@ class Store:
         }
 
 
-for _name in ("list_sessions", "create_session", "delete_session", "session_stat",
-              "set_session_attrs", "list_files", "create_file", "delete_file", "file_stat",
-              "set_file_attrs", "append", "truncate", "read", "flush", "sync", "checkpoint",
-              "maybe_checkpoint", "cleanup"):
-    setattr(Store, _name, guarded(getattr(Store, _name)))
+for _mode, _names in (
+        ("write", ("create_session", "delete_session", "set_session_attrs", "create_file",
+                   "delete_file", "set_file_attrs", "truncate", "flush", "checkpoint",
+                   "maybe_checkpoint", "cleanup")),
+        ("writer", ("append", "sync")),
+        ("lookup", ("list_sessions", "session_stat", "list_files", "file_stat")),
+        ("read", ("read",))):
+    for _name in _names:
+        setattr(Store, _name, guarded(getattr(Store, _name), _mode))

@@ -50,6 +50,7 @@ class VolumeFile:
     def __init__(self, path: str, fd: int, size: int, readonly: bool) -> None:
         self.path, self.fd, self.size, self.readonly = path, fd, size, readonly
         self.fadvise = True
+        self.dirty = False  # written since the last fsync: a sync with nothing to do skips it
 
     # ----------------------------------------------------------- open / create
     @classmethod
@@ -155,9 +156,11 @@ class VolumeFile:
         return out
 
     def pwrite(self, data: bytes | memoryview, off: int) -> None:
+        self.dirty = True
         pwrite_all(self.fd, data, off)
 
     def pwritev(self, bufs: list[bytes | memoryview], off: int) -> None:
+        self.dirty = True
         total = sum(len(b) for b in bufs)
         n = os.pwritev(self.fd, bufs, off)
         if n != total:  # a short gathered write: finish the rest plainly
@@ -172,6 +175,7 @@ class VolumeFile:
 
     def sync(self) -> None:
         os.fsync(self.fd)
+        self.dirty = False
 
 
 def now_ns() -> int:

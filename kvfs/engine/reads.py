@@ -1,0 +1,184 @@
+"""The engine's read path: ``Store.read`` and the caches behind it (a mixin of ``Store``).
+
+A read looks its extents up under the store's state lock (short: memory, or the session's
+tree pages), then reads, checks and decodes the blocks it needs with no lock held, so reads
+run beside reads and beside an append's compression and writes. If the tail passed one of
+its entries meanwhile, that space may have been written over: the read looks up again
+(the tail only grows, and moves before the head may write there). Block tables and the
+last, partly read block of each read are kept for the next reads.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+from .blocks import Table, decode_payload
+from .errors import BadRange, Corrupt
+from .format import T_DATA, Header
+from .records import FileRec
+
+if TYPE_CHECKING:
+    import threading
+    from collections.abc import Callable
+
+    from .index import Index
+    from .records import Session
+    from .ring import Ring
+    from .types import Observer
+    from .volume import VolumeFile
+
+DECODED_CACHE = 32 << 20  # bytes of decoded blocks kept for sequential small reads
+TABLE_CACHE = 4096  # block tables kept: a read of a known entry reads just its blocks
+READ_AHEAD = 4 << 20  # bytes advised ahead of a sequential reader
+READ_RETRIES = 64  # lookups a read may redo because reclaim moved its entries meanwhile
+
+
+class ReadPath:
+    """Store's read methods; the attributes below are the store's."""
+
+    _lock: threading.RLock
+    ring: Ring
+    vol: VolumeFile
+    idx: Index
+    counters: dict[str, int]
+    observer: Observer
+    _file: Callable[[str, str], tuple[Session, FileRec]]
+
+    def _init_read_caches(self) -> None:
+        self._decoded: OrderedDict[tuple[int, int], bytes | memoryview] = OrderedDict()
+        self._decoded_bytes = 0
+        self._tables: OrderedDict[int, tuple[Header, Table]] = OrderedDict()
+
+    def read(self, session: str, name: str, offset: int, length: int) -> bytes:
+        if offset < 0 or length < 0:
+            raise BadRange(f"read at {offset} of {length} bytes")
+        t0 = time.perf_counter()
+        for _ in range(READ_RETRIES):
+            with self._lock:
+                jobs = self._plan_read(session, name, offset, length)
+            if not jobs:
+                return b""
+            try:
+                out, learned = self._read_jobs(jobs)
+            except Corrupt:
+                if not self._reclaimed(jobs):
+                    with self._lock:
+                        self.counters["corrupt_reads"] += 1
+                    self.observer.cold_error()
+                    raise
+                learned = None
+            if learned is None or self._reclaimed(jobs):  # its space may hold other bytes now
+                with self._lock:
+                    self.counters["read_retries"] += 1
+                continue
+            with self._lock:
+                self._learn(learned)
+                self.counters["reads"] += 1
+            self.observer.cold_read((time.perf_counter() - t0) * 1e3)
+            return b"".join(out)
+        raise Corrupt(f"{session}/{name}: reclaim moved the data {READ_RETRIES} times during one read")
+
+    def _plan_read(self, session: str, name: str, offset: int, length: int) -> list[list]:
+        """Under the state lock: per extent in [offset, offset+length), what to read —
+        [pos, esize, a, b, raw_hint, buffered copy, known table, pieces if all cached]."""
+        s, f = self._file(session, name)
+        end = min(f.size, offset + length)
+        if offset >= end:
+            return []
+        if offset == f.seq_end:  # sequential reader: let the disk work ahead of us
+            self._read_ahead(f, end)
+        f.seq_end = end
+        jobs = []
+        i = f.find(offset)
+        while i < len(f.ext) and f.off[i] < end:
+            pos, skip, n, esize = f.ext[i]
+            o = f.off[i]
+            a, b = max(offset, o) - o + skip, min(end, o + n) - o + skip
+            known = self._tables.get(pos)
+            pieces = None
+            if known is not None:
+                self._tables.move_to_end(pos)
+                pieces = self._cached_range(pos, known[1], a, b)
+            src = None if pieces is not None else self.ring.locate(pos, esize)
+            jobs.append([pos, esize, a, b, skip + n, src, known, pieces])
+            i += 1
+        s.atime = f.atime = time.time_ns()
+        self.idx.touched(s)
+        return jobs
+
+    def _cached_range(self, pos: int, t: Table, a: int, b: int) -> list | None:
+        pieces = []
+        for i in t.blocks(a, b):
+            raw = self._decoded.get((pos, i))
+            if raw is None:
+                return None
+            self._decoded.move_to_end((pos, i))
+            r0 = t.raw_off[i]
+            pieces.append(raw[max(a, r0) - r0: min(b, t.raw_off[i + 1]) - r0])
+        return pieces
+
+    def _read_jobs(self, jobs: list[list]) -> tuple[list, list]:
+        """No lock: read, check and decode what ``_plan_read`` planned."""
+        out: list[bytes | memoryview] = []
+        learned = []
+        for pos, esize, a, b, hint, src, known, pieces in jobs:
+            if pieces is None:
+                pieces, decoded, known = self.ring.read_data(pos, esize, a, b, src, known, hint)
+                learned.append((pos, known, decoded))
+            out += pieces
+        return out, learned
+
+    def _reclaimed(self, jobs: list[list]) -> bool:
+        """Whether the tail passed an entry read from the volume: its space may have been
+        written over while it was read (the tail only grows, and moves first)."""
+        tail = self.ring.tail
+        return any(j[0] < tail and j[5] is None and j[7] is None for j in jobs)
+
+    def _learn(self, learned: list) -> None:
+        """Under the state lock: keep tables and decoded blocks for the next reads."""
+        for pos, known, decoded in learned:
+            self._tables[pos] = known
+            while len(self._tables) > TABLE_CACHE:
+                self._tables.popitem(last=False)
+            for i, raw in decoded.items():
+                if (pos, i) not in self._decoded:
+                    self._decoded[(pos, i)] = raw
+                    self._decoded_bytes += len(raw)
+        while self._decoded_bytes > DECODED_CACHE and len(self._decoded) > 1:
+            self._decoded_bytes -= len(self._decoded.popitem(last=False)[1])
+
+    def _read_ahead(self, f: FileRec, end: int) -> None:
+        """POSIX_FADV_WILLNEED on the entries holding the next READ_AHEAD bytes."""
+        if f.advised_to >= end + READ_AHEAD // 2:
+            return
+        i = max(f.find(max(end, f.advised_to)), 0)
+        stop = end + READ_AHEAD
+        while i < len(f.ext) and f.off[i] < stop:
+            pos, _, n, esize = f.ext[i]
+            if self.ring.on_disk(pos):
+                self.vol.willneed(self.ring.phys(pos), esize)
+            f.advised_to = f.off[i] + n
+            i += 1
+
+    def entry_bytes(self, pos: int, esize: int) -> bytes:
+        """Every decoded byte of the data entry at ``pos``, each block checked (fsck)."""
+        try:
+            with self._lock:
+                h, payload = self.ring.read_entry(pos, esize)
+            if h.type != T_DATA:
+                raise Corrupt(f"entry at {pos} is not a data entry")
+            return decode_payload(h, payload)
+        except Corrupt:
+            self.counters["corrupt_reads"] += 1
+            self.observer.cold_error()
+            raise
+
+    def drop_caches(self) -> None:
+        """Forget every decoded block and block table: the next reads go to the volume."""
+        with self._lock:
+            self._decoded.clear()
+            self._decoded_bytes = 0
+            self._tables.clear()
+

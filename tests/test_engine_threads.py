@@ -1,0 +1,206 @@
+"""Blocks and threads in the engine: a damaged block costs only its reads, reads run beside
+reads, appends and reclaim and always return the right bytes, and a sync with nothing to
+do costs no fsync."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvfs.engine.errors import Corrupt, NotFound
+from kvfs.engine.faults import FaultyVolume
+from kvfs.engine.format import BLOCK, BLOCK_ENTRY, HDR_SIZE
+from kvfs.engine.store import Store
+from kvfs.engine.types import StoreConfig
+
+MB = 1 << 20
+
+
+def bf16(n: int, seed: int) -> bytes:
+    x = np.random.default_rng(seed).standard_normal(n // 2).astype(np.float32)
+    return (x.view(np.uint32) >> 16).astype("<u2").tobytes()
+
+
+@pytest.mark.parametrize("compression", ["none", "auto"])
+def test_bit_flip_in_one_block_fails_only_reads_of_that_block(tmp_path, compression):
+    path = str(tmp_path / "v.kvvol")
+    data = bf16(5 * BLOCK + 1000, 1) if compression == "auto" else os.urandom(5 * BLOCK + 1000)
+    s = Store.create(path, 32 * MB, StoreConfig(compression=compression))
+    s.create_session("s")
+    s.create_file("s", "f")
+    s.append("s", "f", 0, data)
+    s.create_file("s", "g")
+    s.append("s", "g", 0, b"after" * 100)  # the damaged entry is not the last one
+    _, f = s._file("s", "f")
+    assert len(f.ext) == 1
+    pos, _, _, esize = f.ext[0]
+    phys = s.ring.phys(pos)
+    s.close()
+    with open(path, "rb") as fh:
+        fh.seek(phys)
+        entry = fh.read(esize)
+    nblocks = int.from_bytes(entry[64:68], "little")
+    assert nblocks == 6
+    table = entry[HDR_SIZE: HDR_SIZE + nblocks * BLOCK_ENTRY.size]
+    sizes = [BLOCK_ENTRY.unpack_from(table, i * BLOCK_ENTRY.size)[0] for i in range(nblocks)]
+    if compression == "auto":
+        assert sum(sizes) < len(data) / 1.4  # bf16 blocks compressed independently
+    start3 = HDR_SIZE + len(table) + sum(sizes[:3])
+    fd = os.open(path, os.O_RDWR)
+    os.pwrite(fd, bytes([entry[start3 + 17] ^ 4]), phys + start3 + 17)
+    os.close(fd)
+    for crash in (False, True):  # from the checkpoint, and replayed from the ring
+        s = Store.open(path, readonly=True)
+        if crash:
+            s.ring.tail = s.sb.tail
+            from kvfs.engine.recovery import rebuild
+
+            rebuild(s, Corrupt("test: replay the ring"))
+            assert s.open_report.corrupt == [(pos, esize)]
+        for a, b in ((0, 3 * BLOCK), (4 * BLOCK, len(data)), (100, 200), (3 * BLOCK - 5, 3 * BLOCK)):
+            assert s.read("s", "f", a, b - a) == data[a:b]
+        for a, b in ((3 * BLOCK, 3 * BLOCK + 1), (0, len(data)), (3 * BLOCK + 100, BLOCK)):
+            with pytest.raises(Corrupt, match="block 3"):
+                s.read("s", "f", a, b)
+        assert s.read("s", "g", 0, 10**6) == b"after" * 100
+        s.crash()
+
+
+def test_sync_with_nothing_written_costs_no_fsync(tmp_path):
+    path = str(tmp_path / "v.kvvol")
+    s = Store.create(path, 8 * MB, volume=FaultyVolume)
+    vol = s.vol
+    assert isinstance(vol, FaultyVolume)
+    s.create_session("s")
+    for name in ("a", "b", "c"):
+        s.create_file("s", name)
+        s.append("s", name, 0, name.encode() * 50_000)
+    n = vol.syncs
+    for _ in ("a", "b", "c"):  # the migration pattern: a batch, then one fsync per file
+        s.sync()
+    assert vol.syncs == n + 1
+    assert s.read("s", "b", 0, 3) == b"bbb"
+    s.sync()
+    assert vol.syncs == n + 1  # a read writes nothing
+    s.append("s", "a", 50_000, b"more")
+    s.sync()
+    s.sync()
+    assert vol.syncs == n + 2
+    vol.power_cut(keep=0)  # everything synced survives
+    s = Store.open(path)
+    assert s.read("s", "a", 0, 10**6) == b"a" * 50_000 + b"more"
+    assert s.read("s", "c", 0, 10**6) == b"c" * 50_000
+    s.close()
+
+
+def test_readers_run_beside_an_appender_and_reclaim(tmp_path):
+    """Readers on several threads, one appender that keeps the ring wrapping (live data is
+    copied forward from under the readers): every byte right, no exception, no fsck mark."""
+    path = str(tmp_path / "v.kvvol")
+    s = Store.create(path, 8 * MB, StoreConfig(write_buffer=64 << 10))
+    s.create_session("s")
+    cap = 700_000
+    content = {f"f{k}": (bf16(cap, k) if k % 2 else os.urandom(cap)) for k in range(4)}
+    for name in content:
+        s.create_file("s", name)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    reads = [0]
+
+    def appender() -> None:
+        rng = random.Random(1)
+        try:
+            while not stop.is_set():
+                name = rng.choice(sorted(content))
+                size = s.file_stat("s", name).size
+                if size >= cap - 200_000:
+                    s.truncate("s", name, rng.randrange(0, size // 2))
+                    size = s.file_stat("s", name).size
+                n = rng.choice((1000, 20_000, 96 << 10, 150_000))
+                s.append("s", name, size, content[name][size:size + n])
+                if rng.random() < 0.1:
+                    s.sync()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+            stop.set()
+
+    def reader(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            while not stop.is_set():
+                name = rng.choice(sorted(content))
+                a = rng.randrange(0, cap)
+                got = s.read("s", name, a, rng.choice((1, 4096, 96 << 10, 300_000)))
+                assert got == content[name][a:a + len(got)], f"wrong bytes in {name} at {a}"
+                reads[0] += 1
+        except NotFound:
+            pass
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+            stop.set()
+
+    threads = [threading.Thread(target=appender)] + [
+        threading.Thread(target=reader, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while not stop.is_set() and time.monotonic() < deadline and (
+            s.counters["copied_forward"] == 0 or s.ring.head < 3 * s.ring.size):
+        time.sleep(0.1)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert s.ring.head >= 3 * s.ring.size and s.counters["copied_forward"] > 0
+    assert reads[0] > 100 and not s.needs_fsck
+    for name, data in content.items():
+        got = s.read("s", name, 0, cap)
+        assert got == data[:len(got)]
+    s.close()
+    s = Store.open(path)
+    for name, data in content.items():
+        got = s.read("s", name, 0, cap)
+        assert got == data[:len(got)]
+    s.close()
+
+
+def test_read_that_meets_reclaimed_space_looks_up_again(tmp_path):
+    """The entry a read looked up is copied forward and written over between the lookup and
+    the read from the volume: the read looks up again and returns the right bytes."""
+    path = str(tmp_path / "v.kvvol")
+    s = Store.create(path, 4 * MB, StoreConfig(compression="none"))
+    s.create_session("s")
+    s.create_file("s", "old")
+    old = os.urandom(50_000)
+    s.append("s", "old", 0, old)
+    s.create_file("s", "churn")
+    s.flush()
+    (pos, _, _, _), = s._file("s", "old")[1].ext
+    real = s.ring.read_data
+    raced = []
+
+    def read_data(p, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if not raced:  # the writer runs between this read's lookup and its pread
+            raced.append(p)
+            size = 0
+            while s.ring.tail <= p or s.ring.head < p + s.ring.size + 60_000:
+                if size > 200_000:
+                    s.truncate("s", "churn", 0)
+                    size = 0
+                s.append("s", "churn", size, b"\xee" * 60_000)
+                size += 60_000
+            s.flush()
+        return real(p, *a, **kw)
+
+    s.ring.read_data = read_data
+    s.drop_caches()
+    assert s.read("s", "old", 1000, 30_000) == old[1000:31_000]
+    assert raced == [pos] and s.counters["read_retries"] == 1
+    assert s._file("s", "old")[1].ext[0][0] > pos  # the bytes now come from the copy
+    assert not s.needs_fsck
+    s.close()
