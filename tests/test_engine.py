@@ -424,3 +424,18 @@ def test_engine_imports_nothing_above_it():
             f"print(','.join(m for m in {heavy!r} if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "", f"kvfs.engine loaded: {r.stdout.strip()}"
+
+
+def test_volume_identity_is_stable_and_distinct(tmp_path):
+    a, b = str(tmp_path / "a.kvfs"), str(tmp_path / "b.kvfs")
+    sa, sb = Store.create(a, 8 << 20), Store.create(b, 8 << 20)
+    ida, idb = sa.volume_id, sb.volume_id
+    assert len(ida) == 32 and ida != idb and ida != "0" * 32
+    assert sa.stats()["volume"]["uuid"] == ida
+    sa.create_session("s")
+    sa.checkpoint()  # a checkpoint rewrites the superblock: the identity stays
+    sa.close()
+    sb.close()
+    again = Store.open(a)
+    assert again.volume_id == ida
+    again.close()

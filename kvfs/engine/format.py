@@ -33,10 +33,11 @@ SB_CLEAN = 1  # flag: closed cleanly
 SB_NEEDS_FSCK = 2  # flag: an error was seen while in use; mounts refuse until fsck --repair
 
 # superblock: magic, version, flags, seq, volume_size, ring_offset, ring_size, tree_offset,
-# tree_pages, head, tail, ckpt_pos, next_sno, ckpt_time_ns, created_ns, tree root bytes, crc
-SB_FMT = "<8sIIQQQQQQQQQQQQ64sI"
+# tree_pages, head, tail, ckpt_pos, next_sno, ckpt_time_ns, created_ns, tree root bytes,
+# volume uuid (the RAM tier of agents keys its root by it), crc
+SB_FMT = "<8sIIQQQQQQQQQQQQ64s16sI"
 SB_SIZE = struct.calcsize(SB_FMT)
-assert SB_SIZE == 8 + 4 + 4 + 8 * 12 + 64 + 4 == 180
+assert SB_SIZE == 8 + 4 + 4 + 8 * 12 + 64 + 16 + 4 == 196
 
 
 @dataclass
@@ -55,13 +56,14 @@ class Superblock:
     ckpt_time_ns: int
     created_ns: int
     tree_root: bytes  # packed kvfs.btree.TreeRoot, zero-padded to TREE_ROOT_AREA
+    uuid: bytes = bytes(16)  # the volume's identity, random at creation, never changed
 
     def pack(self) -> bytes:
         body = struct.pack(
             SB_FMT[:-1], VOLUME_MAGIC, VERSION, self.flags, self.seq, self.volume_size,
             self.ring_offset, self.ring_size, self.tree_offset, self.tree_pages, self.head,
             self.tail, self.ckpt_pos, self.next_sno, self.ckpt_time_ns, self.created_ns,
-            self.tree_root.ljust(TREE_ROOT_AREA, b"\0"),
+            self.tree_root.ljust(TREE_ROOT_AREA, b"\0"), self.uuid,
         )
         raw = body + struct.pack("<I", crc32c.crc32c(body))
         return raw.ljust(SB_SLOT, b"\0")
@@ -85,7 +87,7 @@ class Superblock:
         f = struct.unpack(SB_FMT, raw[:SB_SIZE])
         if crc32c.crc32c(raw[: SB_SIZE - 4]) != f[-1]:
             raise BadSuperblock("checksum", "superblock checksum mismatch")
-        return cls(f[3], f[2], *f[4:16])
+        return cls(f[3], f[2], *f[4:17])
 
 
 # ring entry header: magic, type, flags, reserved, pos, name_hash, sno, file_off, fno,

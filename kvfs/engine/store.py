@@ -52,6 +52,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
 
 from .blocks import Encoded, encode_entries
@@ -127,7 +128,7 @@ class Store(ReadPath):
         vol = volume.create(path, size)
         now = time.time_ns()
         sb = Superblock(1, SB_CLEAN, vol.size, ring_off, ring_size, tree_off, tree_pages, 0, 0, 0, 1,
-                        now, now, TreeRoot.empty().pack())
+                        now, now, TreeRoot.empty().pack(), uuid.uuid4().bytes)
         vol.write_superblock(sb)
         vol.write_superblock(Superblock(**{**sb.__dict__, "seq": 2}))
         vol.close()
@@ -379,7 +380,7 @@ class Store(ReadPath):
         new = Superblock(sb.seq + 1, self.fsck_mark.flags(clean), sb.volume_size, sb.ring_offset,
                          sb.ring_size, sb.tree_offset, sb.tree_pages, self.ring.head,
                          self.ring.tail, self.ring.head, self.next_sno, time.time_ns(),
-                         sb.created_ns, root.pack())
+                         sb.created_ns, root.pack(), sb.uuid)
         try:
             self.vol.sync()
             self.vol.write_superblock(new)
@@ -451,6 +452,11 @@ class Store(ReadPath):
                      self.ring.tail, self.sb.ckpt_pos, time.monotonic() - self.last_ckpt,
                      self.counters["raw_written"], self.counters["stored_written"])
 
+    @property
+    def volume_id(self) -> str:
+        """The volume's uuid (hex): stable for its life, distinct between volumes."""
+        return self.sb.uuid.hex()
+
     def stats(self) -> dict:
         with self._lock:
             return self._stats()
@@ -460,7 +466,8 @@ class Store(ReadPath):
         raw, st = self.counters["raw_written"], self.counters["stored_written"]
         rep = self.open_report
         return {
-            "volume": {"path": self.vol.path, "size": self.sb.volume_size, "capacity": u.capacity,
+            "volume": {"path": self.vol.path, "uuid": self.volume_id, "size": self.sb.volume_size,
+                       "capacity": u.capacity,
                        "used": u.used, "used_ratio": u.used / u.capacity, "sessions": u.sessions,
                        "head": u.head, "tail": u.tail, "checkpoint_pos": u.checkpoint_pos,
                        "checkpoint_age_s": round(u.checkpoint_age_s, 3),
