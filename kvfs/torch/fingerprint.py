@@ -1,11 +1,12 @@
 """Model identity and the on-disk layout of one session's KV (``meta.json`` + layer bytes).
 
-Owns: the model fingerprint (a hash of the model config), the KV geometry read from a
-config (layers, KV heads, head dim), the ``meta.json`` document and its checks, the
-conversion between K/V tensors and token-major layer bytes, and the two errors the hot
-tier raises on purpose (:class:`KVMismatch`, :class:`KVCorrupt`).
+Owns: the model fingerprint (a hash of the model config and a digest of its weights), the
+KV geometry read from a config (layers, KV heads, head dim) and the refusal of models whose
+attention the cache cannot serve, the ``meta.json`` document and its checks, the
+conversion between K/V tensors and token-major layer bytes, and the errors the hot tier
+raises on purpose (:class:`KVMismatch`, :class:`KVCorrupt`, :class:`KVUnsupported`).
 
-Layer byte layout (the brief's "File contents"): for each token, K then V, each
+Layer byte layout (docs/format.md): for each token, K then V, each
 ``num_kv_heads x head_dim`` values in the model dtype, little-endian. Token ``t`` of a
 layer file therefore starts at byte ``t * token_bytes`` with
 ``token_bytes = 2 * num_kv_heads * head_dim * itemsize``.
@@ -19,6 +20,7 @@ import functools
 import hashlib
 import json
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +53,10 @@ class KVMismatch(ValueError):
     """Stored KV was written by another model (fingerprint, dtype or shape differ)."""
 
 
+class KVUnsupported(NotImplementedError):
+    """The model's attention is not one the cache can serve (raised when a cache is built)."""
+
+
 class KVCorrupt(ValueError):
     """Stored KV is unusable: a layer file shorter than meta.json says, bad meta, bad bytes."""
 
@@ -75,17 +81,87 @@ def _config_of(model_or_config: Any) -> Any:
     return get_text(decoder=True) if callable(get_text) else cfg
 
 
-def fingerprint(model_or_config: Any) -> str:
-    """A stable hash of the model config (volatile keys dropped): ``"sha256:<32 hex>"``.
+#: elements sampled from each parameter tensor for the weight digest
+WEIGHT_SAMPLES = 256
 
-    Two models with the same architecture hyper-parameters share a fingerprint; weights are
-    not hashed (the brief: "fingerprint = hash of the model config").
+_FP_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def weights_digest(model: Any) -> str:
+    """A cheap digest of a model's weights: name, shape, dtype and ``WEIGHT_SAMPLES`` evenly
+    spaced elements of every parameter tensor (sorted by name).
+
+    A fine-tune (full or merged low-rank) changes most matrices everywhere, so a strided
+    sample of every tensor tells two fine-tunes of one base apart for a few ms of work.
     """
+    h = hashlib.sha256()
+    params = sorted(model.named_parameters(), key=lambda kv: kv[0])
+    with torch.no_grad():
+        for name, p in params:
+            flat = p.detach().reshape(-1)
+            n = flat.numel()
+            if n > WEIGHT_SAMPLES:
+                idx = torch.arange(WEIGHT_SAMPLES, device=flat.device) * (n // WEIGHT_SAMPLES)
+                flat = flat.index_select(0, idx)
+            h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:".encode())
+            h.update(flat.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def fingerprint(model_or_config: Any) -> str:
+    """``"sha256:<32 hex>"`` over the model config (volatile keys dropped) and, given a model
+    (anything with ``named_parameters``), a digest of its weights (:func:`weights_digest`).
+
+    Two fine-tunes of one base with one config get different fingerprints, so a session
+    written by one is refused by the other. A bare config hashes the config only (it
+    cannot resume a session written by a model). Computed once per model object: weights
+    changed in place afterwards are not seen.
+    """
+    is_model = hasattr(model_or_config, "named_parameters")
+    if is_model:
+        try:
+            return _FP_CACHE[model_or_config]
+        except (KeyError, TypeError):
+            pass
     cfg = _config_of(model_or_config)
     d = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
     clean = {k: v for k, v in d.items() if k not in _VOLATILE_KEYS and not k.startswith("_")}
     blob = json.dumps(clean, sort_keys=True, default=str, separators=(",", ":"))
-    return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()[:32]
+    h = hashlib.sha256(blob.encode())
+    if is_model:
+        h.update(b"\0weights:" + weights_digest(model_or_config).encode())
+    fp = "sha256:" + h.hexdigest()[:32]
+    if is_model:
+        try:
+            _FP_CACHE[model_or_config] = fp
+        except TypeError:  # not weak-referenceable: recomputed next time
+            pass
+    return fp
+
+
+def check_supported(model_or_config: Any) -> None:
+    """Raise :class:`KVUnsupported` for attention the cache cannot serve exactly.
+
+    The cache stores one full-attention K and V per token and layer. Refused: multi-latent
+    attention (``kv_lora_rank``: the cache holds a compressed latent, not per-head K/V),
+    sliding-window attention (``sliding_window``: the model drops keys itself) and hybrid
+    stacks (``layer_types`` with anything but ``full_attention``).
+    """
+    cfg = _config_of(model_or_config)
+    name = getattr(cfg, "model_type", type(cfg).__name__)
+    if getattr(cfg, "kv_lora_rank", None):
+        raise KVUnsupported(
+            f"kvfs.torch cannot serve {name}: multi-latent attention (kv_lora_rank="
+            f"{cfg.kv_lora_rank}) caches a compressed latent, not per-head K/V")
+    if getattr(cfg, "sliding_window", None) is not None:
+        raise KVUnsupported(
+            f"kvfs.torch cannot serve {name}: sliding-window attention (sliding_window="
+            f"{cfg.sliding_window}); the cache keeps full-attention K/V only")
+    types = getattr(cfg, "layer_types", None)
+    if types is not None and any(t != "full_attention" for t in types):
+        raise KVUnsupported(
+            f"kvfs.torch cannot serve {name}: layer types {sorted(set(types))}; the cache keeps "
+            "full-attention K/V only")
 
 
 @dataclass(frozen=True)
@@ -114,15 +190,12 @@ class KVGeometry:
 
 def geometry(model_or_config: Any, dtype: torch.dtype | None = None) -> KVGeometry:
     """KV geometry of a decoder model; only full-attention, per-token-KV models are accepted."""
+    check_supported(model_or_config)
     cfg = _config_of(model_or_config)
     n_layers = int(cfg.num_hidden_layers)
     n_heads = int(cfg.num_attention_heads)
     n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
-    types = getattr(cfg, "layer_types", None)
-    if types is not None and any(t != "full_attention" for t in types):
-        raise NotImplementedError(
-            f"kvfs.torch supports full-attention layers only; this model has {sorted(set(types))}")
     if dtype is None:
         param = next(iter(model_or_config.parameters()), None) if hasattr(
             model_or_config, "parameters") else None
@@ -133,7 +206,7 @@ def geometry(model_or_config: Any, dtype: torch.dtype | None = None) -> KVGeomet
 
 
 def build_meta(fp: str, geo: KVGeometry, tokens: int, rounds: list[list[int]]) -> dict:
-    """The ``meta.json`` document (exactly the brief's keys)."""
+    """The ``meta.json`` document (exactly the keys docs/format.md lists)."""
     return {
         "format": FORMAT,
         "model": fp,

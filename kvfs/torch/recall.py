@@ -1,8 +1,8 @@
 """Round summaries and reading stored rounds back as tensors (recall and resume).
 
-Owns: the per-round summary vector (the mean key of a round, projected by a fixed seeded
-matrix and L2-normalised; ``kvfs.warm.summarize_keys`` is used when the warm tier provides
-it, so both tiers agree on one definition), ranking rounds by similarity to a query, and
+Owns: the use of the per-round summary vector (the mean key of a round, projected by a
+fixed seeded matrix and L2-normalised: ``kvfs.warm.summarize_keys``, one definition for
+both tiers), ranking rounds by similarity to a query, and
 reading token ranges of a session's layer files from the warm tier into K/V tensors with
 every length checked (a short file raises :class:`KVCorrupt`, never yields garbage), and a
 read-ahead hint for the cold copies a resume is about to read. Reads go through the warm
@@ -15,7 +15,6 @@ the model never attends to them.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from typing import Any
@@ -24,53 +23,17 @@ import numpy as np
 import torch
 
 from kvfs.torch.fingerprint import KVCorrupt, KVGeometry, kv_from_bytes
+from kvfs.warm import summarize_keys as warm_summarize_keys
 
 log = logging.getLogger("kvfs.torch.recall")
 
-SUMMARY_SEED = 0
-
-
-@functools.lru_cache(maxsize=16)
-def projection(features: int, dim: int, seed: int = SUMMARY_SEED) -> np.ndarray:
-    """The fixed ``[features, dim]`` projection: ``RandomState(seed)`` normals / sqrt(dim).
-
-    The same matrix as ``kvfs.warm.summary`` (used only when that module is absent).
-    """
-    m = np.random.RandomState(seed).standard_normal((features, dim))
-    m /= np.sqrt(dim)
-    m.setflags(write=False)
-    return m
-
-
-def _warm_summarize() -> Any:
-    try:
-        from kvfs.warm.summary import summarize_keys as fn  # noqa: PLC0415 - optional peer
-    except ImportError:
-        try:
-            from kvfs.warm import summarize_keys as fn  # noqa: PLC0415
-        except ImportError:
-            return None
-    return fn
-
 
 def summarize_keys(keys: np.ndarray, dim: int = 128) -> np.ndarray:
-    """Summary of ``keys`` (``[tokens, features]``): L2-normalised ``mean(keys) @ P``, float32.
-
-    Delegates to ``kvfs.warm.summary.summarize_keys`` when the warm tier provides it, so
-    the hot tier, the warm tier and recall share one definition.
-    """
+    """Summary of ``keys`` (``[tokens, features]``): :func:`kvfs.warm.summarize_keys`, the one
+    definition the warm tier, the hot tier and recall share."""
     k = np.asarray(keys, dtype=np.float32)
     k = k.reshape(1, -1) if k.ndim <= 1 else k.reshape(k.shape[0], -1)
-    fn = _warm_summarize()
-    if fn is not None:
-        return np.asarray(fn(k, dim), dtype=np.float32).reshape(dim)
-    if k.shape[0] == 0:
-        raise ValueError("summarize_keys needs at least one token")
-    v = k.astype(np.float64).mean(axis=0) @ projection(k.shape[1], dim)
-    n = float(np.linalg.norm(v))
-    if n > 0 and np.isfinite(n):
-        v /= n
-    return v.astype(np.float32)
+    return np.asarray(warm_summarize_keys(k, dim), dtype=np.float32).reshape(dim)
 
 
 def query_summary(query: torch.Tensor | np.ndarray, geo: KVGeometry, dim: int) -> np.ndarray:
@@ -105,10 +68,7 @@ def rank_rounds(summaries: np.ndarray, query: np.ndarray, among: list[int] | Non
 def _read(warm: Any, sid: str, layer: int, a: int, b: int, promote: bool | None) -> Any:
     if promote is None:
         return warm.read(sid, layer, a, b)
-    try:
-        return warm.read(sid, layer, a, b, promote=promote)
-    except TypeError:  # a warm tier without the promote switch
-        return warm.read(sid, layer, a, b)
+    return warm.read(sid, layer, a, b, promote=promote)
 
 
 def read_tokens(warm: Any, sid: str, layer: int, geo: KVGeometry, start: int, end: int,

