@@ -117,6 +117,11 @@ class Profile:
     # hot tier
     max_kv_len: int = _spec("int", "tokens per layer kept on the device (hot window)", min=1)
     device_watermark: float = _spec("fraction", "device memory ratio that moves rounds out")
+    sink_tokens: int = _spec(
+        "int", "first tokens of a session kept on the device (attention sinks)", min=0, max=1024)
+    auto_recall: bool = _spec("bool", "at each new round, attend the older rounds whose summaries "
+                              "match it best")
+    recall_rounds: int = _spec("int", "rounds brought back by automatic recall", min=0, max=64)
     keep_summary_rounds: int = _spec(
         "int", "previous rounds kept findable by their summary (ecommerce: 1)", min=0, max=1024)
     # warm tier
@@ -136,6 +141,21 @@ class Profile:
                                min=1.0)
     evict_when_full: bool = _spec("bool", "full volume: drop sessions at the ring tail whole "
                                   "instead of answering ENOSPC")
+    # shared tier (docs/scale-out.md)
+    shared: str = _spec("str", "Redis Cluster of the shared tier, redis://host:port[,host:port...] "
+                        "(empty: none)")
+    shared_optional: bool = _spec("bool", "cluster unreachable at mount: run local-only with a "
+                                  "warning instead of refusing")
+    shared_retention_s: float = _spec("seconds", "how long the cluster keeps a session after its "
+                                      "last write", min=1.0)
+    shared_max_bytes: int = _spec("size", "bound on the cluster's session bytes, least recently "
+                                  "written dropped first (0: none)", min=0)
+    shared_queue_bytes: int = _spec("size", "bound on bytes waiting to be replicated; past it, "
+                                    "fsync is EIO while the cluster is away", min=1 << 20)
+    shared_lease_s: float = _spec("seconds", "session lease: a dead node's sessions are taken "
+                                  "over this long after its last renewal", min=0.1)
+    shared_fsync_wait_s: float = _spec("seconds", "how long fsync waits for an unreachable "
+                                       "cluster before acknowledging locally", min=0.0)
     # alert rules
     alert_device_pct: float = _spec("fraction", "device_memory_high threshold")
     alert_device_for_s: float = _spec("seconds", "device_memory_high duration", min=0.0)

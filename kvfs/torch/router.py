@@ -41,9 +41,6 @@ import torch
 
 from kvfs.ops import metrics, profiles
 from kvfs.torch.cache import (
-    DEFAULT_AUTO_RECALL,
-    DEFAULT_RECALL_ROUNDS,
-    DEFAULT_SINK_TOKENS,
     TieredCache,
 )
 from kvfs.torch.fingerprint import KVCorrupt, KVMismatch, fingerprint, geometry
@@ -61,10 +58,9 @@ def load_profile(name: str | Any) -> Any:
 
 
 def hot_settings(prof: Any) -> dict[str, Any]:
-    """The hot-tier values of a profile, with the built-in defaults for keys it lacks."""
-    return {"sink_tokens": int(getattr(prof, "sink_tokens", DEFAULT_SINK_TOKENS)),
-            "auto_recall": bool(getattr(prof, "auto_recall", DEFAULT_AUTO_RECALL)),
-            "recall_rounds": int(getattr(prof, "recall_rounds", DEFAULT_RECALL_ROUNDS))}
+    """The hot-tier values of a profile."""
+    return {"sink_tokens": prof.sink_tokens, "auto_recall": prof.auto_recall,
+            "recall_rounds": prof.recall_rounds}
 
 
 class KVRouter:
