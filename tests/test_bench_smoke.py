@@ -56,4 +56,4 @@ def test_missing_module_is_reported_not_crashed(tmp_path: Path) -> None:
            "machine": {}, "figures": figs}
     page = bench.render(doc, "img")
     assert "bench_nosuchmodule.figure_fn`: **not available**" in page
-    assert "## Figure 9" in page  # every figure of issue 7 has a place, measured or not
+    assert "## Figure 9" in page  # every figure has a place, measured or not

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""kvfs benchmarks side by side: every figure of issue 7, its peer measured in the same run.
+"""kvfs benchmarks side by side: every figure of the page, its peer measured in the same run.
 
     python tools/bench.py [--quick] [--out DIR] [--only NAME,...] [--docs PATH | --no-docs]
 

@@ -91,7 +91,7 @@ def fmt_value(v: float | None, unit: str = "") -> str:
 class Result:
     """One compared measurement: subject vs peer, samples of each, ratio of the medians."""
 
-    figure: str  # issue 7's figure number ("1".."9"), or a name for extra figures
+    figure: str  # the page's figure number ("1".."9"), or a name for extra figures
     name: str  # what is measured, e.g. "random 96 KiB read, p50"
     subject: str  # e.g. "kvfs engine read"
     peer: str  # e.g. "os.pread, ext4 file"; "" when there is no peer
