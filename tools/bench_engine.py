@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Storage-engine benchmarks (issue 2's figures, and issue 7's figures 1, 7 and 8).
+"""Storage-engine benchmarks: the engine's own figures, and figures 1, 7 and 8 of the page.
 
 Drives ``kvfs.engine.Store`` directly, no FUSE, against the plain-file peer a user would
 otherwise use, both measured interleaved in the same run on the same disk:
