@@ -99,6 +99,7 @@ class WriteBuffers:
         self._by_ino: dict[int, Pending] = {}
         self._headroom: int | None = None  # free ring bytes at the last look, less the reserve
         self._full_until = 0.0  # trio clock: until then a full engine is not asked again
+        self.shared: Any = None  # told what reached the engine (``remote.Remote``), if set
 
     def space_freed(self) -> None:
         """A file or session was deleted or truncated: the engine may have room again."""
@@ -157,8 +158,9 @@ class WriteBuffers:
                 return
 
     # ------------------------------------------------------------------ writes
-    async def write(self, node: Node, off: int, buf: bytes) -> int:
-        """Accept ``buf`` at ``off``: the bytes accepted, or raise; never drop silently.
+    async def write(self, node: Node, off: int | None, buf: bytes) -> int:
+        """Accept ``buf`` at ``off`` (None: at the end, an O_APPEND handle): the bytes
+        accepted, or raise; never drop silently.
 
         The buffer is flushed before it would pass ``flush_at`` or the mount's bound, and
         when this write fills it. If that append fails (ENOSPC), the part of this write
@@ -178,6 +180,8 @@ class WriteBuffers:
         async with p.lock:
             if node.unlinked:
                 raise Stale(shown(node.key))
+            if off is None:
+                off = p.size
             if off != p.size:
                 self.counters.refused_writes += 1
                 log.warning("write to %s at offset %d refused with EPERM: the file ends at "
@@ -215,6 +219,8 @@ class WriteBuffers:
         done, err, headroom = await self.call(self._append_pieces, p.node, p.base, data)
         del p.buf[:done]  # what was stored leaves the buffer; the rest stays for a retry
         p.base += done
+        if done and self.shared is not None:  # stored: now it may be replicated
+            self.shared.stored(p.node.key, p.base - done, data if done == len(data) else data[:done])
         self._headroom = headroom
         if isinstance(err, errors.NoSpace):
             self._full_until = trio.current_time() + FULL_RETRY_S
@@ -250,6 +256,7 @@ class WriteBuffers:
         p = self._by_ino.get(node.ino)
         if p is None:
             await self.call(on_live, node, self.store.truncate, *node.key, length)
+            self._cut(node, length)
             return
         async with p.lock:
             if node.unlinked:
@@ -262,6 +269,11 @@ class WriteBuffers:
             p.buf.clear()
             await self.call(on_live, node, self.store.truncate, *node.key, length)
             p.base = length
+            self._cut(node, length)
+
+    def _cut(self, node: Node, length: int) -> None:
+        if self.shared is not None:
+            self.shared.cut(node.key, length)
 
     async def read(self, node: Node, off: int, size: int) -> bytes:
         """Bytes of the file as this mount sees it: the engine's, then the buffered tail.

@@ -29,6 +29,7 @@ class Directories:
     inodes: Any
     store: Any
     worker: Any
+    shared: Any
 
     @handler
     async def opendir(self, inode: int, ctx: RequestContext) -> int:
@@ -43,6 +44,7 @@ class Directories:
             key = self._key(inode)
             if len(key) != 1:
                 raise FUSEError(errno.ENOTDIR)
+            await self._replaced(await self.shared.refresh(key[0]))  # files made on another node
             names = await self.call(self.store.list_files, key[0], changes=False)
             entries += [(n, (key[0], n)) for n in names]
         fh = self._new_fh(Handle(inode))

@@ -208,14 +208,16 @@ def negative() -> EntryAttributes:
 
 
 def stats_body(store_stats: dict, usage: Any, fs: dict, needs_fsck: bool,
-               alerts_state: Callable[[], Any] | None) -> bytes:
-    """``/.kvfs/stats``: the engine's stats, its usage, the FUSE layer's counts, alerts."""
+               alerts_state: Callable[[], Any] | None, shared: dict | None = None) -> bytes:
+    """``/.kvfs/stats``: the engine's stats, its usage, the FUSE layer's counts, alerts,
+    and the shared tier's figures (None without ``--shared``)."""
     doc = {
         "store": store_stats,
         "usage": asdict(usage),
         "fs": fs,
         "needs_fsck": needs_fsck,
         "alerts": alerts_state() if alerts_state else None,
+        "shared": shared,
     }
     return (json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n").encode()
 

@@ -4,11 +4,12 @@
     python mount.py VOLUME MOUNTPOINT [--size SIZE] [--profile gov|ecommerce|iot]
                     [--foreground] [--config FILE] [-o key=value ...] [--allow-other]
                     [--metrics-port N] [--metrics-addr ADDR] [--log FILE] [--debug]
-                    [--page-cache] [--force]
+                    [--page-cache] [--force] [--shared redis://HOST:PORT[,...]]
+                    [--shared-optional]
 
 The story, in order: parse the arguments, set up logging, load the profile, check the
 paths, daemonize (the parent waits on a pipe and exits 0 only once the mount is live),
-open or create the volume, mount it, then run the FUSE loop with a periodic checkpoint
+connect to the shared tier (``--shared``), open or create the volume, mount it, then run the FUSE loop with a periodic checkpoint
 and the alert rules beside it until SIGINT/SIGTERM or ``umount``. On the way out, clean
 or not, the same steps run: unmount, flush buffered writes, close the store (flush,
 checkpoint, clean flag). Exit 0 after a clean unmount; a refusal is one line on stderr
@@ -20,10 +21,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import hashlib
 import logging
 import os
 import re
 import signal
+import socket
 import sys
 from typing import Any
 
@@ -78,6 +81,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--write-buffer-max", type=profiles.parse_size, metavar="SIZE",
                    help="bound on the mount's unflushed written bytes (default: 256M, at "
                         "most 1/8 of RAM)")
+    p.add_argument("--shared", metavar="redis://HOST:PORT[,HOST:PORT...]",
+                   help="replicate sessions to this Redis Cluster and read other nodes' "
+                        "sessions through from it (also -o shared=...)")
+    p.add_argument("--shared-optional", action="store_true",
+                   help="if the cluster is unreachable at mount, run local-only with a "
+                        "warning instead of refusing")
     args = p.parse_args(argv)
     # the daemon changes directory to /, so every path is made absolute now
     args.volume = os.path.abspath(args.volume)
@@ -177,6 +186,42 @@ def open_store(args: argparse.Namespace, size: int | None, profile: profiles.Pro
         raise Refused(f"cannot open volume {args.volume}: {e.strerror or e}") from None
 
 
+def node_id(volume: str) -> str:
+    """This mount's name in the cluster's leases: the host and its volume (stable across
+    remounts, so a restarted mount finds its own leases)."""
+    host = socket.gethostname().translate(str.maketrans("/{}", "___")) or "host"
+    return f"{host}-{hashlib.sha1(volume.encode()).hexdigest()[:8]}"
+
+
+def open_shared(args: argparse.Namespace, profile: profiles.Profile) -> Any:
+    """The ``SharedTier`` of ``--shared`` (or the profile's ``shared``), None without one;
+    ``Refused`` when it cannot be reached, unless it is optional (then a warning)."""
+    urls = args.shared or profile.shared
+    if not urls:
+        return None
+    from kvfs.shared import SharedError, SharedTier  # loaded only by mounts that use it
+
+    optional = args.shared_optional or profile.shared_optional
+    tier = None
+    try:
+        tier = SharedTier(urls, node_id=node_id(args.volume),
+                          lease_ms=max(100, int(profile.shared_lease_s * 1000)),
+                          retention_s=profile.shared_retention_s,
+                          max_bytes=profile.shared_max_bytes or None)
+        if not tier.healthy():
+            raise SharedError("not every shard's master answers")
+    except (SharedError, ValueError) as e:
+        if tier is not None:
+            tier.close()
+        if not optional:
+            raise Refused(f"shared tier {urls} unreachable: {e} (--shared-optional mounts "
+                          f"local-only)") from None
+        log.warning("shared tier %s unreachable, running local-only: %s", urls, e)
+        return None
+    log.info("shared tier %s, node %s", urls, tier.node_id)
+    return tier
+
+
 def fuse_options(args: argparse.Namespace) -> set[str]:
     options = {"fsname=kvfs", "subtype=kvfs", "default_permissions"}
     if args.allow_other:
@@ -191,6 +236,7 @@ async def checkpointer(ops: Operations, store: Any) -> None:
         try:
             await ops.call(store.maybe_checkpoint)
             refresh_cold_gauges(await ops.call(store.usage, changes=False))
+            ops.shared.refresh_metrics()
         except Exception:
             log.exception("periodic checkpoint failed")
 
@@ -256,6 +302,7 @@ async def serve(ops: Operations, store: Any, profile: profiles.Profile,
         ops.readahead.nursery = None
         nursery.cancel_scope.cancel()
     await ops.flush_all()
+    await ops.shared.close()  # pushes what is queued (bounded), hands the leases back
     ops.worker.close()
 
 
@@ -268,7 +315,13 @@ def main(argv: list[str] | None = None) -> int:
         check_paths(args, size)
         if not args.foreground:
             pipe = daemonize()
-        store = open_store(args, size, profile)
+        tier = open_shared(args, profile)
+        try:
+            store = open_store(args, size, profile)
+        except Refused:
+            if tier is not None:
+                tier.close()
+            raise
     except Refused as e:
         return refuse(args, pipe, str(e))
 
@@ -278,6 +331,12 @@ def main(argv: list[str] | None = None) -> int:
         ops = Operations(store, direct_io=not args.page_cache, allow_other=args.allow_other,
                          max_pending=args.write_buffer_max or default_max_pending(),
                          alerts_state=alert_engine.state if alert_engine else None)
+        if tier is not None:
+            from kvfs.fuse.remote import Remote
+
+            ops.use_shared(Remote(tier, store, ops.call, ops.worker.engine_lock,
+                                  profile.shared_queue_bytes, profile.shared_fsync_wait_s,
+                                  ops.buffers.entry_max))
         try:
             if args.metrics_port:
                 metrics.serve(args.metrics_port, args.metrics_addr)

@@ -127,6 +127,11 @@ class InodeTable:
             self._by_ino[ino] = Node(ino, key)
         return ino
 
+    def find(self, key: Key) -> Node | None:
+        """The node of ``key`` if the table holds one (allocates nothing)."""
+        ino = self._by_key.get(key)
+        return None if ino is None else self._by_ino.get(ino)
+
     def looked_up(self, key: Key) -> int:
         """``key``'s inode with one more kernel reference (lookup, mkdir, create, readdir)."""
         ino = self.ino_of(key)
@@ -182,7 +187,8 @@ class Handle:
 
     ino: int
     content: bytes | None = None
-    writable: bool = False
+    writable: bool = False  # a writer of its session (counted for the shared tier's lease)
+    append: bool = False  # O_APPEND: each write goes at the file's end, whatever the offset
     seq_end: int = 0  # where the last read ended: the next one there is sequential
     ahead: object = None  # a read-ahead in flight or done (``files.Ahead``)
     window: object = None  # engine bytes kept for small sequential reads (``files.Window``)

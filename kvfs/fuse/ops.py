@@ -63,6 +63,8 @@ from .files import (
     session_attr,
     stats_body,
 )
+from .hooks import Local
+from .namespace import Namespace
 from .nodes import (
     FIXED,
     FIXED_CHILDREN,
@@ -85,14 +87,13 @@ T = TypeVar("T")
 
 FLUSH_AT = 1 << 20  # a file's write buffer is handed to the engine at this size
 ENTRY_MAX = 256 << 10  # cut into ring entries of at most this size (docs/mount.md)
-PRIVATE = 0o077  # group/other bits dropped from modes asked at creation: KV bytes are private
 
 
 def _is_write(flags: int) -> bool:
     return (flags & os.O_ACCMODE) != os.O_RDONLY
 
 
-class Operations(Directories, pyfuse3.Operations):
+class Operations(Namespace, Directories, pyfuse3.Operations):
     """The kvfs filesystem over one open ``Store`` (see the module docstring)."""
 
     supports_dot_lookup = True
@@ -120,6 +121,11 @@ class Operations(Directories, pyfuse3.Operations):
         self._t0 = time.time()
         # with allow_other anyone may create a session; the sticky bit keeps them apart
         self._sessions_mode = stat.S_IFDIR | (0o1777 if allow_other else 0o755)
+        self.shared: Any = Local()  # the shared tier's hooks (``remote.Remote`` with --shared)
+
+    def use_shared(self, shared: Any) -> None:
+        """Replicate to and read through from the shared tier (``remote.Remote``)."""
+        self.shared = self.buffers.shared = shared
 
     # ------------------------------------------------------------------ plumbing
     async def call(self, fn: Callable[..., T], *args: Any, changes: bool = True) -> T:
@@ -196,7 +202,7 @@ class Operations(Directories, pyfuse3.Operations):
     def _dyn_attr(self, ino: int, key: Key, st: Any) -> EntryAttributes:
         if len(key) == 1:
             return session_attr(ino, st)
-        return file_attr(ino, st, self.buffers.get(ino))
+        return file_attr(ino, self.shared.size_of(key, st), self.buffers.get(ino))
 
     def _stat_sync(self, key: Key) -> Any:
         return self.store.session_stat(*key) if len(key) == 1 else self.store.file_stat(*key)
@@ -214,13 +220,14 @@ class Operations(Directories, pyfuse3.Operations):
     async def _generate(self, ino: int) -> bytes:
         def body() -> bytes:
             if ino != STATS:
+                self.shared.refresh_metrics()
                 return metrics_body(self.store.usage())
             fs = {**asdict(self.counters), "open_files": len(self._handles),
                   "inodes": len(self.inodes), "direct_io": self.direct_io,
                   "pending_bytes": self.buffers.pending_bytes,
                   "max_pending": self.buffers.max_pending, "device_syncs": self.worker.syncs}
             return stats_body(self.store.stats(), self.store.usage(), fs, self.needs_fsck,
-                              self.alerts_state)
+                              self.alerts_state, self.shared.stats())
 
         return await self.call(body, changes=False)
 
@@ -246,8 +253,12 @@ class Operations(Directories, pyfuse3.Operations):
                 key = (parent[0], sname)
             try:
                 st = await self.call(self._stat_sync, key, changes=False)
-            except errors.NotFound:
-                return negative()
+            except errors.NotFound:  # maybe another node's session: read it through
+                made = (self.shared.import_session(key[0], ctx.uid, ctx.gid) if len(key) == 1
+                        else self.shared.import_file(key, ctx.uid, ctx.gid))
+                if not await made:
+                    return negative()
+                st = await self.call(self._stat_sync, key, changes=False)
             if len(key) == 1:
                 self._bind_session(key[0], st.sno)
                 await self._drop_pages()
@@ -302,7 +313,12 @@ class Operations(Directories, pyfuse3.Operations):
         if fields.update_size:
             if len(key) == 1:
                 raise FUSEError(errno.EISDIR)
-            await self.buffers.truncate(node, attr.st_size)
+            await self.shared.begin(key[0])
+            try:
+                await self.shared.complete(node)
+                await self.buffers.truncate(node, attr.st_size)
+            finally:
+                await self.shared.end(key[0])
             self._cut(node)
             self.buffers.space_freed()
         elif len(key) == 2:  # written bytes land first, so e.g. tar's futimens sticks
@@ -312,100 +328,13 @@ class Operations(Directories, pyfuse3.Operations):
             await self.call(on_live, node, functools.partial(setter, *key, **changes))
         return await self._attr_of(inode)
 
-    # ------------------------------------------------------------------ namespace changes
-    @handler
-    async def mkdir(self, parent_inode: int, name: bytes, mode: int,
-                    ctx: RequestContext) -> EntryAttributes:
-        self._only_sessions(parent_inode)
-        key = (check_name(name),)
-
-        def make() -> Any:
-            self.store.create_session(key[0], mode & 0o7777 & ~PRIVATE, ctx.uid, ctx.gid)
-            return self.store.session_stat(key[0])
-
-        st = await self.call(make)
-        self.inodes.unlink_session(key[0])  # inodes of an earlier session of this name
-        self._bind_session(key[0], st.sno)
-        await self._drop_pages()
-        return session_attr(self.inodes.looked_up(key), st)
-
-    @handler
-    async def rmdir(self, parent_inode: int, name: bytes, ctx: RequestContext) -> None:
-        self._only_sessions(parent_inode)
-        sname = check_name(name)
-
-        def remove() -> None:  # one worker call: no file can appear in between
-            if self.store.list_files(sname):
-                raise errors.NotEmpty(sname)
-            self.store.delete_session(sname)
-
-        await self.call(remove)
-        self.inodes.unlink_session(sname)
-        self.buffers.space_freed()
-        await self._drop_pages()
-
-    @handler
-    async def unlink(self, parent_inode: int, name: bytes, ctx: RequestContext) -> None:
-        key = (self._session_of(parent_inode), check_name(name))
-
-        def delete() -> Any:  # the last stat answers fstat on a handle still open
-            last = self.store.file_stat(*key)
-            self.store.delete_file(*key)
-            return last
-
-        last = await self.call(delete)
-        ino = self.inodes.ino_of(key)
-        dropped = self.buffers.drop(ino)
-        if dropped:
-            log.warning("unlink %s: %d unflushed bytes of an open file dropped", shown(key),
-                        dropped)
-        last.size += dropped  # the size its readers saw
-        self.buffers.space_freed()
-        self.inodes.unlink(key, last)
-        await self._drop_pages()
-
-    async def _new_file(self, parent: int, name: bytes, mode: int,
-                        ctx: RequestContext) -> tuple[int, EntryAttributes]:
-        key = (self._session_of(parent), check_name(name))
-
-        def make() -> Any:
-            self.store.create_file(*key, mode & 0o7777 & ~PRIVATE, ctx.uid, ctx.gid)
-            return self.store.file_stat(*key)
-
-        st = await self.call(make)
-        self.inodes.unlink(key)  # an inode of an earlier file of this name stays its own
-        await self._drop_pages()
-        ino = self.inodes.looked_up(key)
-        return ino, file_attr(ino, st, None)
-
-    @handler
-    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
-                     ctx: RequestContext) -> tuple[FileInfo, EntryAttributes]:
-        ino, attr = await self._new_file(parent_inode, name, mode, ctx)
-        return self._open_file(ino, flags), attr
-
-    @handler
-    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
-                    ctx: RequestContext) -> EntryAttributes:
-        if not stat.S_ISREG(mode):
-            raise FUSEError(errno.EPERM)  # regular files only: no devices, fifos, sockets
-        return (await self._new_file(parent_inode, name, mode, ctx))[1]
-
-    async def symlink(self, parent_inode: int, name: bytes, target: bytes,
-                      ctx: RequestContext) -> EntryAttributes:
-        raise FUSEError(errno.EPERM)
-
-    async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
-                   ctx: RequestContext) -> EntryAttributes:
-        raise FUSEError(errno.EPERM)
-
-    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
-                     name_new: bytes, flags: int, ctx: RequestContext) -> None:
-        raise FUSEError(errno.EXDEV)  # no rename in the engine; mv(1) falls back to copying
-
     # ------------------------------------------------------------------ open files
-    def _open_file(self, ino: int, flags: int) -> FileInfo:
-        fh = self._new_fh(Handle(ino, writable=_is_write(flags)))
+    def _open_file(self, ino: int, flags: int, writer: bool = False) -> FileInfo:
+        """A handle on ``ino``; ``writer``: it holds the session's writer count (``begin``),
+        ended by ``release``."""
+        # O_APPEND writes land at the end even when the kernel's idea of the size is stale
+        # (bytes read through from the shared tier grew the file behind its back)
+        fh = self._new_fh(Handle(ino, writable=writer, append=bool(flags & os.O_APPEND)))
         node = self.inodes.get(ino)
         keep = node is not None and not node.truncated and not flags & os.O_TRUNC
         if node is not None:
@@ -435,10 +364,32 @@ class Operations(Directories, pyfuse3.Operations):
         if inode in FIXED:
             raise FUSEError(errno.EISDIR)
         node = self._file(inode)
-        if flags & os.O_TRUNC:
-            await self.buffers.truncate(node, 0)
-            self._cut(node)
-        return self._open_file(inode, flags)
+        session = node.key[0]
+        if not _is_write(flags):
+            await self._replaced(await self.shared.refresh(session))
+            return self._open_file(inode, flags)
+        await self.shared.begin(session)  # the lease: EBUSY while another node writes
+        try:
+            await self._replaced(await self.shared.complete(node))  # whole before any append
+            if flags & os.O_TRUNC:
+                await self.buffers.truncate(node, 0)
+                self._cut(node)
+            return self._open_file(inode, flags, writer=True)
+        except BaseException:
+            await self.shared.end(session)
+            raise
+
+    async def _replaced(self, keys: list[Key]) -> None:
+        """Files the shared tier's newer copy grew or replaced: bytes read before are not
+        served, and the kernel drops its pages and attributes (its size is stale)."""
+        inos = []
+        for key in keys:
+            node = self.inodes.find(key)
+            if node is not None:
+                self._cut(node)
+                inos.append(node.ino)
+        if inos and self.notify_kernel:
+            await trio.to_thread.run_sync(drop_kernel_pages, inos)
 
     @handler
     async def read(self, fh: int, off: int, size: int) -> bytes:
@@ -447,6 +398,7 @@ class Operations(Directories, pyfuse3.Operations):
             return h.content[off:off + size]
         node = self._file(h.ino)
         self.counters.read_req_max = max(self.counters.read_req_max, size)
+        await self.shared.fill(node, off + size)  # bytes only the shared tier holds yet
         p = self.buffers.get(h.ino)
         data = await self.readahead.read(
             h, node, off, size, lambda: self.buffers.read(node, off, size),
@@ -465,7 +417,7 @@ class Operations(Directories, pyfuse3.Operations):
         if h.content is not None:
             raise FUSEError(errno.EROFS)
         self.counters.write_req_max = max(self.counters.write_req_max, len(buf))
-        return await self.buffers.write(self._file(h.ino), off, buf)
+        return await self.buffers.write(self._file(h.ino), None if h.append else off, buf)
 
     @handler
     async def flush(self, fh: int) -> None:
@@ -478,8 +430,11 @@ class Operations(Directories, pyfuse3.Operations):
     async def fsync(self, fh: int, datasync: bool) -> None:
         h = self._handles[fh]
         if h.content is None:
-            await self.buffers.flush(self._file(h.ino))
+            node = self._file(h.ino)
+            await self.buffers.flush(node)
             await self.worker.sync()  # no device flush when nothing changed since the last
+            if h.writable:  # and replicated: pushed, and held by a replica (docs/scale-out.md)
+                await self.shared.fsync(node.key[0])
 
     @handler
     async def release(self, fh: int) -> None:
@@ -491,6 +446,8 @@ class Operations(Directories, pyfuse3.Operations):
             if node is not None and not node.unlinked:
                 await self.buffers.flush(node)
         finally:
+            if h.writable and node is not None:
+                await self.shared.end(node.key[0])
             if node is None or node.opens <= 1:
                 lost = self.buffers.drop(h.ino)
                 if lost:

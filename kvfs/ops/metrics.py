@@ -50,6 +50,16 @@ cold_compression = Gauge("kv_cold_compression_ratio", "raw / stored bytes writte
 cold_checkpoint_age = Gauge("kv_cold_checkpoint_age_s", "Seconds since the last checkpoint", registry=REGISTRY)
 cold_errors = Counter("kv_cold_errors", "Corrupt reads and internal errors answered with EIO", registry=REGISTRY)
 
+# shared tier (Redis Cluster), as the mount uses it
+shared_hits = Counter("kv_shared_hits", "Local misses the shared tier answered (sessions, files and newer bytes read through)", registry=REGISTRY)
+shared_misses = Counter("kv_shared_misses", "Local misses the shared tier did not hold either", registry=REGISTRY)
+shared_pushed = Counter("kv_shared_pushed_bytes", "Bytes replicated to the shared tier", registry=REGISTRY)
+shared_fetched = Counter("kv_shared_fetched_bytes", "Bytes read through from the shared tier", registry=REGISTRY)
+shared_takeovers = Counter("kv_shared_lease_takeovers", "Session leases taken over from a node whose lease expired", registry=REGISTRY)
+shared_queue = Gauge("kv_shared_queue_bytes", "Bytes stored locally and waiting to be replicated", registry=REGISTRY)
+shared_up = Gauge("kv_shared_up", "1 while the shared tier answers, 0 while replication is paused", registry=REGISTRY)
+shared_p99 = Gauge("kv_shared_latency_p99_ms", "p99 of recent shared-tier calls (ms)", ["op"], registry=REGISTRY)
+
 alerts_firing = Gauge("kv_alert_firing", "1 while an alert rule fires", ["rule"], registry=REGISTRY)
 alerts_fired = Counter("kv_alerts_fired", "Times an alert rule started firing", ["rule"], registry=REGISTRY)
 
