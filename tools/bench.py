@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 log = logging.getLogger("bench")
 
-MODULES = ("engine", "mount", "warm", "hot")  # tools/bench_<name>.py
+MODULES = ("engine", "mount", "warm", "hot", "quality")  # tools/bench_<name>.py
 # figure -> (title, peer, [(module, function), ...]); a module's FIGURES dict may add more
 FIGURES: dict[str, tuple[str, str, list[tuple[str, str]]]] = {
     "1": ("Cold random read of one round of one layer, page cache dropped",
@@ -61,6 +61,8 @@ FIGURES: dict[str, tuple[str, str, list[tuple[str, str]]]] = {
           [("engine", "compression")]),
     "9": ("memmap read of one round vs `torch.load` of the same round", "`torch.load`",
           [("warm", "memmap_read|bench_memmap_vs_torch_load")]),
+    "10": ("Perplexity of a real model (SmolLM2-135M) with a hot window", "the full cache",
+           [("quality", "quality")]),
 }
 # "a|b": the first of these names the module has. Functions returning a flat dict of numbers
 # instead of results: how to read one call as subject / peer samples.

