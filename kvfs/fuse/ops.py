@@ -81,6 +81,7 @@ from .nodes import (
 )
 from .worker import Worker
 
+ENGINE_THREADS = 4  # engine calls in flight at once (reads overlap; changes take turns)
 log = logging.getLogger("kvfs.fs")
 
 T = TypeVar("T")
@@ -110,7 +111,9 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         self.needs_fsck = False
         self.counters = Counters()
         self.inodes = InodeTable()
-        self.worker = Worker(store)  # one engine call at a time: the Store is not thread-safe
+        # reads run in parallel (the Store locks its own state; a file's writes are ordered
+        # by its buffer's lock); pread, checksums and zstd release the GIL
+        self.worker = Worker(store, threads=ENGINE_THREADS, serialise=False)
         self._handles: dict[int, Handle] = {}
         self._dirs: dict[int, list[tuple[str, Key | int]]] = {}
         self.buffers = WriteBuffers(store, self.call, self.counters, flush_at, entry_max,

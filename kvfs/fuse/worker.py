@@ -7,10 +7,9 @@ thread start, one checkpoint less than ``trio.to_thread.run_sync`` and one wake-
 trio thread for all the jobs that finished while it slept. The trio thread never runs the
 engine: an index lookup may read tree pages and a read may go to the disk.
 
-Today the ``Store`` is not thread-safe, so ``engine_lock`` serialises every call and one
-thread is the right number. The pool and the queue are already shaped for more: once the
-engine takes its own lock for writes, ``Worker(threads=N, serialise=False)`` runs N reads
-at once with nothing else to change here.
+The ``Store`` is thread-safe (changes take turns under its writer lock; reads run beside
+them and each other), so the mount runs ``Worker(threads=N, serialise=False)``: N engine
+calls in flight. ``serialise=True`` puts every call under ``engine_lock`` again.
 
 The worker also keeps the count of engine changes (appends, truncates, creates, deletes,
 attribute sets) against the count at the last device flush, so ``sync`` flushes the
