@@ -48,7 +48,22 @@ def test_missing_mountpoint_and_bad_options(tmp_path: Path) -> None:
     refused(run_mount(vol, mnt, "--size", "16M", "--profile", "bogus"), "profile")
     refused(run_mount(vol, mnt, "--size", "16M", "-o", "no_such_key=1"), "no_such_key")
     refused(run_mount(vol, mnt, "--size", "lots"), "--size")
+    r = run_mount(vol, mnt, "--size", "16M", "-o", "max_kv_len=48")  # an agent setting
+    refused(r, "max_kv_len")
+    assert "KVRouter" in r.stderr
     assert not os.path.exists(vol)
+
+
+def test_stats_publish_the_profile_and_the_volume_identity(make_mount) -> None:
+    import json
+
+    m = make_mount(extra=("--profile", "ecommerce"))
+    stats = json.loads((m.root / ".kvfs" / "stats").read_bytes())
+    assert stats["profile"]["name"] == "ecommerce" and stats["profile"]["max_kv_len"] == 12
+    uuid = stats["store"]["volume"]["uuid"]
+    assert len(uuid) == 32
+    m.remount()
+    assert json.loads((m.root / ".kvfs" / "stats").read_bytes())["store"]["volume"]["uuid"] == uuid
 
 
 def test_already_mounted(kvfs: Mount, tmp_path: Path) -> None:

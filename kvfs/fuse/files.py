@@ -208,10 +208,12 @@ def negative() -> EntryAttributes:
 
 
 def stats_body(store_stats: dict, usage: Any, fs: dict, needs_fsck: bool,
-               alerts_state: Callable[[], Any] | None, shared: dict | None = None) -> bytes:
+               alerts_state: Callable[[], Any] | None, shared: dict | None = None,
+               profile: dict | None = None) -> bytes:
     """``/.kvfs/stats``: the engine's stats, its usage, the FUSE layer's counts, alerts,
-    and the shared tier's figures (None without ``--shared``)."""
+    the shared tier's figures (None without ``--shared``) and the mount's profile."""
     doc = {
+        "profile": profile,
         "store": store_stats,
         "usage": asdict(usage),
         "fs": fs,

@@ -112,7 +112,9 @@ def setup_logging(args: argparse.Namespace) -> None:
 
 def load_profile(args: argparse.Namespace) -> tuple[profiles.Profile, int | None]:
     try:
-        profile = profiles.load(args.profile, profiles.parse_overrides(args.overrides),
+        overrides = profiles.parse_overrides(args.overrides)
+        profiles.check_mount_keys(overrides, args.config)
+        profile = profiles.load(args.profile, overrides,
                                 args.config)
         size = profiles.parse_size(args.size) if args.size is not None else None
     except profiles.ProfileError as e:
@@ -330,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         alert_engine = alerts.for_profile(profile) if alerts is not None else None
         ops = Operations(store, direct_io=not args.page_cache, allow_other=args.allow_other,
                          max_pending=args.write_buffer_max or default_max_pending(),
-                         alerts_state=alert_engine.state if alert_engine else None)
+                         alerts_state=alert_engine.state if alert_engine else None,
+                         profile=profile.as_dict())
         if tier is not None:
             from kvfs.fuse.remote import Remote
 

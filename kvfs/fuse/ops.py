@@ -102,8 +102,10 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
 
     def __init__(self, store: Any, *, direct_io: bool = True, allow_other: bool = False,
                  flush_at: int = FLUSH_AT, entry_max: int = ENTRY_MAX,
-                 max_pending: int = MAX_PENDING, alerts_state: Callable[[], Any] | None = None) -> None:
+                 max_pending: int = MAX_PENDING, alerts_state: Callable[[], Any] | None = None,
+                 profile: dict[str, Any] | None = None) -> None:
         super().__init__()
+        self.profile = profile  # published in /.kvfs/stats: agents take it from there
         self.store = store
         self.direct_io = direct_io
         self.notify_kernel = False  # set once mounted: cache invalidations go to the kernel
@@ -230,7 +232,7 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
                   "pending_bytes": self.buffers.pending_bytes,
                   "max_pending": self.buffers.max_pending, "device_syncs": self.worker.syncs}
             return stats_body(self.store.stats(), self.store.usage(), fs, self.needs_fsck,
-                              self.alerts_state, self.shared.stats())
+                              self.alerts_state, self.shared.stats(), self.profile)
 
         return await self.call(body, changes=False)
 

@@ -397,6 +397,25 @@ def load(name: str = "gov", overrides: dict[str, Any] | None = None,
     return Profile(name=name, **values)
 
 
+#: keys only agent processes use (the hot and RAM tiers): a mount refuses them as overrides
+AGENT_KEYS = frozenset({
+    "max_kv_len", "device_watermark", "sink_tokens", "auto_recall", "recall_rounds",
+    "keep_summary_rounds", "warm_shards", "shard_key", "warm_migrate_at", "lru_group",
+    "warm_cap_bytes", "warm_root", "summary_dim",
+})
+
+
+def check_mount_keys(overrides: dict[str, Any], config_file: str | Path | None) -> None:
+    """Refuse agent-only keys given to a mount: there they would change nothing."""
+    given = set(overrides) | (set(read_config(config_file)) if config_file else set())
+    wrong = sorted(given & AGENT_KEYS)
+    if wrong:
+        raise ProfileError(
+            f"{', '.join(wrong)}: agent setting{'s' if len(wrong) > 1 else ''}, not the mount's; "
+            "pass it to KVRouter(...) in the agent, or put it in the profile both load (agents "
+            "take the profile the mount was started with from /.kvfs/stats)", wrong[0])
+
+
 def describe(key: str) -> str:
     """Help text of a key with what it allows (for ``--help`` and the docs)."""
     f = _field(key, "describe")
