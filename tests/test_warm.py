@@ -113,11 +113,18 @@ def test_no_cold_tier(tmp_path, caplog):
         assert "no cold tier" in caplog.text
 
 
-def test_one_process_per_root(dirs):
+def test_two_tiers_share_a_root_one_owner_per_session(dirs):
     cold, root = dirs
-    with WarmTier(cold, root, shards=4):
+    with WarmTier(cold, root, shards=4) as a, WarmTier(cold, root, shards=4) as b:
+        a.append("x", 0, b"from a")
+        b.append("y", 0, b"from b")  # other sessions side by side
+        with pytest.raises(WarmError, match=f"in use by process {os.getpid()}"):
+            b.append("x", 0, b"no")
+        assert a.usage()["dir"] != b.usage()["dir"]  # shards never shared
+        a.release("x")
+        assert bytes(b.read("x", 0, 0, 6)) == b"from a"
         with pytest.raises(WarmError, match="in use"):
-            WarmTier(cold, root, shards=4)
+            a.size("x", 0)
     WarmTier(cold, root, shards=4).close()
 
 
@@ -214,7 +221,9 @@ def test_lru_order_and_group_migration_at_threshold(dirs, append_only):
     count = metrics.REGISTRY.get_sample_value("kv_warm_evict_latency_ms_count") or 0
     migrated = metrics.REGISTRY.get_sample_value("kv_warm_migrations_total") or 0
     # each session ~40 KB + meta + summaries; threshold 0.75 * 250 KB: the 5th crosses it
-    w = WarmTier(cold, root, cap_bytes=250_000, migrate_at=0.75, group=2, shards=4, clock=ticks())
+    # group migration (write-behind off): copied to cold at the threshold, then dropped
+    w = WarmTier(cold, root, cap_bytes=250_000, migrate_at=0.75, group=2, shards=4, clock=ticks(),
+                 writebehind=False)
     refs = {f"s{i}": fill(w, f"s{i}", i) for i in range(4)}
     assert w.usage()["migrations"] == 0 and all(w.where(s) == "warm" for s in refs)
     w.read("s0", 0, 0, 10)  # s0 becomes the most recently used: s1, s2 are the LRU group
@@ -227,10 +236,11 @@ def test_lru_order_and_group_migration_at_threshold(dirs, append_only):
     for sid, ref in refs.items():
         check(w, sid, ref)
     assert sorted(os.listdir(os.path.join(cold, "sessions", "s1"))) == [
-        "layer_0", "layer_1", "meta.json", "summaries.f32"]
+        ".incarnation", "layer_0", "layer_1", "meta.json", "summaries.f32"]
     assert w.migrate(1) == ["s0"]  # check() read s0 first: the least recently used now
     w.close()
-    w = WarmTier(cold, root, cap_bytes=250_000, migrate_at=0.75, group=2, shards=4, clock=ticks())
+    w = WarmTier(cold, root, cap_bytes=250_000, migrate_at=0.75, group=2, shards=4, clock=ticks(),
+                 writebehind=False)
     assert w.migrate(1) == ["s3"]  # order restored from recorded last-use times
     for sid, ref in refs.items():
         check(w, sid, ref)
@@ -498,4 +508,5 @@ def test_full_cold_volume_backs_off_and_holds_the_cap(make_mount, tmp_path, capl
         assert n >= 256 << 10 and np.array_equal(w.read(f"s{k}", 0, 0, 256 << 10), chunk)
     with pytest.raises(WarmError, match="No space left"):
         w.migrate()  # an explicit call tries at once and says why it failed
-    w.close()
+    with pytest.raises(WarmError, match="No space left"):
+        w.close()  # closed, and it says what the mount did not take

@@ -1,4 +1,8 @@
-"""Warm tier, crash safety: a process SIGKILLed in the middle of a migration loses nothing."""
+"""Warm tier, crash safety: a process SIGKILLed in the middle of a migration loses nothing.
+
+Group migration (``writebehind=False``); the restarted tier takes over the killed
+process's shard directory. Write-behind's crash tests are in test_warm_writebehind.py.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ SIDS = [f"s{i}" for i in range(5)]
 CHILD = textwrap.dedent("""
     import sys
     from kvfs.warm import WarmTier
-    w = WarmTier(sys.argv[1], sys.argv[2], shards=4)
+    w = WarmTier(sys.argv[1], sys.argv[2], shards=4, writebehind=False)
     w.migrate(3)
     print("finished", flush=True)
 """)
@@ -85,10 +89,10 @@ def verify(w: WarmTier, ref: dict) -> None:
 def test_kill_mid_migration_loses_nothing(tmp_path, point, expect):
     cold, root = str(tmp_path / "cold"), str(tmp_path / "warm")
     os.makedirs(os.path.join(cold, "sessions"))
-    with WarmTier(cold, root, shards=4) as w:
+    with WarmTier(cold, root, shards=4, writebehind=False) as w:
         ref = make(w)
     run_until(point, cold, root, tmp_path)
-    with WarmTier(cold, root, shards=4) as w:
+    with WarmTier(cold, root, shards=4, writebehind=False) as w:
         assert [w.where(s) for s in SIDS] == expect
         verify(w, ref)
         # finishing the interrupted work appends only what cold is missing
@@ -98,5 +102,5 @@ def test_kill_mid_migration_loses_nothing(tmp_path, point, expect):
         for (sid, layer), data in ref.items():
             path = os.path.join(cold, "sessions", sid, f"layer_{layer}")
             assert open(path, "rb").read() == data.tobytes()
-    with WarmTier(cold, root, shards=4) as w:
+    with WarmTier(cold, root, shards=4, writebehind=False) as w:
         verify(w, ref)

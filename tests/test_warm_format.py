@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -10,7 +11,8 @@ import crc32c
 import numpy as np
 import pytest
 
-from kvfs.warm import WarmCorrupt, WarmError, WarmTier, device_id, shard_of
+from kvfs.warm import WarmCorrupt, WarmError, device_id, shard_of
+from kvfs.warm import WarmTier as _WarmTier
 from kvfs.warm.extent import seal_of
 from kvfs.warm.format import (
     ENTRY_SIZE,
@@ -26,6 +28,10 @@ from kvfs.warm.ids import shard_file_name
 from kvfs.warm.rootdir import RootDir
 from kvfs.warm.shardload import load_shard
 
+# The .kvmap file as the only copy of a session: write-behind off, so what a reopened tier
+# finds is what the shard file says (tests/test_warm_writebehind.py covers the mount copy).
+WarmTier = functools.partial(_WarmTier, writebehind=False)
+
 
 @pytest.fixture
 def dirs(tmp_path):
@@ -38,8 +44,13 @@ def blob(seed: int, n: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
 
+def proc_dir(root: str) -> str:
+    """This process's shard directory (a tier reopened in one process takes it again)."""
+    return os.path.join(root, f"proc-{os.getpid()}")
+
+
 def shard_path(root: str, sid: str, shards: int) -> str:
-    return os.path.join(root, shard_file_name(shard_of(sid, shards), shards))
+    return os.path.join(proc_dir(root), shard_file_name(shard_of(sid, shards), shards))
 
 
 # ---- ids and shard numbers -----------------------------------------------------------
@@ -81,7 +92,7 @@ def test_device_sharding_places_sessions_by_device(dirs):
         w.append("6", 0, b"h")
         with pytest.raises(WarmError):
             w.append("sensor-13", 0, b"x")
-        names = sorted(n for n in os.listdir(root) if n.endswith(".kvmap"))
+        names = sorted(n for n in os.listdir(proc_dir(root)) if n.endswith(".kvmap"))
         assert names == ["sess_0005.kvmap", "sess_0006.kvmap"]
     with WarmTier(cold, root, shards=8, shard_key="device") as w:
         assert bytes(w.read("13-a", 0, 0, 3)) == b"abc"
@@ -123,7 +134,7 @@ def test_md5_collisions_share_a_shard_correctly(dirs):
                     b = blob(i * 100 + rnd * 10 + layer, 3000 + 500 * rnd)
                     ref.setdefault((sid, layer), []).append(b)
                     w.append(sid, layer, b)
-        assert len([n for n in os.listdir(root) if n.endswith(".kvmap")]) <= 4
+        assert len([n for n in os.listdir(proc_dir(root)) if n.endswith(".kvmap")]) <= 4
         for (sid, layer), parts in ref.items():
             assert np.array_equal(w.read(sid, layer, 0, w.size(sid, layer)), np.concatenate(parts))
     with WarmTier(cold, root, shards=4) as w:
@@ -214,7 +225,7 @@ def test_corrupt_shard_means_missing_sessions_logged_no_crash(dirs, caplog, dama
                 fh.seek(slot)
                 fh.write(b"NOTKVMAP")
         else:  # flip a bit in the immutable part of the first entry
-            rd = RootDir(root)
+            rd = RootDir(proc_dir(root))
             f = load_shard(rd, os.path.basename(victim))
             off = f.index_off + 8
             f.unmap()
@@ -237,7 +248,7 @@ def test_corrupt_shard_means_missing_sessions_logged_no_crash(dirs, caplog, dama
                 assert np.array_equal(w.read(sid, 0, 0, 1000), blob(i, 1000))
         w.append("s0", 0, b"fresh")  # the shard starts over; the bad file is kept aside
         assert bytes(w.read("s0", 0, 0, 5)) == b"fresh"
-    assert any(".corrupt." in n for n in os.listdir(root))
+    assert any(".corrupt." in n for n in os.listdir(proc_dir(root)))
 
 
 def test_unfinished_truncate_is_completed_on_load(dirs):
@@ -349,7 +360,7 @@ def test_ten_thousand_bit_flips_never_return_wrong_bytes(dirs, caplog):
     cold, root = dirs
     layers, meta = _build_flip_fixture(cold, root)
     name = shard_file_name(0, 1)
-    path = os.path.join(root, name)
+    path = os.path.join(proc_dir(root), name)
     orig = open(path, "rb").read()
     regions = _regions(path)
     rng = np.random.default_rng(2024)
@@ -358,9 +369,9 @@ def test_ten_thousand_bit_flips_never_return_wrong_bytes(dirs, caplog):
     caplog.set_level(logging.CRITICAL, logger="kvfs.warm")
 
     def restore() -> None:
-        for n in os.listdir(root):
+        for n in os.listdir(proc_dir(root)):
             if n.startswith(name):
-                os.unlink(os.path.join(root, n))
+                os.unlink(os.path.join(proc_dir(root), n))
         with open(path, "wb") as fh:
             fh.write(orig)
         os.chmod(path, 0o600)
@@ -406,7 +417,7 @@ def test_ten_thousand_bit_flips_never_return_wrong_bytes(dirs, caplog):
 def test_flipped_layer_bytes_are_read_from_cold_or_refused(dirs, caplog):
     cold, root = dirs
     layers, meta = _build_flip_fixture(cold, root)
-    path = os.path.join(root, shard_file_name(0, 1))
+    path = os.path.join(proc_dir(root), shard_file_name(0, 1))
     with WarmTier(cold, root, shards=1) as w:
         f = w._slots[0].file
         for sid in ("a", "b", "c"):

@@ -22,6 +22,7 @@ import pytest
 from kvfs.testing import HAVE_FUSE, Mount
 from kvfs.warm import WarmError, WarmTier
 from kvfs.warm.ids import shard_file_name
+from kvfs.warm.owners import SessionLocks
 
 ROOT = Path(__file__).resolve().parents[1]
 ATTACKER, OTHER = 4201, 4202
@@ -56,17 +57,20 @@ def test_root_and_every_file_are_private(tmp_path):
     cold = tmp_path / "cold"
     (cold / "sessions").mkdir(parents=True)
     root = tmp_path / "warm"
-    with WarmTier(str(cold), str(root), shards=4) as w:
+    with WarmTier(str(cold), str(root), shards=4, volume_id="vol-1") as w:
         w.append("s", 0, b"secret KV")
         w.put_meta("s", {"tokens": 1})
         w.put_summary("s", 0, np.zeros(128, np.float32))
-        assert mode(root) == 0o700 and mode(root / ".lock") == 0o600
-        kvmaps = [n for n in os.listdir(root) if n.endswith(".kvmap")]
-        assert kvmaps and all(mode(root / n) == 0o600 for n in kvmaps)
+        w.sync()
+        base, proc = root / "vol-1", root / "vol-1" / f"proc-{os.getpid()}"
+        assert all(mode(d) == 0o700 for d in (root, base, base / "locks", proc))
+        kvmaps = [n for n in os.listdir(proc) if n.endswith(".kvmap")]
+        assert kvmaps and all(mode(proc / n) == 0o600 for n in os.listdir(proc))
+        assert [mode(base / "locks" / n) for n in os.listdir(base / "locks")] == [0o600]
         w.migrate()
         d = cold / "sessions" / "s"
         assert mode(d) == 0o700
-        assert sorted(os.listdir(d)) == ["layer_0", "meta.json", "summaries.f32"]
+        assert sorted(os.listdir(d)) == [".incarnation", "layer_0", "meta.json", "summaries.f32"]
         assert all(mode(d / n) == 0o600 for n in os.listdir(d))
 
 
@@ -138,22 +142,32 @@ def test_non_root_agent_meeting_another_users_root_gets_a_warm_error(shared):
 
 
 def test_symlinks_planted_inside_our_root_are_never_followed(tmp_path):
-    root, victim = tmp_path / "warm", tmp_path / "precious"
+    root, victim, elsewhere = tmp_path / "warm", tmp_path / "precious", tmp_path / "elsewhere"
     victim.write_text("do not truncate")
+    elsewhere.mkdir(mode=0o700)
     WarmTier(None, str(root), shards=1).close()
-    (root / ".lock").unlink()
-    (root / ".lock").symlink_to(victim)
-    with pytest.raises(WarmError, match="symbolic link"):
-        WarmTier(None, str(root), shards=1)
-    (root / ".lock").unlink()
+    proc = root / f"proc-{os.getpid()}"
+    lock = root / "locks" / SessionLocks.name("s")
+    lock.symlink_to(victim)  # a session's lock file
+    with WarmTier(None, str(root), shards=1) as w:
+        with pytest.raises(WarmError, match="symbolic link"):
+            w.append("s", 0, b"abc")
+    lock.unlink()
     name = shard_file_name(0, 1)
-    (root / name).symlink_to(victim)  # where the shard lives: set aside, never opened
-    (root / f"{name}.tmp.{os.getpid()}").symlink_to(victim)  # its temporary name: removed
+    (proc / name).symlink_to(victim)  # where the shard lives: set aside, never opened
+    (proc / f"{name}.tmp.{os.getpid()}").symlink_to(victim)  # its temporary name: removed
     with WarmTier(None, str(root), shards=1) as w:
         w.append("s", 0, b"abc")
         assert bytes(w.read("s", 0, 0, 3)) == b"abc"
     assert victim.read_text() == "do not truncate"
-    assert stat.S_ISREG(os.lstat(root / name).st_mode) and mode(root / name) == 0o600
+    assert stat.S_ISREG(os.lstat(proc / name).st_mode) and mode(proc / name) == 0o600
+    shutil.rmtree(proc)
+    proc.symlink_to(elsewhere)  # our process directory itself
+    (root / "locks").rename(root / "locks.real")
+    (root / "locks").symlink_to(elsewhere)
+    with pytest.raises(WarmError, match="symbolic link"):
+        WarmTier(None, str(root), shards=1)
+    assert os.listdir(elsewhere) == [] and victim.read_text() == "do not truncate"
 
 
 def _squat(sessions: Path) -> None:

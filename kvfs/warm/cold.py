@@ -35,6 +35,10 @@ log = logging.getLogger("kvfs.warm")
 _LAYER_RE = re.compile(r"layer_(0|[1-9][0-9]{0,9})")
 SUMMARIES = "summaries.f32"
 META = "meta.json"
+# the session's incarnation id, 16 hex digits and a newline, written by the warm tier with
+# the first bytes of a session: a copy removed (or made anew) through the mount has none
+# (or another one), so a RAM copy of the old session is never written back over it
+INCARNATION = ".incarnation"
 _CHUNK = 8 << 20  # bytes per os.write: bounded kernel/FUSE requests, no big copies
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -134,6 +138,17 @@ class ColdStore:
         return fd
 
     # ---- reads --------------------------------------------------------------------
+    def reachable(self) -> None:
+        """WarmError unless the volume is still there (an unmounted volume leaves an empty
+        mountpoint: no sessions/)."""
+        try:
+            st = os.stat(self.dir)
+        except OSError as e:
+            raise WarmError(f"cold tier {self.root!r} cannot be reached ({e.strerror}): is "
+                            f"the volume mounted?") from e
+        if not stat.S_ISDIR(st.st_mode):
+            raise WarmError(f"cold tier {self.root!r}: sessions is not a directory")
+
     def exists(self, sid: str) -> bool:
         try:
             return stat.S_ISDIR(os.lstat(self.path(sid)).st_mode)
@@ -165,6 +180,22 @@ class ColdStore:
             return out
         finally:
             os.close(dfd)
+
+    @_errors
+    def state(self, sid: str) -> tuple[dict[int, int], int | None] | None:
+        """(layer sizes, incarnation id or None) of the cold copy; None when there is none."""
+        sizes = self.layer_sizes(sid)
+        if sizes is None:
+            return None
+        return sizes, self.read_incarnation(sid)
+
+    def read_incarnation(self, sid: str) -> int | None:
+        """The cold copy's incarnation id; None when it has none (or not one we can read)."""
+        raw = self.read_small(sid, INCARNATION)
+        try:
+            return int(raw, 16) if raw and len(raw) == 17 and raw.endswith(b"\n") else None
+        except ValueError:
+            return None
 
     @_errors
     def size(self, sid: str, layer: int) -> int:
@@ -265,11 +296,14 @@ class ColdStore:
 
     @_errors
     def append(self, sid: str, name: str, expect: int, pieces: Iterable[np.ndarray],
-               sync: bool = True) -> int:
+               sync: bool = True, keep: list[int] | None = None) -> int:
         """Append ``pieces`` to file ``name`` whose size must be ``expect`` (fsync unless
-        ``sync`` is False: the caller then calls ``fsync_file``). Writes go at the current
-        end (the mount's append-only rule); returns the new size."""
+        ``sync`` is False: the caller then calls ``fsync_file``, or ``fsync_close`` on the
+        descriptor left open in ``keep``). Writes go at the current end (the mount's
+        append-only rule); returns the new size."""
         fd = self._open(sid, name, os.O_WRONLY, create=True)
+        if keep is not None:
+            keep.append(fd)
         try:
             pos = os.lseek(fd, 0, os.SEEK_END)
             if pos != expect:
@@ -284,6 +318,15 @@ class ColdStore:
                 os.fsync(fd)
             return pos
         finally:
+            if keep is None:
+                os.close(fd)
+
+    def fsync_close(self, sid: str, name: str, fd: int) -> None:
+        try:
+            os.fsync(fd)
+        except OSError as e:
+            raise WarmError(f"cold {self.path(sid, name)!r}: {e.strerror or e}") from e
+        finally:
             os.close(fd)
 
     @_errors
@@ -297,10 +340,13 @@ class ColdStore:
             os.close(fd)
 
     @_errors
-    def sync_summaries(self, sid: str, data: bytes, sync: bool = True) -> bool:
+    def sync_summaries(self, sid: str, data: bytes, sync: bool = True,
+                       old: bytes | None = None) -> bool:
         """Make summaries.f32 equal ``data`` by cutting back to the common prefix and
-        appending the rest (usually: append the new rounds only). True if it changed."""
-        old = self.read_small(sid, SUMMARIES)
+        appending the rest (usually: append the new rounds only). True if it changed.
+        ``old``: what the file holds, when the caller knows it (else it is read)."""
+        if old is None:
+            old = self.read_small(sid, SUMMARIES)
         if old == data:
             return False
         old = old or b""
@@ -313,12 +359,14 @@ class ColdStore:
         return True
 
     @_errors
-    def write_meta(self, sid: str, raw: bytes, sync: bool = True) -> bool:
-        """Replace meta.json: truncate(0) + one write (+ fsync), the mount's rule for it.
-        True if it changed."""
-        if self.read_small(sid, META) == raw:
+    def write_meta(self, sid: str, raw: bytes, sync: bool = True, old: bytes | None = None,
+                   name: str = META) -> bool:
+        """Replace meta.json (or another small file ``name``): truncate(0) + one write
+        (+ fsync), the mount's rule for it. True if it changed. ``old``: what the file
+        holds, when the caller knows it (else it is read)."""
+        if (old if old is not None else self.read_small(sid, name)) == raw:
             return False
-        fd = self._open(sid, META, os.O_WRONLY, create=True)
+        fd = self._open(sid, name, os.O_WRONLY, create=True)
         try:
             os.ftruncate(fd, 0)
             view = memoryview(raw)
@@ -330,6 +378,9 @@ class ColdStore:
         finally:
             os.close(fd)
         return True
+
+    def write_incarnation(self, sid: str, inc: int, sync: bool = True) -> None:
+        self.write_meta(sid, f"{inc:016x}\n".encode(), sync, name=INCARNATION)
 
     @_errors
     def delete(self, sid: str) -> bool:

@@ -27,7 +27,9 @@ then the seal. Load checks every seal. For NAME entries ``used`` holds
 flags and ``scrc`` covers ``u64 used`` only. A bad seal at load drops that session's warm
 copy (served from cold when it has one); a bad block on a read is ``WarmCorrupt``.
 
-    kind NAME     one per session: data = the session id (UTF-8), used = flags
+    kind NAME     one per session: data = the session id (UTF-8), used = flags,
+                  ``start`` = the session's incarnation id (0: unknown, written by an
+                  older version), the value of the cold copy's ``.incarnation`` file
     kind LAYER    one segment of layer ``layer``: bytes [start, start + used) of that
                   layer's file; segments of a layer are contiguous, every one but the
                   last is full (used == cap). ``start`` of the first one is the "base":
@@ -83,6 +85,8 @@ USED = struct.Struct("<Q")  # the first bytes a seal checksum covers
 EMPTY, LIVE, DEAD = 0, 1, 2
 K_NAME, K_LAYER, K_SUMMARY, K_META = 1, 2, 3, 4
 FLAG_MIGRATING = 1  # set while the session is being copied to cold; see WarmTier reopen
+FLAG_ON_COLD = 2  # the cold copy exists with this incarnation (made durably by us)
+FLAG_CLEAN = 4  # the cold copy holds every byte of the warm copy, fsynced
 
 BLOCK = 16 << 10  # data bytes per block checksum: a read checks at most 2 more blocks
 ALIGN = 64  # extent alignment (cache line); extents >= one page are page aligned

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import re
 
+import numpy as np
+
 from .format import KEY_DEVICE, KEY_SESSION
 
 
@@ -12,6 +14,11 @@ class WarmError(Exception):
     """A refused warm-tier request: bad session id, no cold tier, incompatible or unsafe
     root, a cold tier that refuses writes, a full tier... The message names the path and
     the reason."""
+
+
+class WarmFull(WarmError):
+    """The RAM filesystem under the warm root has no room left for a write (nothing was
+    changed: the tier evicts to the cold tier and retries, or reports the WarmError)."""
 
 
 class WarmCorrupt(WarmError):
@@ -83,3 +90,20 @@ def shard_file_name(shard: int, shards: int) -> str:
     """``sess_<hex>.kvmap``, as many hex digits as the largest shard number needs."""
     width = max(4, (max(shards - 1, 1).bit_length() + 3) // 4)
     return f"sess_{shard:0{width}x}.kvmap"
+
+
+def as_u8(data: object) -> np.ndarray:
+    """The bytes of ``data`` as a flat uint8 array, without a copy when contiguous."""
+    if isinstance(data, np.ndarray):
+        if data.dtype.hasobject:
+            raise TypeError("object arrays cannot be stored")
+        return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return np.frombuffer(memoryview(data).cast("B"), np.uint8)
+    raise TypeError(f"append takes bytes, memoryview or numpy arrays, not {type(data).__name__}")
+
+
+def check_layer(layer: object) -> int:
+    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < 1 << 31:
+        raise ValueError(f"layer must be an integer in [0, 2**31), got {layer!r}")
+    return int(layer)

@@ -1,5 +1,6 @@
-"""Moving sessions between the tiers: group migration to cold, promotion back, and the
-start-up reconciliation of a migration that a crash interrupted.
+"""Moving sessions between the tiers: group migration to cold (``writebehind=False``;
+with write-behind, eviction is a drop of clean sessions, writeback.py), promotion back,
+and the start-up reconciliation of a migration that a crash interrupted.
 
 The rule that makes a crash harmless: a session leaves RAM only after its cold copy is
 complete and fsynced (layer files, summaries.f32, meta.json, its directory). A group
@@ -35,9 +36,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvfs.ops import metrics
 
-from .cold import META, SUMMARIES, ColdStore, layer_name
-from .format import FLAG_MIGRATING, K_LAYER
-from .ids import WarmCorrupt, WarmError, shard_file_name
+from .cold import INCARNATION, META, SUMMARIES, ColdStore, layer_name
+from .format import FLAG_CLEAN, FLAG_MIGRATING, K_LAYER
+from .ids import WarmCorrupt, WarmError, WarmFull, shard_file_name
 from .records import ShardCorrupt, Slot, WarmSession
 from .rootdir import RootDir
 from .shard import ShardFile
@@ -115,7 +116,7 @@ class Mover:
         found: list[tuple[float, str]] = []
         for name in sorted(self.rootdir.listdir()):
             path = self.rootdir.join(name)
-            if ".kvmap.tmp." in name:  # a shard being created when a process died
+            if ".kvmap.tmp." in name or ".kvmap.drop." in name:  # made or dropped by a dead process
                 self.rootdir.unlink(name)
                 continue
             if not name.endswith(".kvmap"):
@@ -146,7 +147,10 @@ class Mover:
             for s in list(f.sessions.values()):
                 try:
                     s.cold = self.cold.layer_sizes(s.name) if self.cold else None
-                    self._reconcile(f, s)
+                    if not self.wb_on:
+                        self._reconcile(f, s)
+                    elif not s.flags & FLAG_CLEAN:  # checked and written by the first pass
+                        self._dirty[s.name] = [time.monotonic(), 0]
                 except WarmCorrupt as e:
                     log.error("%s; its warm copy is dropped", e)
                     f.drop(s)
@@ -203,7 +207,8 @@ class Mover:
         if self.cold is None:
             raise WarmError("no cold tier")
         with self._mig_lock:
-            done = self._migrate_group(n or self.group, set())
+            move = self._evict_group if self.wb_on else self._migrate_group
+            done = move(n or self.group, set(), True)
         if not done and self._cold_error is not None:
             raise WarmError(f"migration to cold tier {self.cold.root!r} failed: {self._cold_error}")
         return done
@@ -222,8 +227,9 @@ class Mover:
         if time.monotonic() < self._retry_at or not self._mig_lock.acquire(blocking=False):
             return  # backing off, or another thread is migrating already
         try:
+            move = self._evict_group if self.wb_on else self._migrate_group
             while self._bytes > limit and not self._closed and time.monotonic() >= self._retry_at:
-                if not self._migrate_group(self.group, exclude):
+                if not move(self.group, exclude):
                     break
         finally:
             self._mig_lock.release()
@@ -231,6 +237,7 @@ class Mover:
     def _admit(self, n: int) -> None:
         """Refuse a write of ``n`` bytes that would pass the cap while the cold tier refuses
         migrations (after one more try once the back-off has passed)."""
+        self._refresh_cap()
         if self.cold is None or self._bytes + n <= self.cap:
             return
         self._maybe_migrate()
@@ -247,7 +254,7 @@ class Mover:
         self._retry_at = time.monotonic() + self._backoff
         self._cold_error = reason
         metrics.warm_migration_failures.inc()
-        log.error("migration of %d session(s) to cold tier %s failed: %s; they stay in warm, "
+        log.error("writing %d session(s) to cold tier %s failed: %s; they stay in warm, "
                   "next try in %.1f s (warm at %.0f%% of its cap)", sessions, self.cold.root,
                   reason, self._backoff, 100 * self._bytes / self.cap)
 
@@ -255,18 +262,17 @@ class Mover:
         """A warm copy that fails its checksums cannot be migrated: drop it (the cold copy,
         written from checked bytes only, stays a prefix of the content)."""
         log.error("%s; its warm copy is dropped, the cold copy kept", err)
-        with self._locked(sid) as slot:
+        with self._io_lock(sid), self._locked(sid, own=False) as slot:
             f, s = self._warm(slot, sid)
-            if s is None:
-                return
-            freed = f.drop(s)
-            if not f.sessions:
-                self._remove_file(slot)
-            with self._lock:
-                self._lru.pop(sid, None)
-                self._bytes -= freed
+            if s is not None:
+                self._drop_session(slot, f, s)
 
-    def _migrate_group(self, n: int, exclude: set[str] | frozenset) -> list[str]:
+    def _fsync_pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(FSYNC_THREADS, thread_name_prefix="kvfs-warm-fsync")
+        return self._pool
+
+    def _migrate_group(self, n: int, exclude: set[str] | frozenset, explicit: bool = False) -> list[str]:
         """Move the ``n`` least recently used sessions in three steps: write each one's
         missing tail to cold (under its shard lock, no fsync yet), fsync every file and
         directory written (concurrently: the filesystem commits them together, as fast
@@ -277,13 +283,12 @@ class Mover:
         if not victims:
             return []
         t0 = time.perf_counter()
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(FSYNC_THREADS, thread_name_prefix="kvfs-warm-fsync")
+        pool = self._fsync_pool()
         staged: list[_Staged] = []
         errors: list[str] = []
         for sid in victims:
             try:
-                st = self._stage(sid, self._pool)
+                st = self._stage(sid, pool)
             except WarmCorrupt as e:
                 self._drop_damaged(sid, e)
                 continue
@@ -331,7 +336,7 @@ class Mover:
 
     def _stage(self, sid: str, pool: ThreadPoolExecutor) -> _Staged | None:
         """Append what cold lacks of one session; queue the fsyncs. None if it is gone."""
-        with self._locked(sid) as slot:
+        with self._io_lock(sid), self._locked(sid, own=False) as slot:
             f, s = self._warm(slot, sid)
             if s is None:
                 return None
@@ -339,6 +344,9 @@ class Mover:
             st = _Staged(sid, s)
             try:
                 st.made_dir = self.cold.ensure_dir(sid)
+                if self.cold.read_incarnation(sid) is None:  # deletion wins: writeback.py
+                    self.cold.write_incarnation(sid, s.inc or 1, sync=False)
+                    st.syncs.append(pool.submit(self.cold.fsync_file, sid, INCARNATION))
                 s.cold = s.cold if s.cold is not None else {}
                 for k, (layer, stream) in enumerate(sorted(s.layers.items())):
                     name = layer_name(layer)
@@ -369,7 +377,7 @@ class Mover:
     def _commit(self, st: _Staged) -> int | None:
         """Drop a staged session from RAM if its cold copy is durable and it did not change
         since it was written; returns the bytes freed, else None (it stays in warm)."""
-        with self._locked(st.sid) as slot:
+        with self._io_lock(st.sid), self._locked(st.sid, own=False) as slot:
             f, s = self._warm(slot, st.sid)
             if s is not st.session:
                 return None  # deleted (and maybe re-created) meanwhile
@@ -377,13 +385,8 @@ class Mover:
                 f.set_flags(s, s.flags & ~FLAG_MIGRATING)
                 return None
             _pause("cold_written")
-            freed = f.drop(s)  # the cold copy is complete and durable: now RAM may go
-            if not f.sessions:
-                self._remove_file(slot)
-            with self._lock:
-                self._lru.pop(st.sid, None)
-                self._bytes -= freed
-            return freed
+            # the cold copy is complete and durable: now RAM may go
+            return self._drop_session(slot, f, s)
 
     def promote(self, sid: str) -> None:
         """Bring a session's cold bytes back into warm (the cold copy stays as a prefix, so
@@ -417,7 +420,12 @@ class Mover:
                 continue
             if base > c:
                 raise WarmError(f"{sid}/layer_{layer}: cold copy has {c} bytes, warm starts at {base}")
-            pieces = f.prepend(s, layer, base)
+            try:
+                pieces = f.prepend(s, layer, base)
+            except WarmFull:
+                if soft:  # no room: the read is served from cold
+                    return changed
+                raise
             try:
                 for g, view in pieces:
                     self.cold.read_into(sid, layer, g.start, view)

@@ -51,9 +51,10 @@ class WarmSession:
     layer sizes (None: no cold copy), cached because only this process writes them."""
 
     __slots__ = ("name", "uid", "idx", "last_used", "flags", "layers", "summary", "meta",
-                 "meta_seq", "tokens", "cold", "gen")
+                 "meta_seq", "tokens", "cold", "gen", "inc", "csumm", "cmeta", "unsynced")
 
-    def __init__(self, name: str, uid: int, idx: int, last_used: float, flags: int) -> None:
+    def __init__(self, name: str, uid: int, idx: int, last_used: float, flags: int,
+                 inc: int = 0) -> None:
         self.name, self.uid, self.idx = name, uid, idx
         self.last_used, self.flags = last_used, flags
         self.layers: dict[int, Stream] = {}
@@ -63,6 +64,12 @@ class WarmSession:
         self.tokens = 0
         self.cold: dict[int, int] | None = None
         self.gen = 0  # bumped by every change of content: a migration checks it before dropping
+        self.inc = inc  # incarnation id (0: not known yet)
+        # write-behind's knowledge of the cold copy: summaries and meta.json bytes last
+        # written or read there (None: unknown, read them), files written but not fsynced
+        self.csumm: bytes | None = None
+        self.cmeta: bytes | None = None
+        self.unsynced: set[str] = set()
 
     def stream(self, kind: int, layer: int) -> Stream:
         if kind == K_SUMMARY:

@@ -39,11 +39,15 @@ def _owner_error(path: str, st: os.stat_result, uid: int, what: str) -> WarmErro
 
 
 class RootDir:
-    """A checked warm root. ``open``/``create`` return descriptors of checked files."""
+    """A checked warm root. ``open``/``create`` return descriptors of checked files;
+    ``sub`` gives a checked directory inside it (the same rules)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, fd: int | None = None) -> None:
         self.path = os.path.abspath(path)
         self.uid = os.geteuid()
+        if fd is not None:  # made by ``sub``: already checked
+            self.fd = fd
+            return
         parent = os.path.dirname(self.path)
         try:
             os.makedirs(parent, exist_ok=True)
@@ -143,6 +147,69 @@ class RootDir:
             os.rename(src, dst, src_dir_fd=self.fd, dst_dir_fd=self.fd)
         except OSError as e:
             raise WarmError(f"warm file {self.join(src)!r}: cannot rename: {_reason(e)}") from e
+
+    def sub(self, name: str, create: bool = True) -> RootDir:
+        """The directory ``name`` inside this one (made 0700 with ``create``), checked like
+        the root: ours, not writable by others, not a symlink."""
+        where = self.join(name)
+        if create:
+            try:
+                os.mkdir(name, 0o700, dir_fd=self.fd)
+            except FileExistsError:
+                pass
+            except OSError as e:
+                raise WarmError(f"warm directory {where!r}: cannot create it: {_reason(e)}") from e
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | _OPEN, dir_fd=self.fd)
+        except OSError as e:
+            reason = _reason(e)
+            try:
+                if stat.S_ISLNK(self.lstat(name).st_mode):
+                    reason = "is a symbolic link (refused)"
+            except OSError:
+                pass
+            raise WarmError(f"warm directory {where!r}: {reason}") from e
+        err = _owner_error(where, os.fstat(fd), self.uid, "warm directory")
+        if err is not None:
+            os.close(fd)
+            raise err
+        return RootDir(where, fd)
+
+    def move(self, name: str, dst: RootDir, new: str) -> None:
+        """Rename ``name`` into directory ``dst`` as ``new`` (refused if ``new`` exists)."""
+        try:
+            os.stat(new, dir_fd=dst.fd, follow_symlinks=False)
+            raise WarmError(f"warm file {dst.join(new)!r} exists")
+        except FileNotFoundError:
+            pass
+        try:
+            os.rename(name, new, src_dir_fd=self.fd, dst_dir_fd=dst.fd)
+        except OSError as e:
+            raise WarmError(f"warm file {self.join(name)!r}: cannot move: {_reason(e)}") from e
+
+    def rmdir(self, name: str) -> None:
+        try:
+            os.rmdir(name, dir_fd=self.fd)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise WarmError(f"warm directory {self.join(name)!r}: cannot remove: {_reason(e)}") from e
+
+    def write_atomic(self, name: str, data: bytes) -> None:
+        """Replace ``name`` with ``data`` (a temporary file renamed over it)."""
+        tmp = f"{name}.tmp"
+        self.unlink(tmp)
+        fd = self.create(tmp, os.O_WRONLY)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        except OSError as e:
+            os.close(fd)
+            self.unlink(tmp)
+            raise WarmError(f"warm file {self.join(tmp)!r}: {_reason(e)}") from e
+        os.close(fd)
+        self.rename(tmp, name)
 
     def close(self) -> None:
         if self.fd >= 0:

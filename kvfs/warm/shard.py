@@ -15,7 +15,6 @@ every call. Knows nothing of the cold tier, the LRU or the byte cap. Never impor
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import heapq
 import logging
@@ -27,7 +26,6 @@ import numpy as np
 
 from .extent import fill_blocks, name_seal, seal_of
 from .format import (
-    ALIGN,
     BLOCK,
     DEAD,
     EMPTY,
@@ -46,7 +44,6 @@ from .format import (
     LIVE,
     MAGIC,
     MAX_EXTENT,
-    MAX_GROW,
     MAX_SEGMENT,
     MIN_SEGMENT,
     VERSION,
@@ -55,17 +52,13 @@ from .format import (
 from .ids import WarmCorrupt, WarmError
 from .records import Seg, Stream, WarmSession, tokens_of
 from .rootdir import RootDir
+from .space import PAGE, Space, _up, reserve_fd
 
 log = logging.getLogger("kvfs.warm")
-PAGE = mmap.PAGESIZE
 DATA_START = HEADER_SLOT * len(HEADER_SLOTS)
 
 
-def _up(x: int, a: int) -> int:
-    return (x + a - 1) // a * a
-
-
-class ShardFile:
+class ShardFile(Space):
     """A ``.kvmap`` file. Use ``create`` or ``shardload.load_shard``; map/unmap freely
     (remapped lazily)."""
 
@@ -106,8 +99,15 @@ class ShardFile:
         try:
             os.ftruncate(fd, sh.fsize)
             sh.ino = os.fstat(fd).st_ino
+            # header page and first table: the pages every shard writes (space.py)
+            sh.can_reserve = reserve_fd(fd, 0, FIRST_TABLE + FIRST_TABLE_ENTRIES * ENTRY_SIZE,
+                                        root.join(tmp))
         except OSError as e:
+            root.unlink(tmp)
             raise WarmError(f"warm file {root.join(tmp)!r}: {e.strerror}") from e
+        except BaseException:
+            root.unlink(tmp)
+            raise
         finally:
             os.close(fd)
         root.rename(tmp, name)
@@ -151,12 +151,20 @@ class ShardFile:
             self._tbl = None
         return self._buf
 
-    def unmap(self) -> None:
-        """Drop our mapping (arrays still referring to it keep it alive)."""
-        if self._mm is not None:
+    def unmap(self, flush: bool = True) -> None:
+        """Drop our mapping (arrays still referring to it keep it alive); ``flush=False``
+        for a file about to be removed."""
+        if self._mm is not None and flush:
             with contextlib.suppress(ValueError):  # already closed
                 self._mm.flush()
         self._mm = self._buf = self._tbl = None
+
+    def discard(self) -> None:
+        """Unmap now, without msync: the file is being removed."""
+        mm, self._mm, self._buf, self._tbl = self._mm, None, None, None
+        if mm is not None:
+            with contextlib.suppress(BufferError):  # a view still alive: freed with it
+                mm.close()
 
     @property
     def tbl(self) -> np.ndarray:
@@ -169,58 +177,7 @@ class ShardFile:
         if self._mm is not None:
             self._mm.flush()
 
-    # ---- space --------------------------------------------------------------------
-    def _alloc(self, size: int) -> int:
-        align = PAGE if size >= PAGE else ALIGN
-        for k, (off, n) in enumerate(self.free):
-            a = _up(off, align)
-            if a + size <= off + n:
-                del self.free[k]
-                if a > off:
-                    self._add_free(off, a - off, advise=False)
-                if off + n > a + size:
-                    self._add_free(a + size, off + n - a - size, advise=False)
-                return a
-        a = _up(self.end, align)
-        if a > self.end:
-            self._add_free(self.end, a - self.end, advise=False)
-        self.end = a + size
-        if self.end > self.fsize:
-            new = _up(max(self.end, min(self.fsize * 2, self.fsize + MAX_GROW)), PAGE)
-            fd = self.open_fd()
-            try:
-                os.ftruncate(fd, new)  # sparse growth; remapped on next access
-            except OSError as e:
-                raise WarmError(f"warm file {self.path!r}: cannot grow: {e.strerror}") from e
-            finally:
-                os.close(fd)
-            self.fsize = new
-            self._mm = self._buf = self._tbl = None
-        return a
-
-    def _add_free(self, off: int, n: int, advise: bool = True) -> None:
-        if n <= 0:
-            return
-        if advise:
-            # give the pages back to tmpfs now (page-aligned interior only); other
-            # filesystems may refuse, then the pages are simply reused later
-            a, b = _up(off, PAGE), (off + n) // PAGE * PAGE
-            if b > a:
-                self.map()
-                with contextlib.suppress(AttributeError, OSError, ValueError):
-                    self._mm.madvise(mmap.MADV_REMOVE, a, b - a)
-        k = bisect.bisect_left(self.free, (off, n))
-        if k < len(self.free) and self.free[k][0] == off + n:  # merge with the next gap
-            n += self.free.pop(k)[1]
-        if k > 0 and self.free[k - 1][0] + self.free[k - 1][1] == off:  # and the previous
-            off, n0 = self.free.pop(k - 1)
-            n += n0
-            k -= 1
-        if off + n == self.end:
-            self.end = off  # the tail is simply unallocated again
-            return
-        self.free.insert(k, (off, n))
-
+    # ---- space (allocation and reservations: space.py) ----------------------------
     def _slot(self) -> int:
         if not self.free_slots:
             self._grow_table()
@@ -229,7 +186,7 @@ class ShardFile:
     def _grow_table(self) -> None:
         old_off, old_cap = self.index_off, self.index_cap
         new_cap = old_cap * 2
-        off = self._alloc(new_cap * ENTRY_SIZE)
+        off = self._alloc_reserved(new_cap * ENTRY_SIZE, [(0, new_cap * ENTRY_SIZE)])
         mm = self.map()
         n = old_cap * ENTRY_SIZE
         mm[off:off + n] = mm[old_off:old_off + n]
@@ -266,12 +223,18 @@ class ShardFile:
 
     def _new_extent(self, uid: int, kind: int, layer: int, start: int, data: np.ndarray,
                     cap: int) -> Seg:
-        """Allocate, fill, checksum and publish an extent holding ``data``."""
-        off = self._alloc(footprint(kind, cap))
-        mm = self.map()
-        mm[off:off + len(data)] = data
-        fill_blocks(mm, off, cap, 0, len(data))
-        i = self._put_entry(uid, kind, layer, start, off, cap, seal_of(mm, off, cap, len(data)))
+        """Allocate, fill, checksum and publish an extent holding ``data`` (only the data
+        written and the block checksums are reserved: unused capacity stays sparse)."""
+        size = footprint(kind, cap)
+        off = self._alloc_reserved(size, [(0, len(data)), (cap, size - cap)])
+        try:
+            mm = self.map()
+            mm[off:off + len(data)] = data
+            fill_blocks(mm, off, cap, 0, len(data))
+            i = self._put_entry(uid, kind, layer, start, off, cap, seal_of(mm, off, cap, len(data)))
+        except BaseException:
+            self._add_free(off, size)
+            raise
         self._live(i)
         return Seg(i, start, off, cap, len(data))
 
@@ -301,19 +264,24 @@ class ShardFile:
                               f"bytes [{g.start}, {g.start + g.used}): checksum mismatch")
 
     # ---- sessions -----------------------------------------------------------------
-    def new_session(self, name: str, now: float, live: bool = True) -> WarmSession:
-        """Add a session. ``live=False``: its name entry is published later by
-        ``publish_session``, so what is written before (meta and summaries loaded from a
-        cold copy) is all there or, after a crash, all orphaned."""
+    def new_session(self, name: str, now: float, live: bool = True, inc: int = 0) -> WarmSession:
+        """Add a session (incarnation id ``inc``, kept in the name entry's ``start``).
+        ``live=False``: its name entry is published later by ``publish_session``, so what
+        is written before (meta and summaries loaded from a cold copy) is all there or,
+        after a crash, all orphaned."""
         nb = name.encode("utf-8")
-        off = self._alloc(len(nb))
-        self.map()[off:off + len(nb)] = np.frombuffer(nb, np.uint8)
-        uid = self.next_uid
+        off = self._alloc_reserved(len(nb), [(0, len(nb))])
+        try:
+            self.map()[off:off + len(nb)] = np.frombuffer(nb, np.uint8)
+            uid = self.next_uid
+            i = self._put_entry(uid, K_NAME, 0, inc, off, len(nb), name_seal(0), now, extra=nb)
+        except BaseException:
+            self._add_free(off, len(nb))
+            raise
         self.next_uid += 1
-        i = self._put_entry(uid, K_NAME, 0, 0, off, len(nb), name_seal(0), now, extra=nb)
         if live:
             self._live(i)
-        s = WarmSession(name, uid, i, now, 0)
+        s = WarmSession(name, uid, i, now, 0, inc)
         self.sessions[name] = s
         self.by_uid[uid] = s
         self._write_header()
@@ -377,22 +345,38 @@ class ShardFile:
         for g in touched:
             lo = max(pos, g.start) - g.start
             self.check(s, g, lo, min(pos + n - g.start, g.used), what, seal=True)
+        # room first (space.py): reserve what the existing segments take, make the new
+        # segments (each complete and live; a crash leaves them after a non-full segment,
+        # which a load drops); on a full RAM filesystem nothing has changed
+        for g in touched:
+            a, b = max(pos, g.start) - g.start, min(pos + n, g.start + g.cap) - g.start
+            self.reserve(g.off + a, b - a)
+            self.reserve(g.off + g.cap + 4 * (a // BLOCK), 4 * (b // BLOCK - a // BLOCK))
+        done = max((min(pos + n, g.start + g.cap) - pos for g in touched), default=0)
+        new: list[Seg] = []
+        prev = st.segs[-1] if st.segs else None
+        try:
+            while done < n:
+                start = prev.start + prev.cap if prev is not None else base
+                grow = min(max(2 * prev.cap if prev else 0, MIN_SEGMENT), MAX_SEGMENT)
+                cap = min(max(n - done, grow), MAX_EXTENT)
+                take = min(cap, n - done)
+                prev = self._new_extent(s.uid, kind, layer, start, buf[done:done + take], cap)
+                new.append(prev)
+                done += take
+        except BaseException:
+            self._release(new)
+            if kind == K_LAYER and not st.segs:
+                del s.layers[layer]
+            raise
         mm = self.map()
-        done = 0
         for g in touched:  # overwrite (summaries of a redone round), then fill the last
             a, b = max(pos, g.start), min(pos + n, g.start + g.cap)
             mm[g.off + a - g.start:g.off + b - g.start] = buf[a - pos:b - pos]
             g.used = max(g.used, b - g.start)
             fill_blocks(mm, g.off, g.cap, a - g.start, g.used)
             self.tbl["seal"][g.idx] = seal_of(mm, g.off, g.cap, g.used)  # after the data
-            done = b - pos
-        while done < n:
-            prev = st.segs[-1].cap if st.segs else 0
-            start = st.segs[-1].start + st.segs[-1].cap if st.segs else base
-            cap = min(max(n - done, min(max(2 * prev, MIN_SEGMENT), MAX_SEGMENT)), MAX_EXTENT)
-            take = min(cap, n - done)
-            st.segs.append(self._new_extent(s.uid, kind, layer, start, buf[done:done + take], cap))
-            done += take
+        st.segs.extend(new)
         delta = max(0, pos + n - st_end)
         self.total_bytes += delta
         s.gen += 1
@@ -402,11 +386,16 @@ class ShardFile:
     def prepend(self, s: WarmSession, layer: int, data_len: int) -> list[tuple[Seg, np.ndarray]]:
         """Allocate segments for [0, data_len) under a layer's current base (promotion
         from cold). Fill the returned views, then ``publish`` (or ``abandon``) them."""
-        out = []
-        for start in range(0, data_len, MAX_EXTENT):  # data_len > 0: empty prefixes skipped
-            n = min(MAX_EXTENT, data_len - start)
-            off = self._alloc(footprint(K_LAYER, n))
-            out.append((Seg(-1, start, off, n, n), self.map()[off:off + n]))
+        out: list[tuple[Seg, np.ndarray]] = []
+        try:
+            for start in range(0, data_len, MAX_EXTENT):  # data_len > 0: empty prefixes skipped
+                n = min(MAX_EXTENT, data_len - start)
+                size = footprint(K_LAYER, n)
+                off = self._alloc_reserved(size, [(0, size)])
+                out.append((Seg(-1, start, off, n, n), self.map()[off:off + n]))
+        except BaseException:
+            self.abandon(out)
+            raise
         return out
 
     def abandon(self, pieces: list[tuple[Seg, np.ndarray]]) -> None:

@@ -128,7 +128,7 @@ def _load_index(sh: ShardFile) -> dict[str, str]:
     for i in names:
         name = check_sid(mm[int(t["off"][i]):int(t["off"][i]) + int(t["cap"][i])].tobytes().decode())
         flags = int(t["seal"][i]) & 0xFFFFFFFF if sealed[i] else 0
-        s = WarmSession(name, int(t["uid"][i]), i, float(t["aux"][i]), flags)
+        s = WarmSession(name, int(t["uid"][i]), i, float(t["aux"][i]), flags, int(t["start"][i]))
         old = sh.sessions.get(name)
         if old is not None:  # never written by us; keep the most recently used copy
             log.warning("%s: session %r indexed twice; keeping the newer", sh.path, name)

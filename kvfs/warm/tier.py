@@ -1,4 +1,5 @@
-"""WarmTier: sessions in RAM shards, a global LRU, migration to and promotion from cold.
+"""WarmTier: sessions in RAM shards, a global LRU, write-behind to, migration to and
+promotion from cold.
 
 State of a session, per layer: the warm shard holds bytes [base, size) and the cold copy
 (``cold_root/sessions/<sid>/layer_<n>``) holds at least [0, base). The cold copy is always
@@ -7,18 +8,23 @@ cold before warm. So a session in both tiers reads correctly from either side, a
 a crash "the cold copy is complete" is just "its sizes match" (``_cold_complete``).
 
 Locks: one lock per shard, held around every file and memmap access of that shard
-(cold reads and a session's cold writes included, but not the fsyncs of a migration);
-one global lock for the LRU, the byte count and the shard table, only ever taken briefly
-and never while waiting for a shard lock; one migration lock, so that a single thread
-migrates at a time (the appending thread that crossed the threshold, or ``migrate``).
-Migrations start only after the caller's shard lock is released. Contract: one writer
-per session, any number of readers.
+(cold reads included; a migration's cold writes too, not write-behind's); a session's
+cold-I/O lock taken before it (writeback.py); one global lock for the LRU, the byte
+count and the shard table, only ever taken briefly and never while waiting for a shard
+lock; one migration lock, so that a single thread migrates at a time (the appending
+thread that crossed the threshold, or ``migrate``). Migrations start only after the
+caller's shard lock is released. Contract: one writer per session, any number of
+readers; one process at a time per session (owners.py).
+
+Room: the cap is at most what the RAM filesystem can hold (``os.statvfs``: free space
+plus what the tier holds, less a margin), and every range is reserved before it is
+written through a mapping (space.py): a full tmpfs means eviction to the mount, or a
+WarmError, never a SIGBUS.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import itertools
 import json
 import logging
@@ -27,47 +33,49 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import numpy as np
 
 from kvfs.ops import metrics
 
 from .cold import META, SUMMARIES, ColdStore, layer_name
-from .format import K_LAYER, K_SUMMARY, KEY_DEVICE, KEY_SESSION
-from .ids import WarmCorrupt, WarmError, check_shards, check_sid, shard_file_name, shard_of
+from .format import FLAG_CLEAN, FLAG_ON_COLD, K_LAYER, K_SUMMARY, KEY_DEVICE, KEY_SESSION
+from .ids import (
+    WarmCorrupt,
+    WarmError,
+    WarmFull,
+    as_u8,
+    check_layer,
+    check_shards,
+    check_sid,
+    shard_file_name,
+    shard_of,
+)
+from .lifecycle import Lifecycle
 from .migrate import Mover
+from .owners import SessionLocks, adopt_dead, check_volume_id, claim_dir
 from .records import Slot, WarmSession
 from .rootdir import RootDir
 from .shard import ShardFile
+from .space import PAGE
+from .writeback import WriteBehind, new_incarnation
 
 log = logging.getLogger("kvfs.warm")
+T = TypeVar("T")
+MARGIN_MAX = 8 << 20  # room left free on the RAM filesystem: at most 8 MiB, at most 5%
 
 
-def _as_u8(data: object) -> np.ndarray:
-    """The bytes of ``data`` as a flat uint8 array, without a copy when contiguous."""
-    if isinstance(data, np.ndarray):
-        if data.dtype.hasobject:
-            raise TypeError("object arrays cannot be stored")
-        return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-    if isinstance(data, (bytes, bytearray, memoryview)):
-        return np.frombuffer(memoryview(data).cast("B"), np.uint8)
-    raise TypeError(f"append takes bytes, memoryview or numpy arrays, not {type(data).__name__}")
-
-
-def _check_layer(layer: object) -> int:
-    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < 1 << 31:
-        raise ValueError(f"layer must be an integer in [0, 2**31), got {layer!r}")
-    return int(layer)
-
-
-class WarmTier(Mover):
+class WarmTier(Mover, WriteBehind, Lifecycle):
     """The warm tier. See ``docs/contracts/warm-api.md`` and the package docstring."""
 
     def __init__(self, cold_root: str | None, root: str = "/dev/shm/kvfs-warm", *,
                  cap_bytes: int = 16 << 30, migrate_at: float = 0.85, group: int = 10,
                  shards: int = 65536, shard_key: str = "session", summary_dim: int = 128,
                  clock: Callable[[], float] = time.time, max_open_shards: int = 512,
-                 retry_s: float = 1.0, retry_max_s: float = 300.0) -> None:
+                 retry_s: float = 1.0, retry_max_s: float = 300.0, writebehind: bool = True,
+                 writebehind_s: float = 2.0, writebehind_bytes: int = 64 << 20,
+                 volume_id: str | None = None) -> None:
         if shard_key not in ("session", "device"):
             raise WarmError(f"shard_key must be 'session' or 'device', got {shard_key!r}")
         self.key = KEY_SESSION if shard_key == "session" else KEY_DEVICE
@@ -76,22 +84,22 @@ class WarmTier(Mover):
             raise WarmError("cap_bytes, group, summary_dim, max_open_shards must be > 0 and 0 < migrate_at <= 1")
         if not 0 < retry_s <= retry_max_s:
             raise WarmError("retry_s must be > 0 and at most retry_max_s")
+        self.volume_id = check_volume_id(volume_id) if volume_id is not None else None
         self.cold = ColdStore(cold_root) if cold_root is not None else None  # WarmError if absent
         self.root, self.cap, self.migrate_at, self.group = root, int(cap_bytes), float(migrate_at), int(group)
+        self.cap_bytes = self.cap  # the configured cap; ``cap`` is what the RAM filesystem allows
         self.shards, self.dim, self.clock, self.max_open = shards, int(summary_dim), clock, max_open_shards
         self._row = 4 * self.dim  # bytes of one round summary
-        self.rootdir = RootDir(root)  # WarmError if it is not safely ours
-        try:
-            self._lockfd = self.rootdir.open_or_create(".lock")
+        self._dirs: list[RootDir] = []
+        try:  # each a WarmError if it is not safely ours
+            top = self._keep(RootDir(root))
+            base = self._keep(top.sub(self.volume_id)) if self.volume_id is not None else top
+            self.locks = SessionLocks(self._keep(base.sub("locks")))
+            self.rootdir = self._keep(claim_dir(base))  # this process's shards (flock'ed)
+            adopt_dead(base, self.rootdir, legacy=self.volume_id is None)
         except BaseException:
-            self.rootdir.close()
+            self._close_dirs()
             raise
-        try:
-            fcntl.flock(self._lockfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(self._lockfd)
-            self.rootdir.close()
-            raise WarmError(f"warm root {root!r} is in use by another process") from e
         self.retry_s, self.retry_max_s = float(retry_s), float(retry_max_s)
         self._backoff = 0.0  # current retry interval after failed migrations; 0: healthy
         self._retry_at = 0.0  # time.monotonic() before which no migration is tried
@@ -106,19 +114,43 @@ class WarmTier(Mover):
         self._warned_full = False
         self.stats = {"migrations": 0, "promotions": 0, "hits": 0, "misses": 0, "groups": 0}
         try:
+            self._init_writebehind(writebehind, writebehind_s, writebehind_bytes)
             self._scan()
         except BaseException:
-            os.close(self._lockfd)
-            self.rootdir.close()
+            self._close_dirs()
             raise
+        self._refresh_cap()
         self._gauges()
+        self._start_writer()
+
+    def _keep(self, d: RootDir) -> RootDir:
+        self._dirs.append(d)
+        return d
+
+    def _close_dirs(self) -> None:
+        for d in reversed(self._dirs):  # the process directory's flock goes with its fd
+            d.close()
+
+    def _refresh_cap(self) -> None:
+        """Cap at what the RAM filesystem can hold: free space plus what we hold, less a
+        margin (min(8 MiB, 5%) of it, at least 64 KiB)."""
+        try:
+            st = os.fstatvfs(self.rootdir.fd)
+        except OSError:
+            return
+        total = st.f_blocks * st.f_frsize
+        room = st.f_bavail * st.f_frsize + self._bytes - max(64 << 10, min(MARGIN_MAX, total // 20))
+        self.cap = max(PAGE, min(self.cap_bytes, room))
 
     # ---- plumbing -------------------------------------------------------------------
     @contextlib.contextmanager
-    def _locked(self, sid: str) -> Iterator[Slot]:
-        """Validate ``sid`` and hold its shard's lock; unmaps the least recently used
-        shards beyond ``max_open_shards`` on the way (skipping any that are busy)."""
+    def _locked(self, sid: str, own: bool = True) -> Iterator[Slot]:
+        """Validate ``sid``, take it for this process (``own``; internal passes do not),
+        and hold its shard's lock; unmaps the least recently used shards beyond
+        ``max_open_shards`` on the way (skipping any that are busy)."""
         check_sid(sid)
+        if own:
+            self._own(sid)
         shard = shard_of(sid, self.shards, self.key)
         with self._lock:
             if self._closed:
@@ -150,10 +182,21 @@ class WarmTier(Mover):
         finally:
             slot.lock.release()
 
-    def _remove_file(self, slot: Slot) -> None:
+    def _remove_file(self, slot: Slot, later: bool = False) -> None:
+        """Remove a shard file without sessions. ``later``: renamed out of the way now,
+        unlinked by a pool thread (freeing a big tmpfs file's pages takes milliseconds)."""
         f, slot.file = slot.file, None
-        f.unmap()
-        self.rootdir.unlink(f.name)
+        if not later:
+            f.unmap(flush=False)
+            self.rootdir.unlink(f.name)
+            return
+        self._fsync_pool().submit(self._discard, slot, f)
+
+    def _discard(self, slot: Slot, f: ShardFile) -> None:
+        f.discard()  # unmapping a big mapping takes milliseconds too
+        with slot.lock, contextlib.suppress(OSError, WarmError):
+            if slot.file is None and self.rootdir.lstat(f.name).st_ino == f.ino:
+                self.rootdir.unlink(f.name)  # not a new file of this shard made meanwhile
 
     def _warm(self, slot: Slot, sid: str, create: bool = False) -> tuple[ShardFile | None, WarmSession | None]:
         """The shard file and warm record of ``sid``; with ``create``, make them, loading
@@ -166,8 +209,9 @@ class WarmTier(Mover):
             name = shard_file_name(slot.shard, self.shards)
             f = slot.file = ShardFile.create(self.rootdir, name, slot.shard, self.shards,
                                              self.key, self.dim, self.clock())
-        cold = self.cold.layer_sizes(sid) if self.cold else None
-        s = f.new_session(sid, self.clock(), live=cold is None)
+        cs = self.cold.state(sid) if self.cold else None
+        cold, inc = cs if cs is not None else (None, None)
+        s = f.new_session(sid, self.clock(), live=cold is None, inc=inc or new_incarnation())
         s.cold, held = cold, 0
         if cold is not None:  # the warm record must be whole before it is published
             try:
@@ -178,6 +222,9 @@ class WarmTier(Mover):
                 n = len(summ) // self._row * self._row
                 if n:
                     held += f.write(s, K_SUMMARY, 0, 0, np.frombuffer(summ, np.uint8, n))
+                s.cmeta, s.csumm = raw or None, summ
+                if inc is not None and n == len(summ):  # what cold has, and its id
+                    f.set_flags(s, FLAG_ON_COLD | FLAG_CLEAN)
             except BaseException:
                 f.drop(s)
                 raise
@@ -221,20 +268,44 @@ class WarmTier(Mover):
     def append(self, sid: str, layer: int, data: bytes | memoryview | np.ndarray) -> int:
         """Append token-major bytes to a layer; returns its new size. May then migrate the
         least recently used group to cold if usage passed the threshold."""
-        layer, buf = _check_layer(layer), _as_u8(data)
+        layer, buf = check_layer(layer), as_u8(data)
         self._admit(len(buf))
-        with self._locked(sid) as slot:
-            f, s = self._warm(slot, sid, create=True)
-            base, size = self._span(s, layer)
-            if len(buf):
-                self._account(f.write(s, K_LAYER, layer, size, buf, base=base))
-            self._touch(f, s)
-            new = size + len(buf)
+
+        def write() -> int:
+            with self._locked(sid) as slot:
+                f, s = self._warm(slot, sid, create=True)
+                base, size = self._span(s, layer)
+                if len(buf):
+                    self._mark_dirty(f, s, len(buf))
+                    self._account(f.write(s, K_LAYER, layer, size, buf, base=base))
+                self._touch(f, s)
+                return size + len(buf)
+
+        new = self._with_room(sid, write)
         self._maybe_migrate()
         return new
 
+    def _with_room(self, sid: str, fn: Callable[[], T]) -> T:
+        """Run a write; when the RAM filesystem is full (nothing changed), evict a group
+        to the cold tier and try once more, else a WarmError that says so."""
+        try:
+            return fn()
+        except WarmFull as e:
+            self._refresh_cap()
+            if self.cold is None:
+                raise WarmError(f"{e}; no cold tier to evict to") from e
+            with self._mig_lock:
+                freed = (self._evict_group if self.wb_on else self._migrate_group)(self.group, {sid}, True)
+            if not freed:
+                raise WarmError(f"{e}; nothing could be evicted to the cold tier"
+                                + (f" ({self._cold_error})" if self._cold_error else "")) from e
+        try:
+            return fn()
+        except WarmFull as e:
+            raise WarmError(f"{e} (after evicting a group to the cold tier)") from e
+
     def size(self, sid: str, layer: int) -> int:
-        layer = _check_layer(layer)
+        layer = check_layer(layer)
         with self._locked(sid) as slot:
             _, s = self._warm(slot, sid)
             if s is not None:
@@ -256,7 +327,7 @@ class WarmTier(Mover):
         reused once the session migrates. ``promote``: None = a read of a whole layer that
         is partly or wholly on cold promotes the session first, True = always, False =
         never."""
-        layer = _check_layer(layer)
+        layer = check_layer(layer)
         if not 0 <= start <= end:
             raise ValueError(f"bad range [{start}, {end})")
         promoted = False
@@ -282,7 +353,7 @@ class WarmTier(Mover):
         """Bytes [start, end) of each of ``layers`` as uint8 [len(layers), end - start]:
         one round of every layer in one call (addition to the contract). ``promote=True``
         brings the session back to warm first."""
-        layers = [_check_layer(layer) for layer in layers]
+        layers = [check_layer(layer) for layer in layers]
         if not 0 <= start <= end:
             raise ValueError(f"bad range [{start}, {end})")
         out = np.empty((len(layers), end - start), np.uint8)
@@ -333,8 +404,9 @@ class WarmTier(Mover):
     def truncate(self, sid: str, layer: int, length: int) -> None:
         """Shorten a layer (an agent retrying a turn). Cold is cut first, then warm, so
         cold stays a prefix of the content whatever the moment of a crash."""
-        layer = _check_layer(layer)
-        with self._locked(sid) as slot:
+        layer = check_layer(layer)
+        self._own(sid)
+        with self._io_lock(sid), self._locked(sid, own=False) as slot:
             f, s = self._warm(slot, sid)
             if s is not None:
                 size, cold_size = self._span(s, layer)[1], (s.cold or {}).get(layer, 0)
@@ -358,10 +430,15 @@ class WarmTier(Mover):
             raise TypeError("meta must be a dict")
         raw = json.dumps(meta, separators=(",", ":")).encode()
         self._admit(len(raw))
-        with self._locked(sid) as slot:
-            f, s = self._warm(slot, sid, create=True)
-            self._account(f.put_meta(s, raw))
-            self._touch(f, s)
+
+        def write() -> None:
+            with self._locked(sid) as slot:
+                f, s = self._warm(slot, sid, create=True)
+                self._mark_dirty(f, s, len(raw))
+                self._account(f.put_meta(s, raw))
+                self._touch(f, s)
+
+        self._with_room(sid, write)
         self._maybe_migrate()
 
     def get_meta(self, sid: str) -> dict | None:
@@ -381,16 +458,21 @@ class WarmTier(Mover):
         if isinstance(round_idx, bool) or not isinstance(round_idx, (int, np.integer)) or round_idx < 0:
             raise ValueError(f"bad round index {round_idx!r}")
         self._admit(self._row)
-        with self._locked(sid) as slot:
-            f, s = self._warm(slot, sid, create=True)
-            have = s.summary.end
-            pos = int(round_idx) * self._row
-            buf = v.view(np.uint8)
-            if pos > have:
-                buf = np.concatenate([np.zeros(pos - have, np.uint8), buf])
-                pos = have
-            self._account(f.write(s, K_SUMMARY, 0, pos, buf))
-            self._touch(f, s)
+
+        def write() -> None:
+            with self._locked(sid) as slot:
+                f, s = self._warm(slot, sid, create=True)
+                have = s.summary.end
+                pos = int(round_idx) * self._row
+                buf = v.view(np.uint8)
+                if pos > have:
+                    buf = np.concatenate([np.zeros(pos - have, np.uint8), buf])
+                    pos = have
+                self._mark_dirty(f, s, len(buf))
+                self._account(f.write(s, K_SUMMARY, 0, pos, buf))
+                self._touch(f, s)
+
+        self._with_room(sid, write)
         self._maybe_migrate()
 
     def summaries(self, sid: str) -> np.ndarray:
@@ -411,80 +493,9 @@ class WarmTier(Mover):
             f, s = self._warm(slot, sid)
             if s is None and self.cold is not None and self.cold.exists(sid):
                 f, s = self._warm(slot, sid, create=True)  # the cold file is cut at migration
-            if s is not None:
+            if s is not None and rounds * self._row < s.summary.end:
+                self._mark_dirty(f, s, 0)
                 self._account(-f.truncate(s, K_SUMMARY, 0, rounds * self._row))
-
-    # ---- sessions -------------------------------------------------------------------
-    def sessions(self) -> list[str]:
-        with self._lock:
-            names = set(self._lru)
-        if self.cold is not None:
-            for n in self.cold.list():
-                with contextlib.suppress(WarmError):
-                    names.add(check_sid(n))
-        return sorted(names)
-
-    def where(self, sid: str) -> str | None:
-        with self._locked(sid) as slot:
-            _, s = self._warm(slot, sid)
-            on_cold = (s.cold is not None) if s is not None else bool(self.cold and self.cold.exists(sid))
-        if s is not None:
-            return "both" if on_cold else "warm"
-        return "cold" if on_cold else None
-
-    def delete(self, sid: str) -> None:
-        """Remove a session from both tiers (warm first: a crash in between leaves the
-        cold prefix, a consistent older state)."""
-        with self._locked(sid) as slot:
-            f, s = self._warm(slot, sid)
-            if s is not None:
-                freed = f.drop(s)
-                if not f.sessions:
-                    self._remove_file(slot)
-                with self._lock:
-                    self._lru.pop(sid, None)
-                self._account(-freed)
-            if self.cold is not None:
-                self.cold.delete(sid)
-
-    # ---- housekeeping ---------------------------------------------------------------
-    def flush(self, sid: str | None = None) -> None:
-        """msync the shard of ``sid`` (or of every mapped shard)."""
-        if sid is not None:
-            with self._locked(sid) as slot:
-                if slot.file is not None:
-                    slot.file.flush()
-            return
-        with self._lock:
-            slots = list(self._slots.values())
-        for slot in slots:
-            with slot.lock:
-                if slot.file is not None:
-                    slot.file.flush()
-
-    def usage(self) -> dict:
-        with self._lock:
-            return {"bytes": self._bytes, "cap": self.cap, "ratio": self._bytes / self.cap,
-                    "threshold": self.migrate_at, "sessions": len(self._lru),
-                    "cold_error": self._cold_error,
-                    "shard_files": sum(1 for s in self._slots.values() if s.file is not None),
-                    **self.stats}
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        with self._mig_lock:
-            with self._lock:
-                self._closed = True
-                slots = list(self._slots.values())
-            for slot in slots:
-                with slot.lock:
-                    if slot.file is not None:
-                        slot.file.unmap()
-            if self._pool is not None:
-                self._pool.shutdown()
-            os.close(self._lockfd)
-            self.rootdir.close()
 
     def __enter__(self) -> WarmTier:
         return self

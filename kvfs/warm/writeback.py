@@ -1,0 +1,502 @@
+"""Write-behind: every byte the warm tier takes also goes to the mount, soon.
+
+A background thread appends what the cold copy (``cold_root/sessions/<sid>/``) lacks of
+each changed ("dirty") session -- layer tails, summaries.f32, meta.json -- and fsyncs the
+files it wrote, at the latest ``writebehind_s`` after the first unwritten change or once
+``writebehind_bytes`` are waiting, whichever comes first. The RAM copy stays; a session
+whose cold copy holds every byte, fsynced, is *clean* (``FLAG_CLEAN`` in its shard). At
+the cap the tier drops the least recently used clean sessions without copying anything;
+dirty ones are written first. ``sync`` does a pass now and raises when the mount cannot
+take it; ``writebehind=False`` leaves only the group migration of ``migrate.py`` (then
+a reboot loses every session not migrated yet).
+
+Deletion wins: each session has an incarnation id (random, 64 bits, made with the
+session), written to ``sessions/<sid>/.incarnation`` with its first bytes. Before a RAM
+copy is used -- the first use in a process, every pass -- it is checked against the
+mount: a copy removed there (while we had written it), made anew (another incarnation),
+cut shorter than what we wrote, or grown by someone else means the RAM copy is dropped
+(one log line) and the mount's copy is the session. Every use of a session checks that its
+directory still exists (one lstat), so ``rm -r`` on the mount is seen at once.
+
+Locks, in this order only: a pass (``_pass_lock``), the session-ownership lock, a
+session's cold-I/O lock (striped; held from reading a session's tail to recording what
+reached cold, so the extents read cannot be freed by a truncate, delete or drop), its
+shard lock. Cold writes run outside the shard lock: the agent keeps appending meanwhile.
+
+A mixin of WarmTier (tier.py). Never imports torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future
+
+from kvfs.ops import metrics
+
+from .cold import INCARNATION, META, SUMMARIES, layer_name
+from .format import FLAG_CLEAN, FLAG_MIGRATING, FLAG_ON_COLD
+from .ids import WarmCorrupt, WarmError, check_sid
+from .owners import write_stats
+from .records import Slot, WarmSession
+from .shard import ShardFile
+
+log = logging.getLogger("kvfs.warm")
+IO_STRIPES = 64
+STATS_EVERY_S = 1.0
+
+
+def new_incarnation() -> int:
+    return int.from_bytes(os.urandom(8), "little") or 1
+
+
+class _Own:
+    """A session this process holds: its flock'ed lock file. ``temp``: taken by a pass
+    for a session nobody has open here (released after the pass); ``seen``: its cold
+    directory is known to exist (then every use checks that it still does)."""
+
+    __slots__ = ("fd", "temp", "seen")
+
+    def __init__(self, fd: int, temp: bool = False) -> None:
+        self.fd, self.temp, self.seen = fd, temp, False
+
+
+class _Pass:
+    """A session whose tail a pass wrote, waiting for its fsyncs."""
+
+    __slots__ = ("sid", "session", "gen", "names", "made_dir", "since", "bytes", "fds", "syncs",
+                 "error")
+
+    def __init__(self, sid: str, session: WarmSession, gen: int, d: list | None) -> None:
+        self.sid, self.session, self.gen = sid, session, gen
+        self.since, self.bytes = (d[0], d[1]) if d else (time.monotonic(), 0)
+        self.names: set[str] = set()
+        self.fds: dict[str, int] = {}  # layer files written by this pass, still open
+        self.made_dir = False
+        self.syncs: list[Future] = []
+        self.error: BaseException | None = None
+
+
+class WriteBehind:
+    """Dirty tracking, the writer thread, passes, ownership, validation; see module doc."""
+
+    def _init_writebehind(self, on: bool, every_s: float, max_bytes: int) -> None:
+        if every_s <= 0 or max_bytes <= 0:
+            raise WarmError("writebehind_s and writebehind_bytes must be > 0")
+        self.wb_on = bool(on) and self.cold is not None
+        self.wb_s, self.wb_bytes = float(every_s), int(max_bytes)
+        self._dirty: dict[str, list] = {}  # sid -> [monotonic time of first change, bytes]
+        self._dirty_bytes = 0
+        self._owned: dict[str, _Own] = {}
+        self._own_lock = threading.Lock()
+        self._io = [threading.RLock() for _ in range(IO_STRIPES)]
+        self._pass_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._wb_lag = 0.0
+        self._thread: threading.Thread | None = None
+
+    def _start_writer(self) -> None:
+        self._thread = threading.Thread(target=self._writer, name="kvfs-warm-writer", daemon=True)
+        self._thread.start()
+
+    def _io_lock(self, sid: str) -> threading.RLock:
+        return self._io[hash(sid) % IO_STRIPES]
+
+    # ---- dirty sessions -------------------------------------------------------------
+    def _mark_dirty(self, f: ShardFile, s: WarmSession, n: int) -> None:
+        """Before a change of ``s`` (under its shard lock): not clean any more -- the flag
+        goes first, so that after a crash a clean flag never covers bytes cold lacks."""
+        if s.flags & FLAG_CLEAN:
+            f.set_flags(s, s.flags & ~FLAG_CLEAN)
+        with self._lock:
+            d = self._dirty.get(s.name)
+            if d is None:
+                self._dirty[s.name] = [time.monotonic(), n]
+            else:
+                d[1] += n
+            self._dirty_bytes += n
+            wake = self._dirty_bytes >= self.wb_bytes
+        if wake and self.wb_on:
+            self._wake.set()
+
+    def _undirty(self, sid: str) -> float | None:
+        """Forget that ``sid`` is dirty; returns when it became dirty."""
+        with self._lock:
+            d = self._dirty.pop(sid, None)
+            if d is None:
+                return None
+            self._dirty_bytes -= d[1]
+            return d[0]
+
+    # ---- ownership and validation -----------------------------------------------------
+    def _own(self, sid: str) -> None:
+        """Take the session's lock on its first use here (WarmError naming the holder),
+        and check a RAM copy made earlier against the mount before it is used."""
+        own = self._owned.get(check_sid(sid))
+        if own is not None and not own.temp:
+            if own.seen and self.cold is not None and not self.cold.exists(sid):
+                self._forget(sid, "its directory was removed through the mount")
+            return
+        with self._own_lock:
+            with self._lock:
+                if self._closed:
+                    raise WarmError("warm tier is closed")
+                own = self._owned.get(sid)
+                if own is not None:
+                    own.temp = False  # a pass held it: ours now, checked below anyway
+            if own is None:
+                own = _Own(self.locks.take(sid, self.rootdir.path))
+                with self._lock:
+                    self._owned[sid] = own
+            if self.cold is not None and sid in self._lru:
+                try:
+                    self._validate(sid)
+                except WarmError as e:  # the mount is away: the RAM copy serves; checked later
+                    log.warning("warm session %r: cannot check it against the mount: %s", sid, e)
+
+    def _validate(self, sid: str) -> None:
+        with self._io_lock(sid):
+            cs = self.cold.state(sid)
+            with self._locked(sid, own=False) as slot:
+                f, s = self._warm(slot, sid)
+                if s is None:
+                    return
+                reason = self._stale_reason(s, cs)
+                if reason is not None:
+                    self._forget_locked(slot, f, s, reason)
+                elif cs is not None and s.flags & FLAG_ON_COLD:
+                    self._owned[sid].seen = True
+
+    def _stale_reason(self, s: WarmSession, cs: tuple[dict[int, int], int | None] | None) -> str | None:
+        """Why the RAM copy ``s`` is not the mount's session any more (None: it is)."""
+        on_cold = bool(s.flags & FLAG_ON_COLD)
+        if cs is None:
+            return "it was removed through the mount" if on_cold else None
+        sizes, inc = cs
+        if inc is not None and s.inc and inc != s.inc:
+            return f"the mount holds another incarnation ({inc:016x}, ours {s.inc:016x})"
+        if inc is None and on_cold:
+            return "its .incarnation file was removed through the mount"
+        known = s.cold or {}
+        for layer in sorted(set(sizes) | set(known) | set(s.layers)):
+            c = sizes.get(layer, 0)
+            st = s.layers.get(layer)
+            end = self._span(s, layer)[1]
+            floor = max(known.get(layer, 0), end if s.flags & FLAG_CLEAN else 0,
+                        st.base if st is not None and st.segs else 0)
+            if c < floor:
+                return f"layer_{layer} was cut to {c} bytes through the mount (we wrote {floor})"
+            if c > end:
+                return f"layer_{layer} grew to {c} bytes on the mount (ours has {end})"
+        return None
+
+    def _forget(self, sid: str, reason: str) -> None:
+        with self._io_lock(sid), self._locked(sid, own=False) as slot:
+            f, s = self._warm(slot, sid)
+            if s is not None:
+                self._forget_locked(slot, f, s, reason)
+
+    def _forget_locked(self, slot: Slot, f: ShardFile, s: WarmSession, reason: str) -> None:
+        log.warning("warm session %r: %s; its RAM copy is dropped, the mount's copy is the "
+                    "session", s.name, reason)
+        self._drop_session(slot, f, s)
+
+    def _drop_session(self, slot: Slot, f: ShardFile, s: WarmSession) -> int:
+        """Remove a session's RAM copy (shard lock held); returns the bytes freed."""
+        sid = s.name
+        freed = f.drop(s)
+        if not f.sessions:
+            self._remove_file(slot, later=True)
+        self._undirty(sid)
+        with self._lock:
+            self._lru.pop(sid, None)
+            self._bytes -= freed
+            own = self._owned.get(sid)
+            if own is not None:
+                own.seen = False
+        self._gauges()
+        return freed
+
+    # ---- passes -----------------------------------------------------------------------
+    def _pass(self, sids: list[str] | None, explicit: bool, fsync: bool = True) -> list[str]:
+        """Write the tails of ``sids`` (default: every dirty session) to cold and fsync
+        them; returns the errors. A background pass waits out the back-off. ``fsync=False``
+        (a pass for the byte threshold): write only; the sessions stay dirty until a pass
+        fsyncs the files written (at the time lag, or ``sync``)."""
+        if self.cold is None:
+            return []
+        with self._pass_lock:
+            if not explicit and time.monotonic() < self._retry_at:
+                return []
+            if sids is None:
+                with self._lock:
+                    sids = list(self._dirty)
+            staged: list[_Pass] = []
+            errors: list[str] = []
+            temps: list[str] = []
+            try:
+                for sid in sids:
+                    if not self._pass_owner(sid, temps):
+                        continue
+                    try:
+                        st = self._stage_tail(sid)
+                    except WarmCorrupt as e:
+                        self._drop_damaged(sid, e)
+                        continue
+                    except (OSError, WarmError) as e:
+                        errors.append(f"{sid!r}: {e}")
+                        continue
+                    if st is not None:
+                        staged.append(st)
+                if not fsync:
+                    self._written(staged)
+                    for st in staged:
+                        self._close_fds(st)
+                    staged = []
+                self._fsync_staged(staged)
+                lag = 0.0
+                for st in staged:
+                    done = self._commit_tail(st)
+                    if st.error is not None:
+                        errors.append(f"{st.sid!r}: {st.error}")
+                    elif done is not None:
+                        lag = max(lag, done)
+            finally:
+                for st in staged:
+                    self._close_fds(st)  # none left unless something failed midway
+                for sid in temps:
+                    self._release_temp(sid)
+            if staged and not errors:
+                self._wb_lag = lag
+            if errors:
+                self._cold_failed(errors[0] + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""),
+                                  len(errors))
+            elif staged and self._cold_error is not None:
+                log.info("writing to cold tier %s works again", self.cold.root)
+                self._backoff, self._cold_error = 0.0, None
+            return errors
+
+    def _pass_owner(self, sid: str, temps: list[str]) -> bool:
+        """Hold ``sid`` for a pass: ours already, or taken for the pass. A session another
+        process has open now is its business: our RAM copy of it is older, dropped."""
+        with self._own_lock:
+            if sid in self._owned:
+                return True
+            fd = self.locks.try_take(sid)
+            if fd is not None:
+                with self._lock:
+                    self._owned[sid] = _Own(fd, temp=True)
+                temps.append(sid)
+                return True
+        self._forget(sid, f"process {self.locks.holder(sid)} has the session open")
+        return False
+
+    def _release_temp(self, sid: str) -> None:
+        with self._own_lock, self._lock:
+            own = self._owned.get(sid)
+            if own is None or not own.temp:
+                return
+            del self._owned[sid]
+        self.locks.drop(sid, own.fd)
+
+    def _stage_tail(self, sid: str) -> _Pass | None:
+        """Check one session against the mount and append what cold lacks (no fsync)."""
+        with self._io_lock(sid):
+            cs = self.cold.state(sid)
+            with self._locked(sid, own=False) as slot:
+                f, s = self._warm(slot, sid)
+                if s is None:
+                    self._undirty(sid)
+                    return None
+                reason = self._stale_reason(s, cs)
+                if reason is not None:
+                    self._forget_locked(slot, f, s, reason)
+                    return None
+                if s.flags & FLAG_MIGRATING:
+                    f.set_flags(s, s.flags & ~FLAG_MIGRATING)
+                if not s.inc:  # a RAM copy of an older version: take the mount's id
+                    s.inc = (cs[1] if cs else None) or new_incarnation()
+                sizes = dict(cs[0]) if cs else {}
+                tails = []
+                for layer, stream in sorted(s.layers.items()):
+                    c = sizes.get(layer, 0)
+                    if c < stream.end or layer not in sizes:
+                        tails.append((layer, c, list(f.segments(s, stream, c, stream.end, f"layer {layer}"))))
+                summ, meta = self._summary_bytes(f, s), f.meta_bytes(s)
+                old_summ, old_meta = s.csumm, s.cmeta
+                with self._lock:
+                    d = self._dirty.get(sid)
+                    st = _Pass(sid, s, s.gen, d)
+            # the tail's extents stay (io lock): write them without blocking the agent
+            written: set[str] = set()
+            try:
+                if cs is None:
+                    st.made_dir = self.cold.ensure_dir(sid)
+                if cs is None or cs[1] is None:
+                    self.cold.write_incarnation(sid, s.inc, sync=False)
+                    written.add(INCARNATION)
+                for layer, c, pieces in tails:
+                    name, keep = layer_name(layer), []
+                    written.add(name)
+                    try:
+                        sizes[layer] = self.cold.append(sid, name, c, pieces, sync=False, keep=keep)
+                    finally:
+                        st.fds.update((name, fd) for fd in keep)
+                if self.cold.sync_summaries(sid, summ, sync=False, old=old_summ):
+                    written.add(SUMMARIES)
+                old_summ = summ
+                if meta is not None and self.cold.write_meta(sid, meta, sync=False, old=old_meta):
+                    written.add(META)
+                old_meta = meta
+            except BaseException:
+                self._close_fds(st)
+                raise
+            finally:
+                with self._locked(sid, own=False) as slot:
+                    f2, s2 = self._warm(slot, sid)
+                    if s2 is s:
+                        s.cold, s.csumm, s.cmeta = sizes, old_summ, old_meta
+                        s.unsynced |= written
+                        st.names = set(s.unsynced)
+                        if INCARNATION in written and not s.flags & FLAG_ON_COLD:
+                            f2.set_flags(s, s.flags | FLAG_ON_COLD)  # a removal from now on is one
+        return st
+
+    def _written(self, staged: list[_Pass]) -> None:
+        """Bytes written (not fsynced yet) no longer count towards the byte threshold."""
+        with self._lock:
+            for st in staged:
+                d = self._dirty.get(st.sid)
+                if d is not None:
+                    n = min(d[1], st.bytes)
+                    d[1] -= n
+                    self._dirty_bytes -= n
+
+    @staticmethod
+    def _close_fds(st: _Pass) -> None:
+        for fd in st.fds.values():
+            os.close(fd)
+        st.fds = {}
+
+    def _fsync_staged(self, staged: list[_Pass]) -> None:
+        """fsync every file a pass wrote (or an earlier write-only pass), concurrently: the
+        filesystem commits them together, as fast as one big file."""
+        if not staged:
+            return
+        pool = self._fsync_pool()
+        for st in staged:
+            fds, st.fds = st.fds, {}
+            st.syncs = [pool.submit(self.cold.fsync_close, st.sid, n, fd) for n, fd in fds.items()]
+            st.syncs += [pool.submit(self.cold.fsync_file, st.sid, n)
+                         for n in sorted(st.names) if n not in fds]
+            if st.made_dir or st.names:  # new names in it, maybe
+                st.syncs.append(pool.submit(self.cold.sync_dir, st.sid))
+        for st in staged:
+            for fut in st.syncs:
+                try:
+                    fut.result()
+                except (OSError, WarmError) as e:
+                    st.error = st.error or e
+        if any(st.made_dir for st in staged):
+            try:
+                self.cold.sync_sessions_dir()
+            except (OSError, WarmError) as e:
+                for st in staged:
+                    st.error = st.error or e
+
+    def _commit_tail(self, st: _Pass) -> float | None:
+        """Record a durable tail; clean if nothing changed since. Returns the lag."""
+        with self._locked(st.sid, own=False) as slot:
+            f, s = self._warm(slot, st.sid)
+            if s is not st.session:
+                st.error = None  # deleted or dropped meanwhile: nothing to report
+                return None
+            if st.error is not None:
+                return None
+            s.unsynced -= st.names
+            flags = s.flags | FLAG_ON_COLD
+            own = self._owned.get(st.sid)
+            if own is not None:
+                own.seen = True
+            clean = s.gen == st.gen and not s.unsynced
+            if clean:
+                flags |= FLAG_CLEAN
+                self._undirty(st.sid)
+            f.set_flags(s, flags)
+        return time.monotonic() - st.since if clean else None
+
+    # ---- the writer thread --------------------------------------------------------------
+    def _due(self, now: float) -> tuple[float, bool]:
+        """When the next background pass is due (inf: none), and whether it is the one of
+        the time lag (write and fsync) rather than of the byte threshold (write only)."""
+        with self._lock:
+            if not self._dirty:
+                return float("inf"), True
+            at = min(d[0] for d in self._dirty.values()) + self.wb_s
+            full = at <= now or self._dirty_bytes < self.wb_bytes
+            at = at if full else now
+        return max(at, self._retry_at), full
+
+    def _writer(self) -> None:
+        next_stats = 0.0
+        while not self._stop:
+            now = time.monotonic()
+            if now >= next_stats:
+                self._refresh_cap()  # other processes fill or empty the RAM filesystem too
+                self._write_stats()
+                next_stats = now + STATS_EVERY_S
+            due, full = self._due(now) if self.wb_on else (float("inf"), True)
+            if due <= now:
+                try:
+                    self._pass(None, explicit=False, fsync=full)
+                except Exception:  # noqa: BLE001 - the thread must live; the next pass retries
+                    log.exception("warm write-behind pass failed")
+                    time.sleep(min(self.retry_s, 1.0))
+                continue
+            self._wake.wait(max(0.0, min(due, next_stats) - now))
+            self._wake.clear()
+
+    def _write_stats(self) -> None:
+        u = self.usage()
+        doc = {k: u[k] for k in ("bytes", "sessions", "cap", "cap_bytes", "hits", "misses",
+                                 "dirty_bytes", "dirty_sessions", "writebehind_lag_s",
+                                 "cold_error", "volume_id")}
+        doc.update(pid=os.getpid(), time=time.time())
+        try:
+            write_stats(self.rootdir, doc)
+        except WarmError as e:
+            log.debug("warm stats not written: %s", e)
+
+    # ---- eviction ---------------------------------------------------------------------
+    def _evict_group(self, n: int, exclude: set[str] | frozenset, explicit: bool = False) -> list[str]:
+        """Drop the ``n`` least recently used sessions from RAM: clean ones at once (their
+        cold copy is complete), dirty ones after a pass wrote them. Timed into
+        kv_warm_evict_latency_ms."""
+        with self._lock:
+            victims = [sid for sid in self._lru if sid not in exclude][:n]
+            dirty = [sid for sid in victims if sid in self._dirty]
+        if not victims:
+            return []
+        t0 = time.perf_counter()
+        if dirty:
+            self._pass(dirty, explicit)
+        done, freed = [], 0
+        for sid in victims:
+            with self._io_lock(sid), self._locked(sid, own=False) as slot:
+                f, s = self._warm(slot, sid)
+                if s is None or sid in self._dirty:
+                    continue
+                freed += self._drop_session(slot, f, s)
+                done.append(sid)
+        ms = (time.perf_counter() - t0) * 1000
+        metrics.warm_evict_latency.observe(ms)
+        metrics.warm_migrations.inc(len(done))
+        with self._lock:
+            self.stats["migrations"] += len(done)
+            self.stats["groups"] += 1
+        if done:
+            log.info("dropped %d clean session(s), %d bytes, from RAM in %.2f ms", len(done), freed, ms)
+        return done
