@@ -132,6 +132,12 @@ class Profile:
     warm_cap_bytes: int = _spec("size", "warm tier capacity", min=1 << 20)
     warm_root: str = _spec("path", "RAM-backed directory of the warm tier")
     summary_dim: int = _spec("int", "floats in one round's summary vector", min=1, max=1 << 16)
+    writebehind: bool = _spec("bool", "append what the RAM tier receives to the mount behind it "
+                              "(off: sessions reach the mount only when migrated or synced)")
+    writebehind_s: float = _spec("seconds", "longest lag of the mount behind the RAM tier",
+                                 min=0.01)
+    writebehind_bytes: int = _spec("size", "bytes not yet on the mount that start a write early",
+                                   min=1 << 16)
     # cold tier
     ring_size: int = _spec("size", "volume (ring) size when one is created", min=1 << 20)
     checkpoint_interval_s: float = _spec("seconds", "index checkpoint period", min=0.001)
@@ -184,7 +190,8 @@ class Profile:
         return {"root": self.warm_root, "cap_bytes": self.warm_cap_bytes,
                 "migrate_at": self.warm_migrate_at, "group": self.lru_group,
                 "shards": self.warm_shards, "shard_key": self.shard_key,
-                "summary_dim": self.summary_dim}
+                "summary_dim": self.summary_dim, "writebehind": self.writebehind,
+                "writebehind_s": self.writebehind_s, "writebehind_bytes": self.writebehind_bytes}
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -401,7 +408,8 @@ def load(name: str = "gov", overrides: dict[str, Any] | None = None,
 AGENT_KEYS = frozenset({
     "max_kv_len", "device_watermark", "sink_tokens", "auto_recall", "recall_rounds",
     "keep_summary_rounds", "warm_shards", "shard_key", "warm_migrate_at", "lru_group",
-    "warm_cap_bytes", "warm_root", "summary_dim",
+    "warm_cap_bytes", "warm_root", "summary_dim", "writebehind", "writebehind_s",
+    "writebehind_bytes",
 })
 
 

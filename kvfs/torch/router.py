@@ -32,7 +32,9 @@ only other thread, and it touches nothing but the warm tier.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from collections import OrderedDict
 from typing import Any
@@ -57,6 +59,29 @@ def load_profile(name: str | Any) -> Any:
     return profiles.load(name) if isinstance(name, str) else name
 
 
+def mount_info(mount: str | None) -> dict[str, Any] | None:
+    """What a kvfs mount publishes in ``/.kvfs/stats`` (its profile and the volume's
+    identity); None for a plain directory (tests, benchmarks) or no mount."""
+    if mount is None:
+        return None
+    try:
+        with open(os.path.join(mount, ".kvfs", "stats"), "rb") as f:
+            stats = json.loads(f.read())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise OSError(f"{mount}: cannot read .kvfs/stats of the mount: {e}") from e
+    return stats if isinstance(stats, dict) else None
+
+
+def mount_profile(info: dict[str, Any] | None) -> Any:
+    """The profile the mount was started with (gov when it publishes none)."""
+    values = (info or {}).get("profile")
+    if not isinstance(values, dict):
+        return profiles.load("gov")
+    return profiles.Profile(**values)
+
+
 def hot_settings(prof: Any) -> dict[str, Any]:
     """The hot-tier values of a profile."""
     return {"sink_tokens": prof.sink_tokens, "auto_recall": prof.auto_recall,
@@ -75,12 +100,16 @@ class KVRouter:
 
     def __init__(self, mount: str | None = None, device: str | torch.device = "cpu",
                  max_kv_len: int | None = _UNSET, device_budget_bytes: int | None = None,
-                 profile: str | Any = "gov", warm_root: str | None = None, *,
+                 profile: str | Any = None, warm_root: str | None = None, *,
                  watermark: float | None = None, warm: Any = None,
                  warm_options: dict[str, Any] | None = None, summary_dim: int | None = None,
                  sink_tokens: int | None = None, auto_recall: bool | None = None,
                  recall_rounds: int | None = None, max_pending_bytes: int = 64 << 20) -> None:
-        self.profile = load_profile(profile)
+        info = mount_info(mount)
+        # the mount's profile unless told otherwise: one set of settings for all tiers
+        self.profile = mount_profile(info) if profile is None else load_profile(profile)
+        vol = ((info or {}).get("store") or {}).get("volume") or {}
+        self.volume_id: str | None = vol.get("uuid")
         hot = hot_settings(self.profile)
         self.sink_tokens = hot["sink_tokens"] if sink_tokens is None else int(sink_tokens)
         self.auto_recall = hot["auto_recall"] if auto_recall is None else bool(auto_recall)
@@ -105,7 +134,7 @@ class KVRouter:
             if warm_root is not None:
                 kw["root"] = warm_root
             kw.update(warm_options or {})
-            warm = WarmTier(cold_root=mount, **kw)
+            warm = WarmTier(cold_root=mount, volume_id=self.volume_id, **kw)
         self.warm = warm
         self.spiller = Spiller(warm, max_pending_bytes=max_pending_bytes)
         self._sessions: OrderedDict[str, TieredCache] = OrderedDict()  # LRU first
@@ -201,6 +230,8 @@ class KVRouter:
             return
         if flush:
             c.flush()
+            self.spiller.wait()
+            self.warm.release(session_id)  # synced to the mount; another process may take it
         self.hot_total -= self._accounted.pop(session_id, 0)
         for lay in c.layers:
             lay.release()
@@ -396,12 +427,34 @@ class KVRouter:
 
     # --- durability -----------------------------------------------------------------------------
     def flush(self) -> None:
-        """Every token of every session (hot windows copied) is in the warm tier, msynced."""
+        """Return once every token of every session (hot windows included) is on the mount
+        and fsync'd. Raises (``WarmError``) when the mount cannot take them (unmounted,
+        full): never only a log line. Without a mount, the RAM tier holds them, msynced."""
         self._check_open()
         for c in self._sessions.values():
             c.flush(wait=False)
         self.spiller.wait()
         self.warm.flush()
+        if self.mount is not None:
+            self.warm.sync()
+
+    def save(self, session_id: str) -> None:
+        """:meth:`flush` for one session."""
+        self._check_open()
+        c = self._sessions.get(session_id)
+        if c is not None:
+            c.flush(wait=False)
+        self.spiller.wait()
+        self.warm.flush(session_id)
+        if self.mount is not None:
+            self.warm.sync(session_id)
+
+    def delete(self, session_id: str) -> None:
+        """Remove a session from every tier: the device, the RAM tier and the mount."""
+        self._check_open()
+        self.release(session_id, flush=False)
+        self.spiller.wait()  # nothing of the session may land after the delete
+        self.warm.delete(session_id)
 
     def close(self, to_cold: bool = False) -> None:
         """Flush, stop the spill thread, close the warm tier if this router built it.

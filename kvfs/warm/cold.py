@@ -150,9 +150,12 @@ class ColdStore:
             raise WarmError(f"cold tier {self.root!r}: sessions is not a directory")
 
     def exists(self, sid: str) -> bool:
+        """Whether the session's directory is on the mount; WarmError when the mount itself
+        is gone (an unmounted volume is not a removed session)."""
         try:
             return stat.S_ISDIR(os.lstat(self.path(sid)).st_mode)
         except FileNotFoundError:
+            self.reachable()
             return False
 
     @_errors
@@ -186,6 +189,7 @@ class ColdStore:
         """(layer sizes, incarnation id or None) of the cold copy; None when there is none."""
         sizes = self.layer_sizes(sid)
         if sizes is None:
+            self.reachable()  # an unmounted volume is an error, never "the session was removed"
             return None
         return sizes, self.read_incarnation(sid)
 

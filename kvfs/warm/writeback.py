@@ -137,8 +137,13 @@ class WriteBehind:
         and check a RAM copy made earlier against the mount before it is used."""
         own = self._owned.get(check_sid(sid))
         if own is not None and not own.temp:
-            if own.seen and self.cold is not None and not self.cold.exists(sid):
-                self._forget(sid, "its directory was removed through the mount")
+            if own.seen and self.cold is not None:
+                try:
+                    gone = not self.cold.exists(sid)
+                except WarmError:  # the mount is away: the RAM copy serves; checked later
+                    gone = False
+                if gone:
+                    self._forget(sid, "its directory was removed through the mount")
             return
         with self._own_lock:
             with self._lock:
