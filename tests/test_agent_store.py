@@ -207,3 +207,27 @@ def test_flush_raises_when_the_mount_is_gone(make_mount, tmp_path: Path) -> None
     with pytest.raises((WarmError, OSError)):
         r.close()
     os.makedirs(m.root, exist_ok=True)
+
+
+def test_kvfs_stat_shows_the_agents_hot_and_ram_tiers(make_mount) -> None:
+    m = make_mount(size="64M")
+    model = tiny_llama(seed=0)
+    r = KVRouter(mount=str(m.root), max_kv_len=WINDOW)  # the mount's profile: its warm root
+    try:
+        generate_turns(model, r.cache("seen", model), [prompt(3, 9)], NEW)
+        r.flush()
+        deadline = time.monotonic() + 10
+        while True:
+            out = subprocess.run([sys.executable, "-m", "kvfs.cli.stat", str(m.root), "--json"],
+                                 capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+            tiers = json.loads(out.stdout)["summary"]["tiers"]
+            if tiers["hot"]["reported"] and tiers["warm"]["reported"]:
+                break
+            assert time.monotonic() < deadline, tiers
+            time.sleep(0.3)
+        assert tiers["hot"]["bytes"] > 0 and tiers["hot"]["sessions"] == 1
+        assert tiers["warm"]["bytes"] > 0 and tiers["warm"]["cap"] > 0
+    finally:
+        r.close()
+        shutil.rmtree(Path(r.profile.warm_root) / r.volume_id, ignore_errors=True)

@@ -136,6 +136,8 @@ class KVRouter:
             kw.update(warm_options or {})
             warm = WarmTier(cold_root=mount, volume_id=self.volume_id, **kw)
         self.warm = warm
+        if self._own_warm:  # kvfs-stat shows this process's hot tier beside its RAM tier
+            warm.stats_extra = self._published
         self.spiller = Spiller(warm, max_pending_bytes=max_pending_bytes)
         self._sessions: OrderedDict[str, TieredCache] = OrderedDict()  # LRU first
         self._accounted: dict[str, int] = {}
@@ -424,6 +426,13 @@ class KVRouter:
         except Exception as e:  # noqa: BLE001 - reporting must not fail the caller
             out["warm"] = {"error": str(e)}
         return out
+
+    def _published(self) -> dict[str, Any]:
+        """The hot-tier figures an agent process publishes in its RAM-tier ``stats.json``
+        (read from the spill thread: plain numbers only, no tensors touched)."""
+        return {"hot": {"bytes": self.hot_total, "budget": self.budget,
+                        "sessions": len(self._sessions), "device": str(self.device),
+                        "watermark_moves": self.watermark_moves}}
 
     # --- durability -----------------------------------------------------------------------------
     def flush(self) -> None:

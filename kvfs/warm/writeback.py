@@ -470,6 +470,12 @@ class WriteBehind:
                                  "dirty_bytes", "dirty_sessions", "writebehind_lag_s",
                                  "cold_error", "volume_id")}
         doc.update(pid=os.getpid(), time=time.time())
+        extra = getattr(self, "stats_extra", None)  # the hot tier's figures, from its router
+        if extra is not None:
+            try:
+                doc.update(extra())
+            except Exception:  # a figure is never worth a failed pass
+                log.debug("hot-tier figures not published", exc_info=True)
         try:
             write_stats(self.rootdir, doc)
         except WarmError as e:
