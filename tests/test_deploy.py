@@ -122,7 +122,7 @@ def test_exec_start_parses_with_the_mount_arguments() -> None:
     assert args.foreground and args.metrics_port == 9477 and args.metrics_addr == "127.0.0.1"
     assert profiles.parse_size(args.size) == 512 << 30
     prof = profiles.load(args.profile, profiles.parse_overrides(args.overrides))
-    assert prof.max_kv_len == 48
+    assert prof.checkpoint_interval_s == 120.0
     # without KVFS_OPTS the command is still complete
     _, bare = expand(unit()["Service"]["ExecStart"][0], {k: env[k] for k in
                                                          ("VOLUME", "MOUNTPOINT", "PROFILE")})
@@ -211,7 +211,7 @@ def test_unit_commands_run_a_real_mount(tmp_path) -> None:
     mnt, vol = tmp_path / "mnt", tmp_path / "kv.vol"
     mnt.mkdir()
     env = {"VOLUME": str(vol), "MOUNTPOINT": str(mnt), "PROFILE": "ecommerce",
-           "KVFS_OPTS": f"--size 32M --log {tmp_path / 'kvfs.log'} -o lru_group=3"}
+           "KVFS_OPTS": f"--size 32M --log {tmp_path / 'kvfs.log'} -o hot_sessions=50"}
     s = Service(env)
     s.start()
     try:

@@ -41,7 +41,7 @@ def test_options_translate_to_mount_py_flags(tmp_path) -> None:
     r = _helper(["kv.vol", "mnt", "-n", "-o",
                  "rw,profile=iot,size=64M,allow_other,metrics_port=9100,metrics_addr=::,"
                  "config=/etc/kvfs.toml,"
-                 "log=/var/log/kvfs.log,max_kv_len=8,_netdev,nofail,noauto,x-systemd.after=a,"
+                 "log=/var/log/kvfs.log,hot_sessions=8,_netdev,nofail,noauto,x-systemd.after=a,"
                  "nosuid,nodev,bogus"], env, tmp_path)
     assert r.returncode == 0, r.stderr
     assert "ignoring unknown option 'bogus'" in r.stderr
@@ -49,7 +49,7 @@ def test_options_translate_to_mount_py_flags(tmp_path) -> None:
         str(tmp_path / "kv.vol"), str(tmp_path / "mnt"), "--profile", "iot", "--size", "64M",
         "--allow-other", "--metrics-port", "9100", "--metrics-addr", "::",
         "--config", "/etc/kvfs.toml",
-        "--log", "/var/log/kvfs.log", "-o", "max_kv_len=8"]
+        "--log", "/var/log/kvfs.log", "-o", "hot_sessions=8"]
 
 
 def test_fake_and_verbose_print_the_command(tmp_path) -> None:
@@ -203,7 +203,7 @@ def test_mount_t_fuse_kvfs_mounts_a_fresh_volume(tmp_path, installed_helper) -> 
     vol, mnt, log = tmp_path / "kv.vol", tmp_path / "mnt", tmp_path / "mount.log"
     mnt.mkdir()
     r = subprocess.run(["mount", "-t", "fuse.kvfs", str(vol), str(mnt),
-                        "-o", f"profile=gov,size=32M,log={log},max_kv_len=48"],
+                        "-o", f"profile=gov,size=32M,log={log},hot_sessions=200"],
                        env=installed_helper, capture_output=True, text=True, timeout=60)
     _mounted_then_umount(mnt, vol, log, r)
 

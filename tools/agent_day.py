@@ -162,7 +162,8 @@ class Day:
         self.peak = args.sessions or w.peak
         self.clock = SimClock(DAY_S / (args.minutes * 60.0))
         W = self.prof.max_kv_len
-        self.budget = int(w.budget_windows * self.peak * (W + 1) * self.geo.session_token_bytes)
+        held = W + self.prof.sink_tokens + 1  # what one session keeps on the device at a step
+        self.budget = int(w.budget_windows * self.peak * held * self.geo.session_token_bytes)
         self.rec_tokens = 1 << (w.rounds[1] * (w.question[1] + w.answer + 1) - 1).bit_length()
         self.router = self._open_router()
         self.alerts = alerts.for_profile(

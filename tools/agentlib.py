@@ -242,9 +242,14 @@ def recall_exact(cache: Any, rec: KVRecord, rounds: list[int], attended_start: i
 
 
 def window_exact(cache: Any, rec: KVRecord) -> bool:
-    """Whether the cache has seen what ``rec`` holds and its hot window is those bytes."""
+    """Whether the cache has seen what ``rec`` holds and what its device holds (the sinks,
+    then the window) is those bytes."""
+    def held(lay: Any) -> np.ndarray:
+        p = lay.pinned
+        return np.concatenate([rec.span(lay.idx, 0, p), rec.span(lay.idx, lay.window_start, lay.seen)])
+
     return rec.tokens == cache.seen and all(
-        np.array_equal(token_major(lay.keys, lay.values), rec.span(lay.idx, lay.seen - lay.stored, lay.seen))
+        np.array_equal(token_major(lay.keys, lay.values), held(lay))
         for lay in cache.layers if lay.stored)
 
 

@@ -36,7 +36,8 @@ from torture_common import (
     write_all,
 )
 
-from kvfs.engine.format import HDR_SIZE, PAGE, SB_SIZE, SB_SLOT, T_DATA
+from kvfs.engine.blocks import parse_table
+from kvfs.engine.format import BLOCK_ENTRY, HDR_SIZE, PAGE, SB_SIZE, SB_SLOT, T_DATA
 from kvfs.engine.fsck import CheckResult, check_volume
 from kvfs.engine.ring import ScanReport
 from kvfs.engine.store import Store
@@ -48,8 +49,11 @@ READ_CHUNK = 128 << 10
 # ============================================================================ 3. bit flips
 @dataclass
 class Target:
-    """A flippable place: ``kind`` sb/tree/live/entry/free, bytes [start, end) of the volume;
-    for ``live`` (a data entry some file reads), the (session, file, offset, length) it holds."""
+    """A flippable place: ``kind`` sb/tree/live/dead/entry/free, bytes [start, end) of the
+    volume; for ``live`` (a data entry's header and block table, or one of its blocks, that
+    some file reads), the (session, file, offset, length) of file bytes it guards. ``dead``:
+    a block of a live entry that no file reads any more (cut by a truncation): a flip there
+    is harmless, only checked never to produce wrong bytes."""
 
     kind: str
     start: int
@@ -58,8 +62,8 @@ class Target:
 
 
 FLIP_SESSIONS = 30
-MOSTLY_DATA = {"live": 85, "entry": 4, "tree": 4, "sb": 2, "free": 5}
-ANY_KIND = {"live": 1, "entry": 1, "tree": 1, "sb": 1, "free": 1}
+MOSTLY_DATA = {"live": 85, "dead": 3, "entry": 4, "tree": 4, "sb": 2, "free": 5}
+ANY_KIND = {"live": 1, "dead": 1, "entry": 1, "tree": 1, "sb": 1, "free": 1}
 
 
 def _flip_build(work: Path, rng: random.Random, res: Result) -> tuple[Mount, dict[tuple[str, str], bytes]]:
@@ -103,16 +107,27 @@ def _flip_targets(path: Path, rng: random.Random) -> list[Target]:
     s = Store.open(str(path), readonly=True)
     try:
         ring = s.ring
-        live: dict[int, list[tuple[str, str, int, int]]] = {}
+        live: dict[int, list[tuple[str, str, int, int, int]]] = {}
         for name in s.list_sessions():
             for f in s.idx.find(name).files.values():
-                for k, (pos, _skip, n, _esize) in enumerate(f.ext):
-                    live.setdefault(pos, []).append((name, f.name, f.off[k], n))
+                for k, (pos, skip, n, _esize) in enumerate(f.ext):
+                    live.setdefault(pos, []).append((name, f.name, f.off[k], skip, n))
         out = [Target("sb", 0, SB_SIZE, []), Target("sb", SB_SLOT, SB_SLOT + SB_SIZE, [])]
         for it in ring.scan(ring.tail, ring.head, ScanReport()):
             h, p = it.hdr, ring.phys(it.hdr.pos)
             hit = live.get(h.pos, []) if h.type == T_DATA else []
-            out.append(Target("live" if hit else "entry", p, p + HDR_SIZE + h.stored_len, hit))
+            if not hit:
+                out.append(Target("entry", p, p + HDR_SIZE + h.stored_len, []))
+                continue
+            tab = parse_table(h, s.vol.pread(h.nblocks * BLOCK_ENTRY.size, p + HDR_SIZE))
+            every = [(sn, fn, off, n) for sn, fn, off, _skip, n in hit]
+            out.append(Target("live", p, p + tab.st_off[0], every))  # header + block table
+            for i in range(tab.nblocks):  # a block guards the file bytes it holds, no others
+                ra, rb = tab.raw_off[i], tab.raw_off[i + 1]
+                guards = [(sn, fn, off + max(ra, skip) - skip, min(rb, skip + n) - max(ra, skip))
+                          for sn, fn, off, skip, n in hit if ra < skip + n and skip < rb]
+                out.append(Target("live" if guards else "dead", p + tab.st_off[i],
+                                  p + tab.st_off[i + 1], guards))
         for pg in range(s.sb.tree_pages):
             off = s.sb.tree_offset + pg * PAGE
             if any(s.vol.pread(PAGE, off)):
