@@ -225,7 +225,8 @@ def _recording_update(layer: Any, cls_update: Any, idx: int, rec: Any) -> Any:
 def recall_exact(cache: Any, rec: KVRecord, rounds: list[int], attended_start: int) -> bool | None:
     """Whether the recalled copies of ``rounds`` (what ``cache.recall`` just returned, with the
     window's ``attended_start`` at that moment) are the produced bytes; None: nothing was read."""
-    spans = [(a, min(b, attended_start)) for a, b in (cache.rounds[r] for r in rounds)]
+    p = min(cache.sink_tokens, cache.seen)  # the sinks are attended already: never recalled
+    spans = [(max(a, p), min(b, attended_start)) for a, b in (cache.rounds[r] for r in rounds)]
     spans = [(a, b) for a, b in spans if b > a]
     if not spans:
         return None
