@@ -34,8 +34,8 @@ def run_as(uid: int, code: str) -> str:
     """Run Python ``code`` as ``uid`` (no groups); its stdout, stripped."""
     p = subprocess.run(
         ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable, "-c",
-         f"import sys; sys.path.insert(0, {str(ROOT)!r})\n" + textwrap.dedent(code)],
-        capture_output=True, text=True, timeout=60)
+         textwrap.dedent(code)],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert p.returncode == 0, p.stderr
     return p.stdout.strip()
 

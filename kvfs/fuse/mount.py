@@ -38,12 +38,7 @@ from kvfs.engine.store import Store
 from kvfs.fuse.buffers import default_max_pending
 from kvfs.fuse.files import refresh_cold_gauges
 from kvfs.fuse.ops import Operations
-from kvfs.ops import metrics, profiles
-
-try:  # the alert rules are optional in the mount: only the cold-tier rule has data here
-    from kvfs.ops import alerts
-except ImportError:  # pragma: no cover
-    alerts = None  # type: ignore[assignment]
+from kvfs.ops import alerts, metrics, profiles
 
 log = logging.getLogger("kvfs.mount")
 
@@ -329,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with contextlib.ExitStack() as stack:
         stack.callback(close_store, store)  # runs last: flush, checkpoint, clean flag
-        alert_engine = alerts.for_profile(profile) if alerts is not None else None
+        alert_engine = alerts.for_profile(profile)
         ops = Operations(store, direct_io=not args.page_cache, allow_other=args.allow_other,
                          max_pending=args.write_buffer_max or default_max_pending(),
                          alerts_state=alert_engine.state if alert_engine else None,
