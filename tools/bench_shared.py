@@ -10,7 +10,11 @@ GETs of 1 MiB values against the same cluster (the engine's own figure, the ceil
 Prints JSON with both figures and the ratio (shared / redis-benchmark). Starts its own local
 3 + 3 cluster unless ``--urls`` is given; ``--footprint`` adds the measured cluster memory of
 agent-shaped sessions (docs/scale-out.md sizes the fleet from it).
-``python tools/bench_shared.py [-c 8] [-n 2000] [--footprint]``.
+``--resume`` measures an agent session moving between nodes instead: a 2k-token session of
+a random Llama written through mount A (``--shared``) and flushed, then ``KVRouter.resume``
+on node B (every byte fetched from the cluster through mount B), on node A (its own volume)
+and recomputing the prefill with the model, each with a fresh RAM tier.
+``python tools/bench_shared.py [-c 8] [-n 2000] [--footprint] [--resume [--reps 5]]``.
 """
 
 from __future__ import annotations
@@ -119,6 +123,58 @@ def session_footprint(cluster: Cluster, sessions: int = 50, layers: int = 30, ro
             "overhead_released": round(released / raw, 3), "overhead_leased": round(leased / raw, 3)}
 
 
+def resume_figure(cluster: Cluster, tokens: int = 2048, reps: int = 5) -> dict:
+    """Seconds to get a ``tokens``-token session back onto the device: resumed on another node
+    (cold read-through), on the same node, or recomputed; medians over ``reps``."""
+    import shutil
+    import statistics
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from kvfs.testing import Mount
+    from kvfs.torch import KVRouter
+    from kvfs.torch.testing import tiny_llama
+
+    model = tiny_llama(seed=0, hidden_size=256, num_hidden_layers=8, num_attention_heads=8,
+                       num_key_value_heads=4, intermediate_size=688, vocab_size=2048)
+    ids = torch.randint(0, 2048, (1, tokens), generator=torch.Generator().manual_seed(0))
+    work = Path(tempfile.mkdtemp(prefix="bench-resume-"))
+    ext = ("--shared", cluster.urls, "-o", "shared_lease_s=5s")
+    a = Mount(work / "a.kvfs", work / "a.mnt", "512M", ext).start()
+    b = Mount(work / "b.kvfs", work / "b.mnt", "512M", ext).start()
+    times: dict[str, list[float]] = {"other_node_s": [], "same_node_s": [], "recompute_s": []}
+    try:
+        for rep in range(reps):
+            sid = f"resume-{rep}"  # a new session each time: B's first read is always cold
+            with KVRouter(mount=str(a.root), warm_root=str(work / f"wa{rep}"), max_kv_len=None) as r:
+                with torch.no_grad():
+                    model(input_ids=ids, cache=r.cache(sid, model), use_cache=True)
+                r.release(sid)  # flushed to mount A and fsync'd (cluster + one replica)
+            for key, m in (("other_node_s", b), ("same_node_s", a)):
+                with KVRouter(mount=str(m.root), warm_root=str(work / f"w{key}{rep}"),
+                              max_kv_len=None) as r:
+                    t0 = time.perf_counter()
+                    c = r.resume(sid, model)
+                    times[key].append(time.perf_counter() - t0)
+                    assert c.seen == tokens
+                    r.release(sid, flush=False)
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                model(input_ids=ids, use_cache=True)
+                times["recompute_s"].append(time.perf_counter() - t0)
+    finally:
+        for m in (b, a):
+            m.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    med = {k: round(statistics.median(v), 4) for k, v in times.items()}
+    kv = tokens * model.config.num_hidden_layers * 2 * 4 * 32 * 4  # K+V, 4 heads of 32, fp32
+    return {"tokens": tokens, "reps": reps, "kv_bytes": kv, **med,
+            "other_vs_same": round(med["other_node_s"] / med["same_node_s"], 2),
+            "recompute_vs_other": round(med["recompute_s"] / med["other_node_s"], 2)}
+
+
 def run(urls: str, clients: int, requests: int) -> dict:
     ours = shared_read(urls, clients, requests)
     theirs = redis_benchmark_get(urls, clients, requests)
@@ -139,9 +195,16 @@ def main() -> None:
     ap.add_argument("--footprint", action="store_true",
                     help="also measure the cluster memory of 50 agent-shaped sessions (SmolLM2-135M: "
                          "30 layers x 768 bytes per token, 13 rounds of 8 tokens)")
+    ap.add_argument("--resume", action="store_true",
+                    help="only time resuming a 2k-token session on another node, on the same "
+                         "node and by recomputing its prefill")
+    ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if a.urls:
+    if a.resume:
+        with Cluster(masters=3, replicas=1) as c:
+            out = resume_figure(c, reps=a.reps)
+    elif a.urls:
         out = run(a.urls, a.clients, a.requests)
     else:
         with Cluster(masters=3, replicas=1) as c:
