@@ -378,3 +378,81 @@ def test_crossing_max_position_embeddings_warns_once(warm, caplog):
     hits = [r for r in caplog.records if "max_position_embeddings" in r.getMessage()]
     assert len(hits) == 1 and "(20)" in hits[0].getMessage()
     cache.close()
+
+
+@pytest.mark.parametrize("sinks", [4, 0])
+def test_decode_steps_write_into_the_buffer_and_match_the_reference(model, warm, monkeypatch, sinks):
+    """A window big enough for the steady decode path (preallocated buffer, views made once
+    per buffer, the tokens leaving the window handed down in batches): the same tokens as
+    the reference, the same bytes below, the logical storage exactly sinks + last W."""
+    from kvfs.torch.layer import TieredLayer
+
+    window, new = 64, 30
+    ts = [prompt(9, 80)] + turns(3, 5, seed=700)
+    ref = WindowReference(model, window, sinks=sinks)
+    expected = [ref.turn(t, new) for t in ts]
+    cache = TieredCache(model, warm=warm, session_id=f"buf{sinks}", max_kv_len=window, sink_tokens=sinks)
+    decodes, spills = [0], [0]
+    real_decode, real_spill = TieredLayer._decode, cache._spill
+
+    def count_decode(self, *a):
+        decodes[0] += self.idx == 0
+        return real_decode(self, *a)
+
+    def count_spill(layer, *a):
+        spills[0] += layer == 0
+        real_spill(layer, *a)
+
+    monkeypatch.setattr(TieredLayer, "_decode", count_decode)
+    monkeypatch.setattr(cache, "_spill", count_spill)
+    out = generate_turns(model, cache, ts, new)
+    assert all(torch.equal(a, b) for a, b in zip(expected, out, strict=True))
+    steps = cache.steps
+    assert cache.window_slack == (window + sinks) // 8
+    assert decodes[0] > steps // 2, "the steady decode path was not taken"
+    assert spills[0] < steps // 3, "hand-downs were not batched"
+    for layer, lay in enumerate(cache.layers):
+        assert lay.held <= sinks + window + 1 + 2 * cache.window_slack
+        hk, hv = ref.history(layer)
+        s = cache.seen
+        assert torch.equal(lay.keys, torch.cat([hk[..., :sinks, :], hk[..., s - window:s, :]], -2))
+        assert torch.equal(lay.values, torch.cat([hv[..., :sinks, :], hv[..., s - window:s, :]], -2))
+    cache.flush()
+    tb = cache.geo.token_bytes
+    for layer in range(cache.num_layers):
+        got = np.asarray(warm.read(cache.session_id, layer, 0, cache.seen * tb)).tobytes()
+        assert got == token_major(*ref.history(layer))[: cache.seen * tb]
+    cache.close()
+
+
+def test_moves_between_decode_steps_keep_the_window_exact(model, warm):
+    """Budget moves between turns replace the buffer (and its views); the next turn reads the
+    front back, decodes through a fresh buffer and attends exactly what the reference does."""
+    window, new = 64, 20
+    ts = [prompt(11, 70)] + turns(4, 6, seed=900)
+    ref = WindowReference(model, window)
+    expected = [ref.turn(t, new) for t in ts]
+    cache = TieredCache(model, warm=warm, session_id="moved", max_kv_len=window)
+    ids = torch.empty(1, 0, dtype=torch.long)
+    for i, t in enumerate(ts):
+        ids = torch.cat([ids, t], 1)
+        full = model.generate(ids, cache=cache, max_new_tokens=new, do_sample=False)
+        assert torch.equal(full[:, ids.shape[1]:], expected[i]), i
+        ids = full
+        cache.end_round()
+        if i % 2 == 0:
+            assert cache.evict_oldest_round(min_tokens=10) > 0
+            assert cache.stored < cache.attended_tokens
+    assert cache.refills >= 2
+    cache.close()
+
+
+def test_hot_hits_reach_the_counter_by_the_end_of_each_round(model, warm):
+    from kvfs.ops import metrics
+
+    before = metrics.sample(metrics.hot_hits, "_total")
+    cache = TieredCache(model, warm=warm, session_id="hits", max_kv_len=16)
+    generate_turns(model, cache, turns(2, 5, seed=60), 40)
+    assert cache.hits > TieredCache.PUBLISH_HITS_EVERY
+    assert metrics.sample(metrics.hot_hits, "_total") == before + cache.hits
+    cache.close()

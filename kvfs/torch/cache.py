@@ -23,7 +23,9 @@ Window semantics (``max_kv_len = W``; ``None`` = no window; ``sink_tokens = S``)
   ``max_position_embeddings`` runs at positions the model was not trained on. The cache
   logs one ``logging.warning`` (logger ``kvfs.torch.cache``) when a session crosses it.
 * Tokens already copied below by :meth:`TieredCache.flush` are not appended again when they
-  later fall out of the window (``spilled`` per layer).
+  later fall out of the window (``spilled`` per layer). Tokens leave in batches: the ones
+  that will fall out within ``window_slack`` steps are handed down together (see
+  :mod:`kvfs.torch.layer` for the buffer that makes a decode step cost no window copy).
 
 Rounds: a round is the tokens processed between two :meth:`TieredCache.end_round` calls
 (``[start, end)`` in meta.json). Note that ``generate`` does not feed its last sampled token
@@ -73,7 +75,7 @@ from kvfs.torch.fingerprint import (
     fingerprint,
     geometry,
 )
-from kvfs.torch.layer import TieredLayer
+from kvfs.torch.layer import TieredLayer, window_slack
 from kvfs.torch.recall import query_summary, rank_rounds, read_spans, read_tokens, summarize_keys
 from kvfs.torch.spill import Spiller
 
@@ -110,6 +112,7 @@ class TieredCache(Cache):
         self.warm = warm
         self.max_kv_len = max_kv_len
         self.sink_tokens = int(sink_tokens)
+        self.window_slack = window_slack(max_kv_len, self.sink_tokens)  # buffer room, tokens
         self.auto_recall = bool(auto_recall)
         self.recall_rounds = int(recall_rounds)
         self.config = getattr(model_or_config, "config", model_or_config)
@@ -117,6 +120,8 @@ class TieredCache(Cache):
         self._warned_positions = False
         self._auto_query: torch.Tensor | None = None
         self.sinks_moved = False  # the budget took the sinks too (read back before a step)
+        # storage may miss what the next step attends (budget moves, a branch): check first
+        self._check_refill = True
         self.num_layers = self.geo.num_layers
         self.summary_layer = self.num_layers - 1
         self.summary_dim = summary_dim
@@ -142,6 +147,8 @@ class TieredCache(Cache):
         self.auto_recalls = 0
         self.refills = 0  # windows read back after budget moves
         self._warned_discard = False
+        self.step_slack = self.window_slack  # the room the current step's layers allocate
+        self._hits_unpublished = 0  # hot hits not yet added to the process-wide counter
 
     # --- views -------------------------------------------------------------------------------
     @property
@@ -177,7 +184,7 @@ class TieredCache(Cache):
 
     @property
     def hot_bytes(self) -> int:
-        """Device bytes this session's K/V storage holds (window, its view slack, recall)."""
+        """Device bytes this session's K/V storage holds (sinks, window, the buffer's room, recall)."""
         lay = self.layers[0]
         return (lay.held + lay.recalled) * self.geo.session_token_bytes
 
@@ -186,6 +193,7 @@ class TieredCache(Cache):
         return getattr(self.layers[0], "device", None)
 
     def stats(self) -> dict[str, Any]:
+        self._publish_hits()
         return {
             "seen": self.seen, "hot_tokens": self.stored, "sink_tokens": self.sinks,
             "recalled_tokens": self.layers[0].recalled, "auto_recalls": self.auto_recalls,
@@ -203,14 +211,17 @@ class TieredCache(Cache):
     # --- hooks called from the layers ---------------------------------------------------------
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         """The model asks this once per forward, before any layer runs: refill first."""
-        if layer_idx == 0:
+        if layer_idx == 0 and self._check_refill:
             self._prepare_step()
-        return super().get_mask_sizes(query_length, layer_idx)
+        if layer_idx >= len(self.layers):
+            return super().get_mask_sizes(query_length, layer_idx)
+        return self.layers[layer_idx].get_mask_sizes(query_length)
 
     def _prepare_step(self) -> None:
         """Read back what budget moves took from the window (and recalled copies)."""
         lay0 = self.layers[0]
         if self.warm is None or not lay0.is_initialized:
+            self._check_refill = self.warm is not None  # nothing to read back without a warm tier
             return
         ws = self.window_start
         spans = [(0, min(self.sink_tokens, self.seen))] if self.sinks_moved else []
@@ -219,6 +230,7 @@ class TieredCache(Cache):
         missing = sum(b - a for a, b in spans)
         rec = self._recall_spans if self._recall_spans and lay0.recall_keys is None else []
         if missing <= 0 and not rec:
+            self._check_refill = False
             return
         n_rec = sum(b - a for a, b in rec)
         if self.router is not None:
@@ -234,12 +246,33 @@ class TieredCache(Cache):
             self.refills += 1
         if rec:
             self._materialize_recall(rec, dev)
+        self._check_refill = False
         self._miss_pending = True
         if self.router is not None:
             self.router.account(self)
 
+    def room_for(self, q: int) -> int:
+        """Buffer room a step of ``q`` tokens allocates: ``window_slack``, or none when the
+        session would not fit the router's budget with it (the storage is then exact)."""
+        slack, r = self.window_slack, self.router
+        if slack and r is not None and r.limit is not None:
+            lay = self.layers[0]
+            if not r.has_room(self, (lay.capacity_after(q, slack) - lay.held) * self.geo.session_token_bytes):
+                return 0
+        return slack
+
+    #: hot hits are added to the process-wide counter in batches (a counter update costs as
+    #: much as a layer's cache work at decode): every this many steps, at round ends and stats
+    PUBLISH_HITS_EVERY = 64
+
+    def _publish_hits(self) -> None:
+        if self._hits_unpublished:
+            metrics.hot_hits.inc(self._hits_unpublished)
+            self._hits_unpublished = 0
+
     def _step_begin(self, q: int) -> None:
         self.steps += 1
+        self.step_slack = self.room_for(q) if self.router is not None else self.window_slack
         mp = self.max_positions
         if mp and not self._warned_positions and self.seen + q > mp:
             self._warned_positions = True
@@ -252,13 +285,17 @@ class TieredCache(Cache):
             metrics.hot_misses.inc()
         else:
             self.hits += 1
-            metrics.hot_hits.inc()
+            self._hits_unpublished += 1
+            if self._hits_unpublished >= self.PUBLISH_HITS_EVERY:
+                self._publish_hits()
         if self.router is not None:
             self.router.before_step(self, q)
 
     def _step_end(self) -> None:
         if self._auto_query is not None:
             query, self._auto_query = self._auto_query, None
+            if self.router is not None:
+                self.router.account(self)  # this step's growth first: the recall reserves room
             self._auto_recall(query)
         if self.router is not None:
             self.router.after_step(self)
@@ -319,6 +356,7 @@ class TieredCache(Cache):
         if self.spiller is not None:
             self.spiller.submit_call(self.warm.put_summary, self.session_id, idx, summary)
             self._queue_meta()
+        self._publish_hits()
         metrics.update_hot_hit_rate()
         return idx
 
@@ -336,6 +374,7 @@ class TieredCache(Cache):
 
         After ``flush()`` every token seen is in the warm tier; the window stays on the device.
         """
+        self._publish_hits()
         if self.spiller is None:
             return
         for lay in self.layers:
@@ -437,6 +476,7 @@ class TieredCache(Cache):
         Returns the bytes freed on the device. Call between steps only.
         """
         before = self.hot_bytes
+        self._check_refill = True
         if self.layers[0].recall_keys is not None:
             for lay in self.layers:
                 lay.recall_keys = lay.recall_values = None
@@ -477,6 +517,7 @@ class TieredCache(Cache):
         other._round_count = self._round_count
         other._recall_spans = list(self._recall_spans)
         other.sinks_moved = self.sinks_moved
+        other._check_refill = True
         other.recalled_rounds = list(self.recalled_rounds)
 
     def evict_sinks(self) -> int:
@@ -486,6 +527,7 @@ class TieredCache(Cache):
         if self.sinks_moved or self.sinks == 0 or self.stored != self.sinks:
             return 0
         before = self.hot_bytes
+        self._check_refill = True
         for lay in self.layers:
             lay.flush_pending()
             lay.drop_all()
@@ -537,6 +579,7 @@ class TieredCache(Cache):
                                tokens, device, promote=False)
             self._accumulate(k, -1)
         self._miss_pending = True  # the first step runs on a window read from below
+        self._check_refill = True
         log.info("resumed session %r: %d tokens, %d rounds, %d hot (dtype %s)", sid, tokens,
                  len(self.rounds), self.stored, dtype_name(self.geo.dtype))
         return self
@@ -544,6 +587,7 @@ class TieredCache(Cache):
     # --- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop this cache's own spill thread (if it has one) after draining it."""
+        self._publish_hits()
         if self._closed:
             return
         self._closed = True

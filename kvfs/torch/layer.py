@@ -1,17 +1,29 @@
 """One layer's hot window: the ``CacheLayerMixin`` that transformers calls per attention layer.
 
-Owns the layer's device-resident K/V (``[1, H, stored, D]``), its counters (``seen``,
-``spilled``, ``held``) and its recalled copies, and implements the window rule of
-:mod:`kvfs.torch.cache` in ``update``: attend the stored sinks and window plus the step's
-input, keep the sinks and the last ``max_kv_len`` tokens, queue what falls out (only tokens
-not already handed down).
+Owns the layer's device-resident K/V, its counters (``seen``, ``spilled``) and its recalled
+copies, and implements the window rule of :mod:`kvfs.torch.cache` in ``update``: attend the
+stored sinks and window plus the step's input, keep the sinks and the last ``max_kv_len``
+tokens, queue what falls out (only tokens not already handed down).
 
-Storage layout: ``keys[..., :pinned, :]`` are the session's first ``pinned = min(sinks,
-seen)`` tokens (the attention sinks, absolute ``[0, pinned)``); the rest is the window,
-absolute ``[window_start, seen)`` with ``window_start >= pinned``. While the session is
-shorter than sinks + window the two parts are contiguous. Recalled copies are attended
-between the two parts (position order). Everything that involves more than one layer
-(hooks, budget, rounds, storage) is the owning :class:`~kvfs.torch.cache.TieredCache`'s.
+Logical storage (``keys``/``values``, ``[1, H, stored, D]``): the session's first ``pinned =
+min(sinks, seen)`` tokens (the attention sinks, absolute ``[0, pinned)``), then the window,
+absolute ``[window_start, seen)`` with ``window_start >= pinned``. Recalled copies are
+attended between the two parts (position order). Everything that involves more than one
+layer (hooks, budget, rounds, storage) is the owning :class:`~kvfs.torch.cache.TieredCache`'s.
+
+Physical storage: one preallocated buffer per K and V with ``window_slack`` tokens of room
+past the stored ones, so a decode step copies its input and the sinks, never the window:
+the input is written after the window and attention gets a slice of the buffer (sinks,
+window, input: contiguous), not a concatenation. When a step drops
+tokens from the front of the window, the sinks are written again just before the new
+window start at the beginning of the *next* step (this step's attention still reads the
+old slice): between steps the buffer run from ``_a`` is ``[sinks | _gap dropped tokens |
+window]``. When the room runs out the stored tokens move to a fresh buffer (every
+``window_slack`` steps at decode), and the tokens that will leave the window until then are
+handed to the spill thread in one piece. Only ``update`` writes into a buffer; every other
+move (budget, refill, resume) installs new tensors, so a slice handed to attention is never
+changed before the attention that reads it has run. ``keys``/``values`` read between steps
+are views valid until the next step (or copies while sinks are pending).
 """
 
 from __future__ import annotations
@@ -27,27 +39,114 @@ if TYPE_CHECKING:
     from kvfs.torch.cache import TieredCache
 
 
+class _DecodeViews:
+    """Every view the steady decode steps of one buffer need, made at once (a few calls for
+    all steps until the buffer is full; slicing per step costs a Python-to-ATen call a view).
+
+    Steady decode: one input token, the window full, sinks + window + input = ``n`` tokens,
+    one token dropped per step. Step ``i`` attends the run ``[start + i, start + i + n)``:
+    ``fk[i]``/``fv[i]``; its input goes to ``ik[i]``/``iv[i]`` (the run's last token), the
+    sinks to ``sk[i]``/``sv[i]`` (its first ``p`` tokens). Between two such steps the layer's
+    ``_gap`` is ``gap`` and its ``_n`` is ``between``."""
+
+    __slots__ = ("start", "n", "p", "w", "cap", "count", "gap", "between", "fk", "fv", "ik", "iv", "sk",
+                 "sv")
+
+    def __init__(self, kb: torch.Tensor, vb: torch.Tensor, start: int, n: int, p: int, w: int) -> None:
+        self.start, self.n, self.p, self.w = start, n, p, w
+        self.gap, self.between = (1, n) if p else (0, n - 1)
+        self.cap = kb.shape[-2]
+        self.count = count = self.cap - n - start + 1
+        self.fk, self.fv = (b.narrow(2, start, n + count - 1).unfold(2, n, 1).transpose(-1, -2).unbind(2)
+                            for b in (kb, vb))
+        self.ik, self.iv = (b.narrow(2, start + n - 1, count).split(1, 2) for b in (kb, vb))
+        self.sk, self.sv = ((b.narrow(2, start, p + count - 1).unfold(2, p, 1).transpose(-1, -2).unbind(2)
+                             for b in (kb, vb)) if p else ((), ()))
+
+
+#: room past the stored tokens of a windowed layer's buffer, as a fraction of sinks + window
+#: (capped): the tokens move to a fresh buffer once per that many decode steps
+WINDOW_SLACK_FRACTION = 8
+WINDOW_SLACK_MAX = 64
+
+
+def window_slack(max_kv_len: int | None, sink_tokens: int) -> int:
+    """Buffer room of a cache's layers. No window: none, the storage grows by the step (as a
+    ``DynamicCache``'s), so a budget sees every byte."""
+    if max_kv_len is None:
+        return 0
+    return min(WINDOW_SLACK_MAX, max(1, (max_kv_len + sink_tokens) // WINDOW_SLACK_FRACTION))
+
+
+#: fewest decode steps a buffer must have room for before its views are made in one go
+MIN_VIEW_STEPS = 8
+
+
 class TieredLayer(DynamicLayer):
-    """One layer's hot window. ``keys``/``values`` are ``[1, H, stored, D]`` on the device."""
+    """One layer's hot window (see the module docstring for the storage layout)."""
 
     is_sliding = False
     is_croppable = False
     is_compileable = False
 
     def __init__(self, cache: TieredCache, idx: int) -> None:
+        self._install(None, None)  # before the base class assigns keys/values
+        self._sk: torch.Tensor | None = None  # a copy of the sinks (the source of the move up)
+        self._sv: torch.Tensor | None = None
         super().__init__()
         self._cache = cache
         self.idx = idx
         self.seen = 0  # tokens this layer has processed, absolute
         self.spilled = 0  # tokens [0, spilled) handed to the warm tier
-        self.held = 0  # tokens of storage kept alive by self.keys (a view may hold one more)
         self.recall_keys: torch.Tensor | None = None
         self.recall_values: torch.Tensor | None = None
+
+    # --- physical storage ----------------------------------------------------------------------
+    def _install(self, k: torch.Tensor | None, v: torch.Tensor | None, owned: bool = False) -> None:
+        """Make ``k``/``v`` (sinks then window, or None) the storage. Not ``owned``: never
+        written into (the next step moves the tokens to a buffer of its own first)."""
+        self._kb, self._vb = k, v
+        self._a = 0  # buffer index of the first stored token
+        self._n = 0 if k is None else k.shape[-2]  # buffer tokens from _a: sinks, gap, window
+        self._gap = 0  # dropped tokens between the sinks and the window (overwritten next step)
+        self._gp = 0  # sinks in front of the gap
+        self._owned = owned
+        self._views: _DecodeViews | None = None  # of this buffer, made at the first steady step
+
+    def _logical(self, buf: torch.Tensor | None) -> torch.Tensor | None:
+        if buf is None:
+            return None
+        if not self._gap:
+            return buf.narrow(-2, self._a, self._n)
+        a, p = self._a, self._gp
+        return torch.cat([buf.narrow(-2, a, p), buf.narrow(-2, a + p + self._gap, self._n - p - self._gap)],
+                         dim=-2)
+
+    @property
+    def keys(self) -> torch.Tensor | None:  # type: ignore[override]
+        return self._logical(self._kb)
+
+    @keys.setter
+    def keys(self, k: torch.Tensor | None) -> None:
+        self._install(k, self.values)
+
+    @property
+    def values(self) -> torch.Tensor | None:  # type: ignore[override]
+        return self._logical(self._vb)
+
+    @values.setter
+    def values(self, v: torch.Tensor | None) -> None:
+        self._install(self.keys, v)
 
     # --- state ---------------------------------------------------------------------------
     @property
     def stored(self) -> int:
-        return 0 if self.keys is None or not self.is_initialized else self.keys.shape[-2]
+        return 0 if self._kb is None or not self.is_initialized else self._n - self._gap
+
+    @property
+    def held(self) -> int:
+        """Tokens of device storage this layer keeps alive (stored, dropped-not-overwritten, room)."""
+        return 0 if self._kb is None else self._kb.shape[-2]
 
     @property
     def recalled(self) -> int:
@@ -74,17 +173,15 @@ class TieredLayer(DynamicLayer):
             raise ValueError(f"TieredCache holds one sequence per session; got batch size {key_states.shape[0]}")
         self.device = key_states.device
         b, h, _, d = key_states.shape
-        self.keys = key_states.new_empty((b, h, 0, d))
-        self.values = value_states.new_empty((b, h, 0, d))
+        self._install(key_states.new_empty((b, h, 0, d)), value_states.new_empty((b, h, 0, d)))
         self.is_initialized = True
 
     def set_window(self, k: torch.Tensor, v: torch.Tensor, seen: int) -> None:
         """Install ``k``/``v`` (sinks then window) as the storage ending at ``seen`` (resume)."""
         self.device = k.device
-        self.keys, self.values = k, v
+        self._install(k, v)
         self.seen = seen
         self.spilled = seen
-        self.held = k.shape[-2]
         self.is_initialized = True
 
     # --- the transformers layer interface --------------------------------------------------
@@ -96,59 +193,128 @@ class TieredLayer(DynamicLayer):
         q = key_states.shape[-2]
         if self.idx == 0:
             c._step_begin(q)
-        full_k = torch.cat([self.keys, key_states], dim=-2)
-        full_v = torch.cat([self.values, value_states], dim=-2)
-        self.seen += q
-        n = full_k.shape[-2]
-        p = min(c.sink_tokens, self.seen)  # the front p tokens of full_k are absolute [0, p)
+        v = self._views
+        if (v is not None and q == 1 and self._gap == v.gap and self._n == v.between
+                and self._a + v.gap - v.start < v.count and c.max_kv_len == v.w
+                and c.sink_tokens == v.p and v.cap <= v.n + 2 * c.step_slack):
+            return self._decode(c, v, key_states, value_states)
+        return self._update(c, q, key_states, value_states)
+
+    def _decode(self, c: TieredCache, v: _DecodeViews, key_states: torch.Tensor,
+                value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A steady decode step (see :class:`_DecodeViews`): the same rule as ``_update``."""
+        i = self._a + v.gap - v.start
+        if v.gap:  # the last step's drop: its attention has run, move the sinks up
+            v.sk[i].copy_(self._sk)
+            v.sv[i].copy_(self._sv)
+        v.ik[i].copy_(key_states)
+        v.iv[i].copy_(value_states)
+        full_k, full_v = v.fk[i], v.fv[i]
+        self._a += 1
+        self.seen = seen = self.seen + 1
+        first = seen - v.n + v.p  # absolute index of full_k[..., p, :]; it leaves the window
+        if self.spilled <= first:
+            self._spill_ahead(full_k, full_v, v.p, first, first + 1, seen, c.step_slack)
+        return self._finish(c, key_states, full_k, full_v, v.p, seen)
+
+    def _update(self, c: TieredCache, q: int, key_states: torch.Tensor,
+                value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Any step: sinks moved up, input written (a fresh buffer when out of room), what
+        leaves the window handed down."""
+        kb, vb, a, n0, gap = self._kb, self._vb, self._a, self._n, self._gap
+        if gap:  # the last step's drop: its attention has run, move the sinks up
+            a += gap
+            n0 -= gap
+            kb[:, :, a:a + self._gp] = self._sk
+            vb[:, :, a:a + self._gp] = self._sv
+            self._gap = 0
+        n = n0 + q
+        slack = c.step_slack
+        if not self._owned or a + n > kb.shape[-2]:  # out of room: a fresh buffer
+            kb, vb = self._move(kb, vb, a, n0, n + slack)
+            a = 0
+        kb[:, :, a + n0:a + n] = key_states
+        vb[:, :, a + n0:a + n] = value_states
+        full_k, full_v = kb.narrow(-2, a, n), vb.narrow(-2, a, n)
+        self.seen = seen = self.seen + q
+        p = min(c.sink_tokens, seen)  # the front p tokens of full_k are absolute [0, p)
         w = c.max_kv_len
+        self._a, self._n, self._views = a, n, None
         if w is not None and n - p > w:
             drop = n - p - w
-            first = self.seen - (n - p)  # absolute index of full_k[..., p, :]
+            first = seen - (n - p)  # absolute index of full_k[..., p, :]
             if self.spilled < first + drop:
-                self._hand_down(full_k, full_v, p, first, self.spilled, first + drop)
-                self.spilled = first + drop
-            if p:  # cut the dropped tokens out from between the sinks and the window
-                self.keys = torch.cat([full_k[..., :p, :], full_k[..., p + drop:, :]], dim=-2)
-                self.values = torch.cat([full_v[..., :p, :], full_v[..., p + drop:, :]], dim=-2)
-                self.held = p + w
-            elif drop > 1:  # e.g. a long prefill: do not keep its whole storage alive
-                self.keys = full_k[..., drop:, :].clone()
-                self.values = full_v[..., drop:, :].clone()
-                self.held = w
-            else:  # decode: a view, holding one token more than the window
-                self.keys = full_k[..., drop:, :]
-                self.values = full_v[..., drop:, :]
-                self.held = n
-        else:
-            self.keys, self.values = full_k, full_v
-            self.held = n
+                self._spill_ahead(full_k, full_v, p, first, first + drop, seen, slack)
+            if kb.shape[-2] > p + w + 1 + 2 * slack:  # e.g. a long prefill: keep sinks + window only
+                nk, nv = self._move(full_k, full_v, 0, p, p + w + 1 + slack)
+                nk[:, :, p:p + w] = full_k[:, :, n - w:]
+                nv[:, :, p:p + w] = full_v[:, :, n - w:]
+                self._n = p + w
+            else:
+                if p:  # the sinks move up to the window at the next step
+                    self._gap, self._gp = drop, p
+                    if self._sk is None or self._sk.shape[-2] != p:
+                        self._sk, self._sv = full_k[:, :, :p].clone(), full_v[:, :, :p].clone()
+                else:
+                    self._a, self._n = a + drop, n - drop
+                if (q == 1 and drop == 1 and p == c.sink_tokens
+                        and kb.shape[-2] - n - a >= MIN_VIEW_STEPS):  # steady decode from here on
+                    self._views = _DecodeViews(kb, vb, a + 1, n, p, w)
+        return self._finish(c, key_states, full_k, full_v, p, seen)
+
+    def _spill_ahead(self, k: torch.Tensor, v: torch.Tensor, p: int, first: int, leaving: int,
+                     seen: int, slack: int) -> None:
+        """Hand down the tokens up to ``leaving`` (they fall out of the window now) and the
+        ones that leave before the buffer is full again: one hand-down per ``slack`` steps."""
+        upto = min(seen, leaving + slack)
+        self._hand_down(k, v, p, first, self.spilled, upto)
+        self.spilled = upto
+
+    def _finish(self, c: TieredCache, key_states: torch.Tensor, full_k: torch.Tensor,
+                full_v: torch.Tensor, p: int, seen: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.recall_keys is not None:  # sinks, recalled rounds, window, input
-            full_k = torch.cat([full_k[..., :p, :], self.recall_keys, full_k[..., p:, :]], dim=-2)
-            full_v = torch.cat([full_v[..., :p, :], self.recall_values, full_v[..., p:, :]], dim=-2)
+            full_k = torch.cat([full_k[:, :, :p], self.recall_keys, full_k[:, :, p:]], dim=-2)
+            full_v = torch.cat([full_v[:, :, :p], self.recall_values, full_v[:, :, p:]], dim=-2)
         if self.idx == c.summary_layer:
-            c._accumulate(key_states, self.seen - q)
+            c._accumulate(key_states, seen - key_states.shape[-2])
         if self.idx == c.num_layers - 1:
             c._step_end()  # may start a recall: for the next steps, not this one
         return full_k, full_v
+
+    def _move(self, k: torch.Tensor, v: torch.Tensor, a: int, n: int,
+              cap: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """New owned buffers of ``cap`` tokens holding ``k``/``v``'s tokens ``[a, a + n)`` first."""
+        h, d = k.shape[1], k.shape[-1]
+        nk, nv = k.new_empty((1, h, cap, d)), v.new_empty((1, h, cap, d))
+        if n:
+            nk[:, :, :n] = k[:, :, a:a + n]
+            nv[:, :, :n] = v[:, :, a:a + n]
+        self._install(nk, nv, owned=True)
+        self._n = n
+        return nk, nv
 
     def get_seq_length(self) -> int:
         return self.seen
 
     def held_after(self, q: int) -> int:
         """Tokens of storage this layer holds after a step of ``q`` tokens (see ``update``)."""
-        n = self.stored + q
+        return self.capacity_after(q, self._cache.room_for(q))
+
+    def capacity_after(self, q: int, slack: int) -> int:
+        """``held`` after a step of ``q`` tokens that allocates ``slack`` tokens of room."""
+        a, n = self._a + self._gap, self._n - self._gap + q
+        cap = self.held
+        if not self._owned or a + n > cap:
+            cap = n + slack
         w = self._cache.max_kv_len
         p = min(self._cache.sink_tokens, self.seen + q)
-        if w is None or n - p <= w:
-            return n
-        if p:
-            return p + w
-        return w if n - w > 1 else n
+        if w is not None and n - p > w and cap > p + w + 1 + 2 * slack:
+            cap = p + w + 1 + slack
+        return cap
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        stored, rec = self.stored, self.recalled
-        return rec + stored + query_length, self.seen - stored - rec
+        attended = self.stored + (0 if self.recall_keys is None else self.recall_keys.shape[-2])
+        return attended + query_length, self.seen - attended
 
     def get_max_length(self) -> int:
         return -1
@@ -159,8 +325,9 @@ class TieredLayer(DynamicLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.seen = self.spilled = self.held = 0
+        self.seen = self.spilled = 0
         self.recall_keys = self.recall_values = None
+        self._sk = self._sv = None
 
     # --- moves -----------------------------------------------------------------------------
     def _hand_down(self, k: torch.Tensor, v: torch.Tensor, p: int, first: int, a: int, b: int) -> None:
@@ -186,10 +353,9 @@ class TieredLayer(DynamicLayer):
 
     def prepend(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Put ``k``/``v`` (the tokens just before the window) back in front of it (refill)."""
-        p = self.pinned
-        self.keys = torch.cat([self.keys[..., :p, :], k, self.keys[..., p:, :]], dim=-2)
-        self.values = torch.cat([self.values[..., :p, :], v, self.values[..., p:, :]], dim=-2)
-        self.held = self.keys.shape[-2]
+        p, keys, values = self.pinned, self.keys, self.values
+        self._install(torch.cat([keys[..., :p, :], k, keys[..., p:, :]], dim=-2),
+                      torch.cat([values[..., :p, :], v, values[..., p:, :]], dim=-2))
 
     def drop_front(self, n: int) -> None:
         """Hand the ``n`` oldest window tokens to the warm tier and free them (between steps).
@@ -199,24 +365,22 @@ class TieredLayer(DynamicLayer):
         n = min(n, self.stored - p)
         if n <= 0:
             return
-        ws = self.window_start
+        keys, values, ws = self.keys, self.values, self.window_start
         if self.spilled < ws + n:
-            self._hand_down(self.keys, self.values, p, ws, self.spilled, ws + n)
+            self._hand_down(keys, values, p, ws, self.spilled, ws + n)
             self.spilled = ws + n
-        self.keys = torch.cat([self.keys[..., :p, :], self.keys[..., p + n:, :]], dim=-2)
-        self.values = torch.cat([self.values[..., :p, :], self.values[..., p + n:, :]], dim=-2)
-        self.held = self.keys.shape[-2]
+        self._install(torch.cat([keys[..., :p, :], keys[..., p + n:, :]], dim=-2),
+                      torch.cat([values[..., :p, :], values[..., p + n:, :]], dim=-2))
 
     def drop_all(self) -> None:
         """Free the whole storage (everything already handed down; between steps)."""
         if self.spilled < self.seen:
             raise AssertionError(f"layer {self.idx}: tokens [{self.spilled}, {self.seen}) not handed down")
-        self.keys = self.keys[..., :0, :].clone()
-        self.values = self.values[..., :0, :].clone()
-        self.held = 0
+        self._install(self._kb[..., :0, :].clone(), self._vb[..., :0, :].clone())
 
     def release(self) -> None:
         """Forget the device tensors (the router dropped the session)."""
-        self.keys = self.values = self.recall_keys = self.recall_values = None
-        self.held = 0
+        self._install(None, None)
+        self.recall_keys = self.recall_values = None
+        self._sk = self._sv = None
         self.is_initialized = False
