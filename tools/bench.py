@@ -55,7 +55,7 @@ FIGURES: dict[str, tuple[str, str, list[tuple[str, str]]]] = {
     "4": ("Resume a 2k-token session of a ~1B random bf16 model",
           "recompute prefill; safetensors file; torch.save file", [("hot", "resume")]),
     "5": ("Decode step, TieredCache vs DynamicCache at the same window", "DynamicCache",
-          [("hot", "decode_step")]),
+          [("hot", "decode_step"), ("hot", "decode_writebehind")]),
     "6": ("Sessions served under a fixed device budget", "DynamicCache holding all KV",
           [("hot", "sessions_under_budget")]),
     "7": ("Open/mount time and RSS with 10k / 100k / 1M sessions", "the same at the smallest count",
