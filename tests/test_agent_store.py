@@ -228,6 +228,11 @@ def test_kvfs_stat_shows_the_agents_hot_and_ram_tiers(make_mount) -> None:
             time.sleep(0.3)
         assert tiers["hot"]["bytes"] > 0 and tiers["hot"]["sessions"] == 1
         assert tiers["warm"]["bytes"] > 0 and tiers["warm"]["cap"] > 0
+        from kvfs.ops.metrics import parse
+
+        scraped = parse((m.root / ".kvfs" / "metrics").read_bytes())  # the mount's own page
+        assert scraped["kv_hot_bytes"] == tiers["hot"]["bytes"] and scraped["kv_warm_bytes"] > 0
+        assert scraped["kv_hot_sessions"] == 1
     finally:
         r.close()
         shutil.rmtree(Path(r.profile.warm_root) / r.volume_id, ignore_errors=True)

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvfs.ops import agents
 from kvfs.ops import metrics as kvmetrics
 from kvfs.ops.profiles import format_size
 
@@ -54,30 +55,21 @@ def read_mount(mountpoint: str | Path) -> tuple[dict[str, Any], dict[str, float]
 
 
 def add_agents(stats: dict[str, Any]) -> None:
-    """Sum the hot and RAM-tier figures that live agent processes publish in the RAM tier's
-    root of this volume into ``stats["hot"]``/``stats["warm"]`` (the mount has neither)."""
+    """The hot and RAM-tier figures that live agent processes publish under this volume's
+    RAM-tier root, summed into ``stats["hot"]``/``stats["warm"]`` (the mount has neither)."""
     prof = stats.get("profile")
     uuid = _d(_d(stats, "store"), "volume").get("uuid")
     if not isinstance(prof, dict) or not prof.get("warm_root") or not uuid:
         return
-    from kvfs.warm import read_agent_stats
-
-    agents = read_agent_stats(prof["warm_root"], uuid)
-    if not agents:
+    docs = agents.read(prof["warm_root"], uuid)
+    if not docs:
         return
-    warm = {k: sum(a.get(k) or 0 for a in agents) for k in ("bytes", "sessions", "hits",
-                                                            "misses", "dirty_bytes")}
-    warm["cap"] = sum(a.get("cap") or 0 for a in agents)
-    warm["writebehind_lag_s"] = max((a.get("writebehind_lag_s") or 0) for a in agents)
-    hots = [a["hot"] for a in agents if isinstance(a.get("hot"), dict)]
-    stats["warm"] = warm
-    stats["agents"] = [{"pid": a["pid"], "warm_bytes": a.get("bytes"),
-                        "hot_bytes": _d(a, "hot").get("bytes")} for a in agents]
-    if hots:
-        budgets = [h.get("budget") for h in hots]
-        stats["hot"] = {"bytes": sum(h.get("bytes") or 0 for h in hots),
-                        "sessions": sum(h.get("sessions") or 0 for h in hots),
-                        "budget": sum(budgets) if all(budgets) else None}
+    t = agents.totals(docs)
+    stats["warm"] = t["warm"]
+    stats["agents"] = [{"pid": d.get("pid"), "warm_bytes": d.get("bytes"),
+                        "hot_bytes": _d(d, "hot").get("bytes")} for d in docs]
+    if t["hot"]:
+        stats["hot"] = t["hot"]
 
 
 def _num(*candidates: Any) -> float | None:

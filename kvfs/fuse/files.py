@@ -224,9 +224,19 @@ def stats_body(store_stats: dict, usage: Any, fs: dict, needs_fsck: bool,
     return (json.dumps(doc, indent=2, sort_keys=True, default=str) + "\n").encode()
 
 
-def metrics_body(usage: Any) -> bytes:
-    """``/.kvfs/metrics``: the process registry, cold-tier gauges refreshed first."""
+def metrics_body(usage: Any, agent_totals: dict[str, dict[str, Any]] | None = None) -> bytes:
+    """``/.kvfs/metrics``: the process registry, cold-tier gauges refreshed first, and the
+    hot and RAM-tier gauges set to what the volume's agent processes publish (the mount
+    holds neither tier itself)."""
     refresh_cold_gauges(usage)
+    warm, hot = (agent_totals or {}).get("warm") or {}, (agent_totals or {}).get("hot") or {}
+    if warm:
+        metrics.warm_bytes.set(warm["bytes"])
+        metrics.warm_sessions.set(warm["sessions"])
+        metrics.warm_usage_ratio.set(warm["bytes"] / warm["cap"] if warm["cap"] else 0.0)
+    if hot:
+        metrics.hot_bytes.set(hot["bytes"])
+        metrics.hot_sessions.set(hot["sessions"])
     return metrics.text()
 
 

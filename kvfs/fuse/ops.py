@@ -46,7 +46,7 @@ import trio
 from pyfuse3 import EntryAttributes, FileInfo, FUSEError, RequestContext, SetattrFields
 
 from kvfs.engine import errors
-from kvfs.ops import metrics
+from kvfs.ops import agents, metrics
 
 from .buffers import MAX_PENDING, WriteBuffers, on_live
 from .dirs import Directories
@@ -226,7 +226,9 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         def body() -> bytes:
             if ino != STATS:
                 self.shared.refresh_metrics()
-                return metrics_body(self.store.usage())
+                warm_root = (self.profile or {}).get("warm_root")
+                docs = agents.read(warm_root, self.store.volume_id) if warm_root else []
+                return metrics_body(self.store.usage(), agents.totals(docs))
             fs = {**asdict(self.counters), "open_files": len(self._handles),
                   "inodes": len(self.inodes), "direct_io": self.direct_io,
                   "pending_bytes": self.buffers.pending_bytes,

@@ -33,8 +33,9 @@ ordinary file calls only: open, os.pread/preadv, os.write, os.fsync, os.ftruncat
 os.listdir).
 """
 
+from kvfs.ops.agents import read as read_agent_stats
+
 from .ids import WarmCorrupt, WarmError, WarmFull, device_id, shard_of
-from .owners import read_agent_stats
 from .summary import summarize_keys
 from .tier import WarmTier
 

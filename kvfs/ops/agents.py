@@ -1,0 +1,76 @@
+"""The figures agent processes publish for the tiers a mount does not hold.
+
+Each agent process rewrites ``<warm_root>/<volume uuid>/proc-<pid>/stats.json`` every
+second (its RAM tier's bytes, sessions, cap, hits, misses, dirty bytes, and its router's
+hot-tier bytes and sessions). ``kvfs-stat`` and the mount's ``/.kvfs/metrics`` sum the
+fresh ones, so both show all three tiers. A file not rewritten for ``max_age_s`` belongs
+to a process that is gone and is left out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from typing import Any
+
+_PROC = re.compile(r"proc-([0-9]+)(?:-[0-9]+)?")
+_VOLUME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        pass
+    return True
+
+
+def read(warm_root: str, volume_id: str | None = None,
+         max_age_s: float = 10.0) -> list[dict[str, Any]]:
+    """The ``stats.json`` documents of the live agents of one volume (the RAM tier's root
+    itself when ``volume_id`` is None), each with its ``pid``; none when unreadable."""
+    if volume_id is not None and not _VOLUME.fullmatch(volume_id):
+        return []
+    base = os.path.join(warm_root, volume_id) if volume_id is not None else warm_root
+    try:
+        names = sorted(n for n in os.listdir(base) if _PROC.fullmatch(n))
+    except OSError:
+        return []
+    out, now = [], time.time()
+    for n in names:
+        pid = int(_PROC.fullmatch(n).group(1))
+        if not _alive(pid):
+            continue
+        try:
+            fd = os.open(os.path.join(base, n, "stats.json"), os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd, "rb") as f:
+                doc = json.loads(f.read(1 << 20))
+        except (OSError, ValueError):
+            continue
+        if isinstance(doc, dict) and now - float(doc.get("time") or 0) <= max_age_s:
+            doc["pid"], doc["dir"] = pid, os.path.join(base, n)
+            out.append(doc)
+    return out
+
+
+def totals(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``{"warm": {...}, "hot": {...}}`` summed over agents (empty dicts when none)."""
+    if not docs:
+        return {"warm": {}, "hot": {}}
+
+    def total(key: str, d: list[dict[str, Any]]) -> float:
+        return sum(x.get(key) or 0 for x in d)
+
+    warm = {k: total(k, docs) for k in ("bytes", "sessions", "cap", "hits", "misses", "dirty_bytes")}
+    warm["writebehind_lag_s"] = max((x.get("writebehind_lag_s") or 0) for x in docs)
+    hots = [x["hot"] for x in docs if isinstance(x.get("hot"), dict)]
+    hot: dict[str, Any] = {}
+    if hots:
+        budgets = [h.get("budget") for h in hots]
+        hot = {"bytes": total("bytes", hots), "sessions": total("sessions", hots),
+               "budget": sum(budgets) if all(budgets) else None}
+    return {"warm": warm, "hot": hot}
