@@ -92,7 +92,8 @@ def test_session_resumes_on_another_node_after_a_is_killed(node: Callable[..., M
     before = [prompt(50 + i, 6) for i in range(3)]
     after = [prompt(60 + i, 5) for i in range(3)]
     model = tiny_llama(seed=SEED)
-    ref = generate_turns(model, TieredCache(model, max_kv_len=WINDOW), before + after, NEW)
+    ref = generate_turns(model, TieredCache(model, max_kv_len=WINDOW, rope_rerotate=True),  # the profile default
+                         before + after, NEW)
 
     args = {"mount": str(a.root), "warm": str(tmp_path / "warm-a"), "window": WINDOW,
             "new": NEW, "seed": SEED, "sid": sid, "turns": [t[0].tolist() for t in before]}

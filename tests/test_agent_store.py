@@ -94,7 +94,8 @@ def test_flush_kill_wipe_remount_resume_is_exact(make_mount, tmp_path: Path) -> 
     r = router(m, warm)
     for sid, seed, dt in specs:
         model = tiny_llama(seed=seed, dtype=getattr(torch, dt))
-        ref = generate_turns(model, TieredCache(model, max_kv_len=WINDOW), before + after, NEW)
+        ref = generate_turns(model, TieredCache(model, max_kv_len=WINDOW, rope_rerotate=True),  # the profile default
+                         before + after, NEW)
         c = r.resume(sid, model)
         assert c.seen == sum(t.shape[1] for t in before) + NEW * len(before) - 1
         ids = conversation(before, ref[:len(before)])  # generate slices off what c has seen

@@ -37,6 +37,7 @@ def make_router(tmp_path: Path, **kw) -> KVRouter:
     (cold / "sessions").mkdir(parents=True, exist_ok=True)  # the layout of a mounted volume
     kw.setdefault("warm_options", WARM_OPTS)
     kw.setdefault("auto_recall", False)  # exactness against caches without a warm tier
+    kw.setdefault("rope_rerotate", False)  # ... and against references that do not rotate
     return KVRouter(mount=str(cold), warm_root=str(tmp_path / "warm"), **kw)
 
 
@@ -185,7 +186,7 @@ def test_resume_in_a_new_process_continues_identically(tmp_path):
     specs = [("s-fp32", 0, "float32"), ("s-bf16", 5, "bfloat16")]
     before = [prompt(10 + i, 7) for i in range(3)]
     after = [prompt(20 + i, 5) for i in range(2)]
-    r = make_router(tmp_path, max_kv_len=window)
+    r = make_router(tmp_path, max_kv_len=window, rope_rerotate=None)  # the profile's: re-rotate
     sessions, expected = [], {}
     for sid, seed, dt in specs:
         m = tiny_llama(seed=seed, dtype=getattr(torch, dt))
@@ -194,7 +195,7 @@ def test_resume_in_a_new_process_continues_identically(tmp_path):
                          "conv": conversation(before, outs)[0].tolist(),
                          "turns": [t[0].tolist() for t in after]})
         # the run that never stopped: same turns, one process, one cache
-        ref = generate_turns(m, TieredCache(m, max_kv_len=window), before + after, new)
+        ref = generate_turns(m, TieredCache(m, max_kv_len=window, rope_rerotate=True), before + after, new)
         expected[sid] = [t[0].tolist() for t in ref[len(before):]]
         assert all(torch.equal(x, y) for x, y in zip(ref[: len(before)], outs, strict=True))
     r.flush()
@@ -263,23 +264,26 @@ def test_no_window_router_matches_dynamic_cache(tmp_path, model):
     r.close()
 
 
-def test_resume_rebuilds_sinks_plus_last_w(tmp_path, model):
+@pytest.mark.parametrize("rerotate", [False, True])
+def test_resume_rebuilds_sinks_plus_last_w(tmp_path, model, rerotate):
     window, sinks, new = 8, 4, 5
-    r = make_router(tmp_path, max_kv_len=window)
+    r = make_router(tmp_path, max_kv_len=window, rope_rerotate=rerotate)
     ts = [prompt(60 + i, 7) for i in range(3)]
-    ref = WindowReference(model, window, sinks=sinks)
+    ref = WindowReference(model, window, sinks=sinks, rerotate=1 if rerotate else None)
     for t in ts:
         ref.turn(t, new)
     conv = conversation(ts, generate_turns(model, r.cache("rs", model), ts, new))
     r.close()
-    r = make_router(tmp_path, max_kv_len=window)
+    r = make_router(tmp_path, max_kv_len=window, rope_rerotate=rerotate)
     c = r.resume("rs", model)
-    assert c.stored == sinks + window and c.sinks == sinks
+    assert c.stored == sinks + window and c.sinks == sinks and (c.rope is not None) == rerotate
+    # re-rotating: the reference rotates with float32 angles, the cache with float64 ones
+    same = torch.testing.assert_close if rerotate else (lambda a, b: torch.equal(a, b) or pytest.fail("differ"))
     for layer, lay in enumerate(c.layers):
         hk, hv = ref.history(layer)
         hk, hv = hk[..., : c.seen, :], hv[..., : c.seen, :]
-        assert torch.equal(lay.keys, torch.cat([hk[..., :sinks, :], hk[..., -window:, :]], -2))
-        assert torch.equal(lay.values, torch.cat([hv[..., :sinks, :], hv[..., -window:, :]], -2))
+        same(lay.keys, torch.cat([hk[..., :sinks, :], hk[..., -window:, :]], -2))
+        same(lay.values, torch.cat([hv[..., :sinks, :], hv[..., -window:, :]], -2))
     nxt = prompt(70, 5)
     out = model.generate(torch.cat([conv, nxt], 1), cache=c, max_new_tokens=new, do_sample=False)
     assert torch.equal(out[:, -new:], ref.turn(nxt, new))
@@ -300,12 +304,12 @@ def test_resume_refuses_a_fine_tune_of_the_same_model(tmp_path, model):
     r.close()
 
 
-@pytest.mark.parametrize("live", [True, False])
-def test_fork_branches_continue_exactly(tmp_path, model, live):
+@pytest.mark.parametrize("live,rerotate", [(True, False), (False, False), (True, True)])
+def test_fork_branches_continue_exactly(tmp_path, model, live, rerotate):
     """A session forked twice: each branch continues exactly like a never-forked run of its
-    own token stream (a live source's active recall is cloned with it)."""
+    own token stream (a live source's active recall is cloned with it, re-rotated sinks too)."""
     window, new = 8, 5
-    r = make_router(tmp_path, max_kv_len=window)
+    r = make_router(tmp_path, max_kv_len=window, rope_rerotate=rerotate)
     before = [prompt(80 + i, 6) for i in range(3)]
     branch = {"left": [prompt(90, 5), prompt(91, 4)], "right": [prompt(95, 7), prompt(96, 3)]}
     src = r.cache("root", model)
@@ -328,7 +332,7 @@ def test_fork_branches_continue_exactly(tmp_path, model, live):
         assert np.array_equal(r.warm.summaries(name), r.warm.summaries("root"))
     for name, turns in branch.items():
         c = forks[name]
-        ref = WindowReference(model, window)  # the same token stream, never forked
+        ref = WindowReference(model, window, rerotate=c.rope_quantum if rerotate else None)
         for t in before:
             ref.turn(t, new)
         if live:

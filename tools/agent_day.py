@@ -460,9 +460,10 @@ class Day:
         picks = [s for s in self.active if s.cache is not None and s.cache.seen
                  and s.cache.stored == min(s.cache.seen, W)][:RESUME_CHECKS]
         for s in picks:
-            ref = TieredCache(self.model, max_kv_len=W)
+            ref = TieredCache(self.model, max_kv_len=W, sink_tokens=s.cache.sink_tokens,
+                              rope_rerotate=s.cache.rope is not None)
             for lay, src in zip(ref.layers, s.cache.layers, strict=True):
-                lay.set_window(src.keys.clone(), src.values.clone(), src.seen)
+                src.copy_to(lay)
             s.forced = self._question(s)
             ids = torch.cat([s.conv, s.forced], 1)
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), cache=ref,

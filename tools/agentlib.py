@@ -236,10 +236,22 @@ def recall_exact(cache: Any, rec: KVRecord, rounds: list[int], attended_start: i
         if len(got) != sum(b - a for a, b in spans) * tb:
             return False
         for a, b in spans:
-            if not np.array_equal(got[at:at + (b - a) * tb], rec.span(lay.idx, a, b)):
+            want = rec.span(lay.idx, a, b)
+            if cache.rope is not None:  # re-rotating: moved to start at cache.recall_at
+                want = _rotated(cache, want, b - a, cache.recall_at + at // tb - a)
+            if not np.array_equal(got[at:at + (b - a) * tb], want):
                 return False
             at += (b - a) * tb
     return True
+
+
+def _rotated(cache: Any, produced: np.ndarray, tokens: int, shift: int) -> np.ndarray:
+    """Token-major bytes of ``tokens`` produced tokens with their keys moved ``shift``
+    positions by the cache's own rotation (what a re-rotating cache holds)."""
+    from kvfs.torch.fingerprint import kv_from_bytes
+
+    k, v = kv_from_bytes(produced, cache.geo, tokens)
+    return token_major(cache.rope.rotate(k, shift), v)
 
 
 def window_exact(cache: Any, rec: KVRecord) -> bool:
@@ -247,7 +259,10 @@ def window_exact(cache: Any, rec: KVRecord) -> bool:
     then the window) is those bytes."""
     def held(lay: Any) -> np.ndarray:
         p = lay.pinned
-        return np.concatenate([rec.span(lay.idx, 0, p), rec.span(lay.idx, lay.window_start, lay.seen)])
+        sinks = rec.span(lay.idx, 0, p)
+        if lay.sink_shift:  # re-rotating: the sinks' keys sit just before the window
+            sinks = _rotated(cache, sinks, p, lay.sink_shift)
+        return np.concatenate([sinks, rec.span(lay.idx, lay.window_start, lay.seen)])
 
     return rec.tokens == cache.seen and all(
         np.array_equal(token_major(lay.keys, lay.values), held(lay))

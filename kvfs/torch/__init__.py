@@ -13,10 +13,13 @@ that imports torch and transformers; ``import kvfs`` never imports it.
 * ``fingerprint.py``: model fingerprint (config + weights digest), refusal of attention the
   cache cannot serve (:class:`KVUnsupported`), ``meta.json`` and the token-major layout.
 * ``recall.py``: ranking rounds by summary and reading stored tokens back.
+* ``rope.py``: moving cached keys along RoPE positions (``rope_rerotate``).
 * ``testing.py``: tiny random Llamas, the SmolLM2 loader and the exactness references.
 
-Long sessions: positions keep counting, so a session that passes the model's
-``max_position_embeddings`` logs one warning (``kvfs.torch.cache``) when it crosses it.
+Long sessions: positions keep counting. With ``rope_rerotate`` (RoPE models) the sinks'
+keys are rotated to sit just before the window, so no attended distance passes the window;
+without it a session that passes the model's ``max_position_embeddings`` logs one warning
+(``kvfs.torch.cache``) when it crosses it.
 """
 
 from kvfs.torch.cache import TieredCache

@@ -19,9 +19,16 @@ Window semantics (``max_kv_len = W``; ``None`` = no window; ``sink_tokens = S``)
 * ``get_seq_length()`` is the number of tokens seen (it drives input slicing and position
   ids, so positions keep counting across turns); ``get_mask_sizes(q)`` is
   ``(recalled + stored + q, seen - stored - recalled)`` (stored = sinks + window).
-* Long sessions: positions keep counting, so a session that passes the model's
-  ``max_position_embeddings`` runs at positions the model was not trained on. The cache
-  logs one ``logging.warning`` (logger ``kvfs.torch.cache``) when a session crosses it.
+* Long sessions: positions keep counting (the query of token ``t`` is at position ``t``),
+  so without re-rotation the sinks sit ``t`` positions away from it; once ``t`` passes the
+  model's ``max_position_embeddings`` that is a distance the model was never trained on.
+  ``rope_rerotate=True`` (RoPE models, :mod:`kvfs.torch.rope`) rotates the stored sinks'
+  keys so they sit just before the window (at ``window_start - S``, rounded down to a
+  multiple of ``rope_quantum`` tokens) and recalled rounds just before the sinks: every
+  distance a step attends stays within the window, as with transformers' former
+  ``SinkCache``. Only the device copies are rotated; the tiers below hold the model's own
+  keys. The cache logs one ``logging.warning`` (logger ``kvfs.torch.cache``) when a session
+  without re-rotation crosses ``max_position_embeddings``.
 * Tokens already copied below by :meth:`TieredCache.flush` are not appended again when they
   later fall out of the window (``spilled`` per layer). Tokens leave in batches: the ones
   that will fall out within ``window_slack`` steps are handed down together (see
@@ -36,7 +43,7 @@ Recall (:meth:`TieredCache.recall`): the chosen closed rounds' tokens that are n
 attended (outside the sinks and the window) are read back from the warm tier (exact bytes)
 and attended between the sinks and the window, in round order, for every step until the
 next ``end_round()`` (or :meth:`TieredCache.clear_recall`). Their keys carry their original
-rotary positions; they are copies (the window and ``spilled`` are unchanged) and a new
+rotary positions (with ``rope_rerotate``: moved to end where the sinks begin); they are copies (the window and ``spilled`` are unchanged) and a new
 ``recall`` replaces the previous one.
 
 Automatic recall (``auto_recall=True``, ``recall_rounds = k``): at the first step of each
@@ -77,6 +84,7 @@ from kvfs.torch.fingerprint import (
 )
 from kvfs.torch.layer import TieredLayer, window_slack
 from kvfs.torch.recall import query_summary, rank_rounds, read_spans, read_tokens, summarize_keys
+from kvfs.torch.rope import RopeShift
 from kvfs.torch.spill import Spiller
 
 log = logging.getLogger("kvfs.torch.cache")
@@ -85,6 +93,7 @@ log = logging.getLogger("kvfs.torch.cache")
 DEFAULT_SINK_TOKENS = 4
 DEFAULT_AUTO_RECALL = False  # on per profile: each recall is one read from below per round
 DEFAULT_RECALL_ROUNDS = 2
+DEFAULT_ROPE_REROTATE = False
 
 
 class TieredCache(Cache):
@@ -99,7 +108,8 @@ class TieredCache(Cache):
                  max_kv_len: int | None = 24, sink_tokens: int = DEFAULT_SINK_TOKENS,
                  auto_recall: bool = DEFAULT_AUTO_RECALL, recall_rounds: int = DEFAULT_RECALL_ROUNDS,
                  spiller: Spiller | None = None, router: Any = None,
-                 summary_dim: int = 128, dtype: torch.dtype | None = None) -> None:
+                 summary_dim: int = 128, dtype: torch.dtype | None = None,
+                 rope_rerotate: bool = DEFAULT_ROPE_REROTATE) -> None:
         if max_kv_len is not None and max_kv_len < 1:
             raise ValueError(f"max_kv_len must be >= 1 or None, got {max_kv_len}")
         if sink_tokens < 0 or recall_rounds < 0:
@@ -113,6 +123,10 @@ class TieredCache(Cache):
         self.max_kv_len = max_kv_len
         self.sink_tokens = int(sink_tokens)
         self.window_slack = window_slack(max_kv_len, self.sink_tokens)  # buffer room, tokens
+        # sinks re-rotated toward the window (no window: every position is attended anyway)
+        self.rope: RopeShift | None = (RopeShift.of(model_or_config)
+                                       if rope_rerotate and max_kv_len is not None else None)
+        self.rope_quantum = max(1, self.window_slack)
         self.auto_recall = bool(auto_recall)
         self.recall_rounds = int(recall_rounds)
         self.config = getattr(model_or_config, "config", model_or_config)
@@ -135,6 +149,7 @@ class TieredCache(Cache):
         self._round_count = 0
         self.recalled_rounds: list[int] = []
         self._recall_spans: list[tuple[int, int]] = []
+        self.recall_at = 0  # position the recalled copies start at (re-rotating caches)
         self._miss_pending = False  # the next step had to read from below first
         self._closed = False
         # per-session statistics
@@ -276,9 +291,14 @@ class TieredCache(Cache):
         mp = self.max_positions
         if mp and not self._warned_positions and self.seen + q > mp:
             self._warned_positions = True
-            log.warning("session %r passes the model's max_position_embeddings (%d) at token %d: "
-                        "positions keep counting and the model was not trained on them",
-                        self.session_id, mp, self.seen + q)
+            if self.rope is None:
+                log.warning("session %r passes the model's max_position_embeddings (%d) at token "
+                            "%d: the sinks are now farther from the query than the model was "
+                            "trained on (rope_rerotate keeps them next to the window)",
+                            self.session_id, mp, self.seen + q)
+            else:
+                log.info("session %r passes max_position_embeddings (%d) at token %d; its sinks "
+                         "are re-rotated next to the window", self.session_id, mp, self.seen + q)
         if self._miss_pending:
             self._miss_pending = False
             self.misses += 1
@@ -433,6 +453,9 @@ class TieredCache(Cache):
                 self.router.reserve(self, need)
             if self.spiller is not None:
                 self.spiller.wait()  # everything below the window is readable
+            # re-rotated copies end where the sinks begin: at most window_start - sinks
+            self.recall_at = (self.attended_start - min(self.sink_tokens, self.seen)
+                               - sum(b - a for a, b in spans))
             self._materialize_recall(spans, self.device or torch.device("cpu"))
             self._recall_spans = spans
             self.recalled_rounds = chosen
@@ -457,8 +480,17 @@ class TieredCache(Cache):
 
     def _materialize_recall(self, spans: list[tuple[int, int]], device: torch.device) -> None:
         per_layer = read_spans(self.warm, self.session_id, self.geo, spans, device)
+        if self.rope is not None:  # each span moved to its place in [recall_at, ...)
+            per_layer = [(self._rotate_spans(k, spans), v) for k, v in per_layer]
         for lay, (k, v) in zip(self.layers, per_layer, strict=True):
             lay.recall_keys, lay.recall_values = k, v
+
+    def _rotate_spans(self, k: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+        parts, off = [], 0
+        for a, b in spans:
+            parts.append(self.rope.rotate(k[..., off:off + b - a, :], self.recall_at + off - a))
+            off += b - a
+        return torch.cat(parts, dim=-2)
 
     def clear_recall(self) -> None:
         """End the active recall (``end_round`` does this)."""
@@ -504,18 +536,15 @@ class TieredCache(Cache):
         if other.geo != self.geo or other.fingerprint != self.fingerprint:
             raise ValueError("copy_state_to needs a cache of the same model")
         for src, dst in zip(self.layers, other.layers, strict=True):
-            if src.is_initialized and src.keys is not None:
-                dst.set_window(src.keys.clone(), src.values.clone(), src.seen)
-                dst.spilled = src.spilled
-                if src.recall_keys is not None:
-                    dst.recall_keys = src.recall_keys.clone()
-                    dst.recall_values = src.recall_values.clone()
+            src.copy_to(dst)
         self._fold()
         other.rounds = [list(r) for r in self.rounds]
         other._round_start = self._round_start
         other._round_sum = None if self._round_sum is None else self._round_sum.clone()
         other._round_count = self._round_count
         other._recall_spans = list(self._recall_spans)
+        other.recall_at = self.recall_at
+        other.rope = self.rope
         other.sinks_moved = self.sinks_moved
         other._check_refill = True
         other.recalled_rounds = list(self.recalled_rounds)

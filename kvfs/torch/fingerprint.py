@@ -75,7 +75,8 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise KVCorrupt(f"meta.json: unknown dtype {name!r}") from None
 
 
-def _config_of(model_or_config: Any) -> Any:
+def config_of(model_or_config: Any) -> Any:
+    """The (text decoder) config of a model or config."""
     cfg = getattr(model_or_config, "config", model_or_config)
     get_text = getattr(cfg, "get_text_config", None)
     return get_text(decoder=True) if callable(get_text) else cfg
@@ -123,7 +124,7 @@ def fingerprint(model_or_config: Any) -> str:
             return _FP_CACHE[model_or_config]
         except (KeyError, TypeError):
             pass
-    cfg = _config_of(model_or_config)
+    cfg = config_of(model_or_config)
     d = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
     clean = {k: v for k, v in d.items() if k not in _VOLATILE_KEYS and not k.startswith("_")}
     blob = json.dumps(clean, sort_keys=True, default=str, separators=(",", ":"))
@@ -147,7 +148,7 @@ def check_supported(model_or_config: Any) -> None:
     sliding-window attention (``sliding_window``: the model drops keys itself) and hybrid
     stacks (``layer_types`` with anything but ``full_attention``).
     """
-    cfg = _config_of(model_or_config)
+    cfg = config_of(model_or_config)
     name = getattr(cfg, "model_type", type(cfg).__name__)
     if getattr(cfg, "kv_lora_rank", None):
         raise KVUnsupported(
@@ -191,7 +192,7 @@ class KVGeometry:
 def geometry(model_or_config: Any, dtype: torch.dtype | None = None) -> KVGeometry:
     """KV geometry of a decoder model; only full-attention, per-token-KV models are accepted."""
     check_supported(model_or_config)
-    cfg = _config_of(model_or_config)
+    cfg = config_of(model_or_config)
     n_layers = int(cfg.num_hidden_layers)
     n_heads = int(cfg.num_attention_heads)
     n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)

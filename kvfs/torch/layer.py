@@ -100,6 +100,8 @@ class TieredLayer(DynamicLayer):
         self.spilled = 0  # tokens [0, spilled) handed to the warm tier
         self.recall_keys: torch.Tensor | None = None
         self.recall_values: torch.Tensor | None = None
+        self._rot = 0  # positions the stored sinks' keys are rotated by (rope_rerotate)
+        self._sk0: torch.Tensor | None = None  # the sinks' own keys, once they are rotated
 
     # --- physical storage ----------------------------------------------------------------------
     def _install(self, k: torch.Tensor | None, v: torch.Tensor | None, owned: bool = False) -> None:
@@ -160,6 +162,11 @@ class TieredLayer(DynamicLayer):
         return min(self._cache.sink_tokens, self.seen, self.stored)
 
     @property
+    def sink_shift(self) -> int:
+        """Positions the stored sinks' keys are rotated by (``rope_rerotate``; else 0)."""
+        return self._rot
+
+    @property
     def window_start(self) -> int:
         """Absolute index of the first window token (``keys[..., pinned, :]``)."""
         return self.seen - (self.stored - self.pinned)
@@ -177,12 +184,27 @@ class TieredLayer(DynamicLayer):
         self.is_initialized = True
 
     def set_window(self, k: torch.Tensor, v: torch.Tensor, seen: int) -> None:
-        """Install ``k``/``v`` (sinks then window) as the storage ending at ``seen`` (resume)."""
+        """Install ``k``/``v`` (sinks then window, the model's own keys) as the storage
+        ending at ``seen`` (resume)."""
         self.device = k.device
         self._install(k, v)
         self.seen = seen
         self.spilled = seen
+        self._sk = self._sv = self._sk0 = None
+        self._rot = 0
         self.is_initialized = True
+
+    def copy_to(self, dst: TieredLayer) -> None:
+        """Give ``dst`` (a layer of a new, empty cache) copies of this layer's storage,
+        counters, sink rotation and recalled copies (a fork; between steps)."""
+        if not self.is_initialized or self.keys is None:
+            return
+        dst.set_window(self.keys.clone(), self.values.clone(), self.seen)
+        dst.spilled = self.spilled
+        dst._rot, dst._sk0 = self._rot, None if self._sk0 is None else self._sk0.clone()
+        if self.recall_keys is not None:
+            dst.recall_keys = self.recall_keys.clone()
+            dst.recall_values = self.recall_values.clone()
 
     # --- the transformers layer interface --------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
@@ -193,6 +215,8 @@ class TieredLayer(DynamicLayer):
         q = key_states.shape[-2]
         if self.idx == 0:
             c._step_begin(q)
+        if c.rope is not None:
+            self._align_sinks(c)
         v = self._views
         if (v is not None and q == 1 and self._gap == v.gap and self._n == v.between
                 and self._a + v.gap - v.start < v.count and c.max_kv_len == v.w
@@ -262,6 +286,31 @@ class TieredLayer(DynamicLayer):
                     self._views = _DecodeViews(kb, vb, a + 1, n, p, w)
         return self._finish(c, key_states, full_k, full_v, p, seen)
 
+    def _align_sinks(self, c: TieredCache) -> None:
+        """Rotate the stored sinks' keys to sit just before the window (``rope_rerotate``):
+        by ``window_start - sinks`` positions, rounded down to a multiple of the cache's
+        ``rope_quantum`` so that it changes once per that many steps and depends only on
+        the window (a resumed or forked session rotates exactly as the original)."""
+        p = self.pinned
+        if not p or self._kb is None:
+            return
+        qn = c.rope_quantum
+        t = (self.window_start - p) // qn * qn
+        if t == self._rot:
+            return
+        if self._sk0 is None:  # the stored sinks are still the model's own keys
+            self._sk0 = self._kb.narrow(-2, self._a, p).clone()
+        new = c.rope.rotate(self._sk0, t)
+        if not self._gap:  # else the sinks are written from _sk when they move up
+            if self._owned:
+                self._kb[:, :, self._a:self._a + p] = new
+            else:
+                keys = self.keys
+                self._install(torch.cat([new, keys[..., p:, :]], dim=-2), self.values)
+        if self._sk is not None:
+            self._sk = new
+        self._rot = t
+
     def _spill_ahead(self, k: torch.Tensor, v: torch.Tensor, p: int, first: int, leaving: int,
                      seen: int, slack: int) -> None:
         """Hand down the tokens up to ``leaving`` (they fall out of the window now) and the
@@ -327,7 +376,8 @@ class TieredLayer(DynamicLayer):
         super().reset()
         self.seen = self.spilled = 0
         self.recall_keys = self.recall_values = None
-        self._sk = self._sv = None
+        self._sk = self._sv = self._sk0 = None
+        self._rot = 0
 
     # --- moves -----------------------------------------------------------------------------
     def _hand_down(self, k: torch.Tensor, v: torch.Tensor, p: int, first: int, a: int, b: int) -> None:
@@ -336,7 +386,8 @@ class TieredLayer(DynamicLayer):
         c = self._cache
         if first != p and a < p:  # sinks first (never dropped, handed down in order)
             e = min(b, p)
-            c._spill(self.idx, a, k[..., a:e, :], v[..., a:e, :])
+            sk = self._sk0 if self._rot else k  # the model's own keys, never rotated ones
+            c._spill(self.idx, a, sk[..., a:e, :], v[..., a:e, :])
             a = e
         if a < b:
             if a < first and first != p:
@@ -377,10 +428,12 @@ class TieredLayer(DynamicLayer):
         if self.spilled < self.seen:
             raise AssertionError(f"layer {self.idx}: tokens [{self.spilled}, {self.seen}) not handed down")
         self._install(self._kb[..., :0, :].clone(), self._vb[..., :0, :].clone())
+        self._rot, self._sk = 0, None  # the sinks come back as the model's own keys
 
     def release(self) -> None:
         """Forget the device tensors (the router dropped the session)."""
         self._install(None, None)
         self.recall_keys = self.recall_values = None
-        self._sk = self._sv = None
+        self._sk = self._sv = self._sk0 = None
+        self._rot = 0
         self.is_initialized = False

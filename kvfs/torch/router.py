@@ -45,8 +45,9 @@ from kvfs.ops import metrics, profiles
 from kvfs.torch.cache import (
     TieredCache,
 )
-from kvfs.torch.fingerprint import KVCorrupt, KVMismatch, fingerprint, geometry
+from kvfs.torch.fingerprint import KVCorrupt, KVMismatch, KVUnsupported, fingerprint, geometry
 from kvfs.torch.recall import prefetch_cold
+from kvfs.torch.rope import RopeShift
 from kvfs.torch.spill import Spiller
 
 log = logging.getLogger("kvfs.torch.router")
@@ -85,7 +86,7 @@ def mount_profile(info: dict[str, Any] | None) -> Any:
 def hot_settings(prof: Any) -> dict[str, Any]:
     """The hot-tier values of a profile."""
     return {"sink_tokens": prof.sink_tokens, "auto_recall": prof.auto_recall,
-            "recall_rounds": prof.recall_rounds}
+            "recall_rounds": prof.recall_rounds, "rope_rerotate": prof.rope_rerotate}
 
 
 class KVRouter:
@@ -94,7 +95,7 @@ class KVRouter:
     ``KVRouter(mount="/mnt/kv", device="cpu", max_kv_len=24, device_budget_bytes=None,
     profile="gov")``. Values not given come from the profile (:mod:`kvfs.ops.profiles`:
     ``max_kv_len``, ``device_watermark``, ``summary_dim``, ``sink_tokens``, ``auto_recall``,
-    ``recall_rounds``, the warm tier's keys); explicit arguments win. ``warm=`` injects a ready warm tier (tests, benchmarks); otherwise one
+    ``recall_rounds``, ``rope_rerotate``, the warm tier's keys); explicit arguments win. ``warm=`` injects a ready warm tier (tests, benchmarks); otherwise one
     ``WarmTier(cold_root=mount, root=warm_root or profile.warm_root, ...)`` is built and owned.
     """
 
@@ -104,7 +105,8 @@ class KVRouter:
                  watermark: float | None = None, warm: Any = None,
                  warm_options: dict[str, Any] | None = None, summary_dim: int | None = None,
                  sink_tokens: int | None = None, auto_recall: bool | None = None,
-                 recall_rounds: int | None = None, max_pending_bytes: int = 64 << 20) -> None:
+                 recall_rounds: int | None = None, rope_rerotate: bool | None = None,
+                 max_pending_bytes: int = 64 << 20) -> None:
         info = mount_info(mount)
         # the mount's profile unless told otherwise: one set of settings for all tiers
         self.profile = mount_profile(info) if profile is None else load_profile(profile)
@@ -114,6 +116,10 @@ class KVRouter:
         self.sink_tokens = hot["sink_tokens"] if sink_tokens is None else int(sink_tokens)
         self.auto_recall = hot["auto_recall"] if auto_recall is None else bool(auto_recall)
         self.recall_rounds = hot["recall_rounds"] if recall_rounds is None else int(recall_rounds)
+        self.rope_rerotate = hot["rope_rerotate"] if rope_rerotate is None else bool(rope_rerotate)
+        # from the profile: "where the model allows"; asked for explicitly: refused otherwise
+        self._rope_required = rope_rerotate is not None
+        self._rope_refused: set[str] = set()  # fingerprints already warned about
         self.mount = mount
         self.device = torch.device(device)
         self.max_kv_len = self.profile.max_kv_len if max_kv_len is _UNSET else max_kv_len
@@ -214,7 +220,23 @@ class KVRouter:
         return TieredCache(model, session_id=session_id, warm=self.warm, max_kv_len=self.max_kv_len,
                            sink_tokens=self.sink_tokens, auto_recall=self.auto_recall,
                            recall_rounds=self.recall_rounds, spiller=self.spiller, router=self,
-                           summary_dim=self.summary_dim, dtype=geometry(model).dtype)
+                           summary_dim=self.summary_dim, dtype=geometry(model).dtype,
+                           rope_rerotate=self._rerotates(model))
+
+    def _rerotates(self, model: Any) -> bool:
+        """Whether this model's caches re-rotate their sinks: the profile's ``rope_rerotate``
+        applies where the model's rotation can be reproduced (one warning per model)."""
+        if not self.rope_rerotate or self._rope_required:
+            return self.rope_rerotate
+        try:
+            RopeShift.of(model)
+        except KVUnsupported as e:
+            fp = fingerprint(model)
+            if fp not in self._rope_refused:
+                self._rope_refused.add(fp)
+                log.warning("%s; this model's sessions keep the sinks at their own positions", e)
+            return False
+        return True
 
     def _register(self, c: TieredCache) -> None:
         self._sessions[c.session_id] = c

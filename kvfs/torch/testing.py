@@ -115,12 +115,14 @@ class WindowReference:
     ``window`` cached tokens plus the current input at every step (a DynamicCache cut after
     each step, explicit position ids); ``window=None`` keeps everything. ``history(l)``
     holds every K/V ever produced. ``prefix`` (optional, per layer) is extra K/V attended
-    between the sinks and the window in the next steps (recall)."""
+    between the sinks and the window in the next steps (recall). ``rerotate`` (a quantum
+    ``Q``): the sinks' keys are moved ``(window_start - sinks) // Q * Q`` positions later
+    for each step, with the model's own rotary embedding (the ``rope_rerotate`` rule)."""
 
-    def __init__(self, model, window: int | None, sinks: int = 4) -> None:
+    def __init__(self, model, window: int | None, sinks: int = 4, rerotate: int | None = None) -> None:
         from transformers import DynamicCache
 
-        self.model, self.window, self.sinks = model, window, sinks
+        self.model, self.window, self.sinks, self.rerotate = model, window, sinks, rerotate
         self.cache = DynamicCache(config=model.config)
         self.pos = 0
         self.pending: torch.Tensor | None = None  # last generated token, not yet fed
@@ -129,6 +131,21 @@ class WindowReference:
         self.hist_v: list[list[torch.Tensor]] = [[] for _ in range(n)]
         self.prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
+    def rotate(self, k: torch.Tensor, shift: int) -> torch.Tensor:
+        """``k`` moved ``shift`` positions later by the model's rotary embedding."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        cos, sin = self.model.model.rotary_emb(k, torch.tensor([[shift]], device=k.device))
+        return apply_rotary_pos_emb(k, k, cos, sin)[1]
+
+    def _sink_shift(self) -> int:
+        own = self.cache.layers[0]
+        if not self.rerotate or own.keys is None:
+            return 0
+        p = min(self.sinks, self.pos)
+        ws = self.pos - (own.keys.shape[-2] - p)
+        return (ws - p) // self.rerotate * self.rerotate
+
     @torch.no_grad()
     def step(self, x: torch.Tensor) -> int:
         """One forward step over input ids ``x``; returns the greedy next token."""
@@ -136,12 +153,22 @@ class WindowReference:
 
         q = x.shape[1]
         cache = self.cache
-        if self.prefix is not None:  # recalled tokens between sinks and window, this step only
+        shift = self._sink_shift()
+        if self.prefix is not None or shift:  # this step only: rotated sinks, recalled tokens
             p = min(self.sinks, self.pos)
-            data = [(torch.cat([lay.keys[..., :p, :], pk, lay.keys[..., p:, :]], -2),
-                     torch.cat([lay.values[..., :p, :], pv, lay.values[..., p:, :]], -2))
-                    if lay.keys is not None else (pk, pv)
-                    for (pk, pv), lay in zip(self.prefix, self.cache.layers, strict=True)]
+            prefix = self.prefix or [None] * len(self.cache.layers)
+            data = []
+            for pre, lay in zip(prefix, self.cache.layers, strict=True):
+                if lay.keys is None:
+                    data.append(pre)
+                    continue
+                sk = self.rotate(lay.keys[..., :p, :], shift) if shift else lay.keys[..., :p, :]
+                ks, vs = [sk], [lay.values[..., :p, :]]
+                if pre is not None:
+                    ks.append(pre[0])
+                    vs.append(pre[1])
+                data.append((torch.cat(ks + [lay.keys[..., p:, :]], -2),
+                             torch.cat(vs + [lay.values[..., p:, :]], -2)))
             cache = DynamicCache(ddp_cache_data=data)
         pos = torch.arange(self.pos, self.pos + q, device=x.device).unsqueeze(0)
         out = self.model(input_ids=x, position_ids=pos, cache=cache, use_cache=True)
