@@ -204,3 +204,45 @@ def test_read_that_meets_reclaimed_space_looks_up_again(tmp_path):
     assert s._file("s", "old")[1].ext[0][0] > pos  # the bytes now come from the copy
     assert not s.needs_fsck
     s.close()
+
+
+class AdvisedVolume(FaultyVolume):
+    """Records the read-ahead advice the store gives."""
+
+    advised: list[tuple[int, int]] = []
+
+    def willneed(self, off: int, n: int) -> None:
+        type(self).advised.append((off, n))
+        super().willneed(off, n)
+
+
+def test_read_ahead_advises_only_where_the_file_jumps_on_disk(tmp_path):
+    """A file whose entries follow each other on disk gets no advice (the kernel's readahead
+    serves it); a file interleaved with another gets one advice per jump, each covering
+    exactly that file's next entries, and its bytes are right."""
+    path = str(tmp_path / "v.kvvol")
+    s = Store.create(path, 64 * MB, StoreConfig(compression="none"), volume=AdvisedVolume)
+    s.create_session("s")
+    for name in ("seq", "a", "b"):
+        s.create_file("s", name)
+    seq = os.urandom(8 * MB)
+    for off in range(0, len(seq), MB):
+        s.append("s", "seq", off, seq[off:off + MB])
+    parts = {"a": [], "b": []}
+    for i in range(16):  # a and b alternate: every entry of a is a jump from the last
+        for name in parts:
+            chunk = os.urandom(96 << 10)
+            s.append("s", name, (96 << 10) * i, chunk)
+            parts[name].append(chunk)
+    s.close()
+    s = Store.open(path, volume=AdvisedVolume)
+    AdvisedVolume.advised = []
+    got = b"".join(s.read("s", "seq", off, MB) for off in range(0, len(seq), MB))
+    assert got == seq and AdvisedVolume.advised == []
+    _, fa = s._file("s", "a")
+    entries = {s.ring.phys(pos): esize for pos, _, _, esize in fa.ext}
+    got = b"".join(s.read("s", "a", (96 << 10) * i, 96 << 10) for i in range(16))
+    assert got == b"".join(parts["a"])
+    assert AdvisedVolume.advised and all(entries.get(off) == n for off, n in AdvisedVolume.advised)
+    assert len(AdvisedVolume.advised) == len(set(AdvisedVolume.advised)) <= 15  # each entry once
+    s.close()

@@ -84,6 +84,36 @@ def test_direct_io_requests_are_1_mib(kvfs: Mount) -> None:
     assert fs["read_req_max"] == fs["write_req_max"] == MiB
 
 
+def test_read_ahead_serves_sequential_readers_and_never_stale_bytes(kvfs: Mount) -> None:
+    """Sequential 1 MiB reads are answered from the ranges read ahead; a truncate and a
+    regrowth under a reader that has ranges in flight: it gets the new bytes, never the old."""
+    d = kvfs.sessions / "ra"
+    d.mkdir()
+    path = d / "layer_0"
+    first = os.urandom(8 * MiB)
+    path.write_bytes(first)
+    hits = fs_stats(kvfs)["readahead_hits"]
+    assert read_aligned(path) == first
+    assert fs_stats(kvfs)["readahead_hits"] - hits >= 5  # all but the first reads, minus slack
+
+    buf = mmap.mmap(-1, MiB)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for i in range(2):  # the next range is being read ahead now
+            assert os.preadv(fd, [buf], i * MiB) == MiB and bytes(buf) == first[i * MiB:(i + 1) * MiB]
+        os.truncate(path, 3 * MiB)
+        new = os.urandom(2 * MiB)
+        with open(path, "ab") as f:
+            f.write(new)
+        for i in range(2, 5):
+            assert os.preadv(fd, [buf], i * MiB) == MiB
+            want = first[2 * MiB:3 * MiB] if i == 2 else new[(i - 3) * MiB:(i - 2) * MiB]
+            assert bytes(buf) == want, i
+        assert os.preadv(fd, [buf], 5 * MiB) == 0
+    finally:
+        os.close(fd)
+
+
 def test_fsync_flushes_the_device_once_per_batch(kvfs: Mount) -> None:
     d = kvfs.sessions / "s"
     d.mkdir()

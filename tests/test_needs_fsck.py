@@ -210,7 +210,8 @@ def test_unexpected_exception_in_an_operation_marks_the_volume(vol: str, monkeyp
 def test_expected_errors_do_not_mark(vol: str) -> None:
     s = Store.open(vol)
     for bad in (lambda: s.append("s", "f", 1, b"z"), lambda: s.read("nope", "f", 0, 1),
-                lambda: s.create_session("s"), lambda: s.truncate("s", "f", 10**9)):
+                lambda: s.create_session("s"), lambda: s.truncate("s", "f", 10**9),
+                lambda: s.append("s", "f", b"z"), lambda: s.read("s", "f", offset=0)):  # bad calls
         with pytest.raises(Exception):  # noqa: B017, PT011 - each its own KVFSError
             bad()
     assert not s.needs_fsck

@@ -119,7 +119,8 @@ def guarded(fn: F, mode: str = "write") -> F:
         except KVFSError:
             raise
         except Exception as e:
-            self.mark_needs_fsck(f"{fn.__name__}: unexpected {type(e).__name__}: {e}")
+            if not _at_the_call(e, attempt):  # a bad call (arguments) changed nothing
+                self.mark_needs_fsck(f"{fn.__name__}: unexpected {type(e).__name__}: {e}")
             raise
         finally:
             _persist_locked(self)
@@ -135,3 +136,14 @@ def guarded(fn: F, mode: str = "write") -> F:
         return run(self, a, kw)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _at_the_call(e: Exception, caller: Callable[..., Any]) -> bool:
+    """Whether ``e`` is a TypeError raised by calling the operation (its arguments did
+    not bind), not from inside it."""
+    if not isinstance(e, TypeError) or e.__traceback__ is None:
+        return False
+    tb = e.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_code is caller.__code__

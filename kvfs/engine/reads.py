@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 DECODED_CACHE = 32 << 20  # bytes of decoded blocks kept for sequential small reads
 TABLE_CACHE = 4096  # block tables kept: a read of a known entry reads just its blocks
 READ_AHEAD = 4 << 20  # bytes advised ahead of a sequential reader
+READ_GAP = 64 << 10  # a file's next entry this close after the last is "sequential" on disk
 READ_RETRIES = 64  # lookups a read may redo because reclaim moved its entries meanwhile
 
 
@@ -150,17 +151,35 @@ class ReadPath:
             self._decoded_bytes -= len(self._decoded.popitem(last=False)[1])
 
     def _read_ahead(self, f: FileRec, end: int) -> None:
-        """POSIX_FADV_WILLNEED on the entries holding the next READ_AHEAD bytes."""
+        """POSIX_FADV_WILLNEED on the entries holding the next READ_AHEAD bytes, where
+        they do not follow on disk from the entry before them: the kernel's own readahead
+        serves a physically sequential run better than advice does (an advice call costs
+        about as much as reading what it advises), so only the jumps are advised, each run
+        after a jump in one call (small records between a file's entries are no jump)."""
         if f.advised_to >= end + READ_AHEAD // 2:
             return
-        i = max(f.find(max(end, f.advised_to)), 0)
+        # from the entry read now or last advised: it only says where the disk is
+        first = i = max(f.find(max(end, f.advised_to) - 1), 0)
         stop = end + READ_AHEAD
+        prev = -1  # physical end of the entry before, when it is on disk
+        run: list[int] = []  # [start, end) of the advised run being built
         while i < len(f.ext) and f.off[i] < stop:
             pos, _, n, esize = f.ext[i]
             if self.ring.on_disk(pos):
-                self.vol.willneed(self.ring.phys(pos), esize)
-            f.advised_to = f.off[i] + n
+                phys = self.ring.phys(pos)
+                if run and 0 <= phys - run[1] < READ_GAP:
+                    run[1] = phys + esize
+                elif i != first and not 0 <= phys - prev < READ_GAP:
+                    if run:
+                        self.vol.willneed(run[0], run[1] - run[0])
+                    run = [phys, phys + esize]
+                prev = phys + esize
+            else:
+                prev = -1
+            f.advised_to = max(f.advised_to, f.off[i] + n)
             i += 1
+        if run:
+            self.vol.willneed(run[0], run[1] - run[0])
 
     def entry_bytes(self, pos: int, esize: int) -> bytes:
         """Every decoded byte of the data entry at ``pos``, each block checked (fsck)."""

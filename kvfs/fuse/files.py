@@ -56,8 +56,8 @@ class ReadAhead:
     """Read-ahead for direct I/O, which gets none from the kernel.
 
     When a handle reads at least ``MIN`` bytes right where its last read ended, the next
-    range of the same size is read on the worker while this one travels back to the
-    reader, so disk, decoding and the FUSE round trip overlap. Only bytes the engine
+    ``DEPTH`` ranges of the same size are read on the worker while this one travels back
+    to the reader, so disk, decoding and the FUSE round trip overlap. Only bytes the engine
     already holds are read ahead; a truncate drops what was read ahead (``forget``).
     Without a nursery (``nursery`` None) it does nothing.
 
@@ -68,6 +68,7 @@ class ReadAhead:
     """
 
     MIN = 128 << 10
+    DEPTH = 1  # ranges read ahead (3 measured no faster on two cores: docs/mount.md)
     SMALL = 64 << 10
     WINDOW = 256 << 10
 
@@ -85,23 +86,35 @@ class ReadAhead:
             h.seq_end = off + size
             self.counters.window_hits += 1
             return w.data[off - w.off:off + size - w.off]
-        a, h.ahead = h.ahead, None
+        aheads: list[Ahead] = h.ahead or []
+        h.ahead = None
         data = None
-        if isinstance(a, Ahead) and a.off == off and a.size >= size:
+        if aheads and aheads[0].off == off and aheads[0].size >= size:
+            a = aheads.pop(0)
             await a.done.wait()
             if a.data is not None and len(a.data) >= size:  # short: the file grew since
                 data = a.data[:size]
                 self.counters.readahead_hits += 1
+            else:
+                aheads = []
+        else:
+            aheads = []  # not where the reader went: what is in flight is dropped when done
         if data is None and size < self.SMALL and off == h.seq_end and (
                 stored is None or off + size <= stored):
             data = await self._window(h, node, off, size, stored)
         if data is None:
             data = await fetch()
         nxt = off + len(data)
-        if (self.nursery is not None and off == h.seq_end and len(data) == size >= self.MIN
-                and (stored is None or nxt + size <= stored)):
-            h.ahead = Ahead(nxt, size)
-            self.nursery.start_soon(self._fetch, h.ahead, node)
+        if self.nursery is not None and off == h.seq_end and len(data) == size >= self.MIN:
+            if aheads and (aheads[0].off != nxt or aheads[0].size != size):
+                aheads = []
+            at = aheads[-1].off + size if aheads else nxt
+            while len(aheads) < self.DEPTH and (stored is None or at + size <= stored):
+                a = Ahead(at, size)
+                aheads.append(a)
+                self.nursery.start_soon(self._fetch, a, node)
+                at += size
+            h.ahead = aheads or None
         h.seq_end = nxt
         return data
 
