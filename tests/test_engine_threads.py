@@ -30,7 +30,7 @@ def bf16(n: int, seed: int) -> bytes:
 def test_bit_flip_in_one_block_fails_only_reads_of_that_block(tmp_path, compression):
     path = str(tmp_path / "v.kvvol")
     data = bf16(5 * BLOCK + 1000, 1) if compression == "auto" else os.urandom(5 * BLOCK + 1000)
-    s = Store.create(path, 32 * MB, StoreConfig(compression=compression))
+    s = Store.create(path, 32 * MB, StoreConfig(compression=compression, compress_on_copy=False))
     s.create_session("s")
     s.create_file("s", "f")
     s.append("s", "f", 0, data)

@@ -176,15 +176,17 @@ def _gpt_neox_config():
                          intermediate_size=64, max_position_embeddings=256)
 
 
-def test_resumed_session_rotates_exactly_as_the_uninterrupted_one(tmp_path, model):
+@pytest.mark.parametrize("mode", ["window", "trained"])
+def test_resumed_session_rotates_exactly_as_the_uninterrupted_one(tmp_path, mode):
     """Sinks are rotated by a function of the window alone: a session released after three
     turns and resumed holds bit for bit the device K/V of one that never stopped."""
     from kvfs.torch import KVRouter
 
+    model = tiny_llama(seed=0, max_position_embeddings=64)  # the session passes it
     cold = tmp_path / "cold"
     (cold / "sessions").mkdir(parents=True)
     r = KVRouter(mount=str(cold), warm_root=str(tmp_path / "warm"), max_kv_len=40, auto_recall=False,
-                 rope_rerotate=True, warm_options={"shards": 16})
+                 rope_rerotate=mode, warm_options={"shards": 16})
     ts = turns(4, 9, seed=70)
     outs = {}
     for sid in ("kept", "resumed"):
@@ -231,3 +233,55 @@ def test_profile_re_rotates_where_the_model_allows_and_says_where_not(tmp_path, 
     with pytest.raises(KVUnsupported, match="gpt_neox"):
         r.cache("neox3", neox)
     r.close()
+
+
+def test_trained_mode_moves_sinks_only_to_stay_within_max_position_embeddings(warm):
+    """``trained``: the sinks keep their own positions while the query is within
+    max_position_embeddings of them, then move just enough to stay there; the same tokens
+    as a reference rotating by that rule, the model's own keys below."""
+    m = tiny_llama(seed=0, max_position_embeddings=64)
+    window, sinks, new = 8, 4, 9
+    cache = TieredCache(m, warm=warm, session_id="trained", max_kv_len=window, sink_tokens=sinks,
+                        rope_rerotate="trained")
+    qn = cache.rope_quantum
+    assert cache.rope_mode == "trained" and cache.rope_reach == 64 - 1 - qn
+    shifts = [cache.sink_shift_for(ws, sinks) for ws in range(sinks, 200)]
+    assert shifts[:64 - 1 - qn - window - sinks] == [0] * (64 - 1 - qn - window - sinks)
+    for ws, t in zip(range(sinks, 200), shifts, strict=True):  # query at ws + window
+        assert ws + window - t <= 64 - 1 and 0 <= t <= ws - sinks and t % qn == 0
+    ref = WindowReference(m, window, sinks=sinks, rerotate=cache.sink_shift_for)
+    ts = turns(10, 7, seed=90)
+    expected = [ref.turn(t, new) for t in ts]
+    out = generate_turns(m, cache, ts, new)
+    assert all(torch.equal(a, b) for a, b in zip(expected, out, strict=True))
+    assert cache.seen > 100 and all(lay.sink_shift > 0 for lay in cache.layers)
+    assert cache.seen - cache.layers[0].sink_shift <= 64 + qn  # the sinks stayed in reach
+    cache.flush()
+    tb = cache.geo.token_bytes
+    got = np.asarray(warm.read(cache.session_id, 0, 0, cache.seen * tb)).tobytes()
+    assert got == token_major(*ref.history(0))[: cache.seen * tb]  # layer 0: bit for bit
+    cache.close()
+
+
+def test_trained_mode_recall_keeps_recalled_rounds_before_the_window(warm):
+    m = tiny_llama(seed=0, max_position_embeddings=40)
+    cache = TieredCache(m, warm=warm, session_id="trained-recall", max_kv_len=8, sink_tokens=4,
+                        rope_rerotate="trained")
+    generate_turns(m, cache, turns(8, 7, seed=30), 6)
+    got = cache.recall(rounds=[1, 2])
+    assert got == [1, 2]
+    ws, t = cache.attended_start, cache.sink_shift_for(cache.attended_start, 4)
+    assert t > 0
+    for (a, b), shift in zip(cache._recall_spans, cache.recall_shifts, strict=True):
+        assert shift == max(0, min(t, ws - b)) and b + shift <= ws  # never past the window
+        k, _ = read_tokens(warm, cache.session_id, 0, cache.geo, a, b, torch.device("cpu"))
+        rec = cache.layers[0].recall_keys
+        off = sum(y - x for x, y in cache._recall_spans[: cache._recall_spans.index((a, b))])
+        assert torch.equal(rec[..., off:off + b - a, :], cache.rope.rotate(k, shift) if shift else k)
+    cache.close()
+
+
+@pytest.mark.parametrize("bad", ["sideways", 3])
+def test_an_unknown_rerotation_mode_is_refused(model, bad):
+    with pytest.raises(ValueError, match="off, window or trained"):
+        TieredCache(model, max_kv_len=8, rope_rerotate=bad)

@@ -232,13 +232,15 @@ def recall_exact(cache: Any, rec: KVRecord, rounds: list[int], attended_start: i
         return None
     tb = rec.token_bytes
     for lay in cache.layers:
-        got, at = token_major(lay.recall_keys, lay.recall_values), 0
+        got, at, checked = token_major(lay.recall_keys, lay.recall_values), 0, []
         if len(got) != sum(b - a for a, b in spans) * tb:
             return False
         for a, b in spans:
             want = rec.span(lay.idx, a, b)
-            if cache.rope is not None:  # re-rotating: moved to start at cache.recall_at
-                want = _rotated(cache, want, b - a, cache.recall_at + at // tb - a)
+            shift = cache.recall_shifts[len(checked)]
+            checked.append(shift)
+            if shift:  # re-rotated: the keys moved by the cache's own rotation
+                want = _rotated(cache, want, b - a, shift)
             if not np.array_equal(got[at:at + (b - a) * tb], want):
                 return False
             at += (b - a) * tb

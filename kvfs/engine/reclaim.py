@@ -13,13 +13,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from .blocks import Encoded, decode_payload, encode_entries
+from .blocks import Encoded, decode_payload, encode_entries, parse_table
 from .errors import NoSpace
 from .format import F_COPY, T_DATA, T_DELS, T_FMETA, T_SMETA, T_TRUNC, entry_size
 from .records import Session, fmeta_payload, smeta_payload
 from .ring import RingFull, ScanItem, ScanReport
 
 if TYPE_CHECKING:
+    from .format import Header
     from .store import Store
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,8 @@ def _handle(store: Store, item: ScanItem, evict: bool, keep: int = -1) -> bool:
         for i, (pos, skip, n, _) in enumerate(f.ext):
             if pos != h.pos:
                 continue
-            if skip == 0 and n == h.raw_len:  # the payload as it is: blocks and table
+            if skip == 0 and n == h.raw_len and not _compress_now(store, h, item.payload):
+                # the payload as it is: blocks and table
                 payloads.append((i, Encoded([item.payload], h.payload_crc, h.nblocks, n)))
             else:  # only the live part survives: the copy must not revive truncated bytes
                 raw = memoryview(decode_payload(h, item.payload)[skip: skip + n])
@@ -135,6 +137,14 @@ def _handle(store: Store, item: ScanItem, evict: bool, keep: int = -1) -> bool:
         raise NoSpace(str(e)) from e
     store.idx.dirty(s)
     return True
+
+
+def _compress_now(store: Store, h: Header, payload: bytes | memoryview) -> bool:
+    """Whether a data entry appended raw (``compress_on_copy``) is compressed as it is
+    copied forward: every block raw and a codec that compresses."""
+    if not store.cfg.compress_on_copy or store.codec.mode == "none":
+        return False
+    return not any(parse_table(h, payload).flags)
 
 
 def _emit_trunc(store: Store, s: Session, f, length: int) -> bool:

@@ -101,6 +101,7 @@ class Store(ReadPath):
         tree = BTree(vol, sb.tree_offset, sb.tree_pages, TreeRoot.unpack(sb.tree_root))
         self.idx = Index(tree, config.hot_sessions)
         self.codec = Codec(config.compression, config.zstd_level, config.min_ratio, config.plane_split)
+        self.append_codec = Codec("none") if config.compress_on_copy else self.codec
         self.next_sno = sb.next_sno
         self._wlock = threading.RLock()  # one change at a time, for its whole length
         self._lock = threading.RLock()  # what readers look at: index, ring state, caches
@@ -311,7 +312,7 @@ class Store(ReadPath):
         with self._lock:
             self._ensure_room(need, s)
         # Compressing needs no lock: only this writer touches the codec and the file's end.
-        encs = encode_entries(self.codec, mv, step, (s.sno, f.fno))
+        encs = encode_entries(self.append_codec, mv, step, (s.sno, f.fno))
         last = len(encs) - 1
         for k, enc in enumerate(encs):
             with self._lock:

@@ -48,6 +48,9 @@ class StoreConfig:
     min_ratio: float = 1.25  # store a block raw unless compression shrinks it this much (fp16
     # KV gains 1.18x, not worth compressing every write and decoding every read; bf16 1.47x)
     plane_split: bool = True  # split 16-bit values into high/low byte planes before zstd
+    compress_on_copy: bool = True  # appends stored raw, compressed when reclaim copies them
+    # forward: the write path and reads of recent rounds never wait for zstd; what outlives
+    # a lap of the ring is stored small
     write_buffer: int = 4 << 20  # bytes of entries gathered before one pwrite
     fadvise: bool = True  # POSIX_FADV_DONTNEED after cold reads
 

@@ -122,8 +122,9 @@ class Profile:
     auto_recall: bool = _spec("bool", "at each new round, attend the older rounds whose summaries "
                               "match it best")
     recall_rounds: int = _spec("int", "rounds brought back by automatic recall", min=0, max=64)
-    rope_rerotate: bool = _spec("bool", "rotate the sinks' keys to sit just before the window "
-                                "(RoPE models; sessions past max_position_embeddings)")
+    rope_rerotate: str = _spec("choice", "RoPE models: move the sinks' keys closer to the query "
+                               "(trained: only as far as keeps them within max_position_embeddings; "
+                               "window: next to the window)", choices=("off", "trained", "window"))
     keep_summary_rounds: int = _spec(
         "int", "previous rounds kept findable by their summary (ecommerce: 1)", min=0, max=1024)
     # warm tier
@@ -147,6 +148,8 @@ class Profile:
     cleanup_threshold: float = _spec("fraction", "ring usage that starts retention cleanup")
     retention_s: float = _spec("seconds", "idle time after which cleanup may drop a session",
                                min=1.0)
+    compress_on_copy: bool = _spec("bool", "append KV raw and compress it when reclaim copies it "
+                                   "forward (false: compress at append)")
     evict_when_full: bool = _spec("bool", "full volume: drop sessions at the ring tail whole "
                                   "instead of answering ENOSPC")
     # shared tier (docs/scale-out.md)
@@ -184,7 +187,8 @@ class Profile:
                                   checkpoint_interval_s=self.checkpoint_interval_s,
                                   cleanup_threshold=self.cleanup_threshold,
                                   retention_s=self.retention_s,
-                                  evict_when_full=self.evict_when_full)
+                                  evict_when_full=self.evict_when_full,
+                                  compress_on_copy=self.compress_on_copy)
         return StoreConfig(**{**kw, **extra})
 
     def warm_kwargs(self) -> dict[str, Any]:

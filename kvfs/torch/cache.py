@@ -109,7 +109,7 @@ class TieredCache(Cache):
                  auto_recall: bool = DEFAULT_AUTO_RECALL, recall_rounds: int = DEFAULT_RECALL_ROUNDS,
                  spiller: Spiller | None = None, router: Any = None,
                  summary_dim: int = 128, dtype: torch.dtype | None = None,
-                 rope_rerotate: bool = DEFAULT_ROPE_REROTATE) -> None:
+                 rope_rerotate: bool | str = DEFAULT_ROPE_REROTATE) -> None:
         if max_kv_len is not None and max_kv_len < 1:
             raise ValueError(f"max_kv_len must be >= 1 or None, got {max_kv_len}")
         if sink_tokens < 0 or recall_rounds < 0:
@@ -124,13 +124,19 @@ class TieredCache(Cache):
         self.sink_tokens = int(sink_tokens)
         self.window_slack = window_slack(max_kv_len, self.sink_tokens)  # buffer room, tokens
         # sinks re-rotated toward the window (no window: every position is attended anyway)
-        self.rope: RopeShift | None = (RopeShift.of(model_or_config)
-                                       if rope_rerotate and max_kv_len is not None else None)
+        mode = {False: None, "off": None, True: "window"}.get(rope_rerotate, rope_rerotate)
+        if mode not in (None, "window", "trained"):
+            raise ValueError(f"rope_rerotate must be off, window or trained, got {rope_rerotate!r}")
+        self.rope_mode: str | None = mode if max_kv_len is not None else None
+        self.rope: RopeShift | None = RopeShift.of(model_or_config) if self.rope_mode else None
         self.rope_quantum = max(1, self.window_slack)
         self.auto_recall = bool(auto_recall)
         self.recall_rounds = int(recall_rounds)
         self.config = getattr(model_or_config, "config", model_or_config)
         self.max_positions: int | None = getattr(self.config, "max_position_embeddings", None)
+        # trained: the farthest the sinks may be from a query (a quantum of margin)
+        self.rope_reach = (self.max_positions - 1 - self.rope_quantum
+                           if self.max_positions and self.rope_mode == "trained" else None)
         self._warned_positions = False
         self._auto_query: torch.Tensor | None = None
         self.sinks_moved = False  # the budget took the sinks too (read back before a step)
@@ -149,7 +155,7 @@ class TieredCache(Cache):
         self._round_count = 0
         self.recalled_rounds: list[int] = []
         self._recall_spans: list[tuple[int, int]] = []
-        self.recall_at = 0  # position the recalled copies start at (re-rotating caches)
+        self.recall_shifts: list[int] = []  # per recalled span, positions its keys moved
         self._miss_pending = False  # the next step had to read from below first
         self._closed = False
         # per-session statistics
@@ -453,9 +459,7 @@ class TieredCache(Cache):
                 self.router.reserve(self, need)
             if self.spiller is not None:
                 self.spiller.wait()  # everything below the window is readable
-            # re-rotated copies end where the sinks begin: at most window_start - sinks
-            self.recall_at = (self.attended_start - min(self.sink_tokens, self.seen)
-                               - sum(b - a for a, b in spans))
+            self.recall_shifts = self._recall_shifts(spans)
             self._materialize_recall(spans, self.device or torch.device("cpu"))
             self._recall_spans = spans
             self.recalled_rounds = chosen
@@ -480,17 +484,47 @@ class TieredCache(Cache):
 
     def _materialize_recall(self, spans: list[tuple[int, int]], device: torch.device) -> None:
         per_layer = read_spans(self.warm, self.session_id, self.geo, spans, device)
-        if self.rope is not None:  # each span moved to its place in [recall_at, ...)
+        if any(self.recall_shifts):  # each span moved by its shift (rope_rerotate)
             per_layer = [(self._rotate_spans(k, spans), v) for k, v in per_layer]
         for lay, (k, v) in zip(self.layers, per_layer, strict=True):
             lay.recall_keys, lay.recall_values = k, v
 
     def _rotate_spans(self, k: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
         parts, off = [], 0
-        for a, b in spans:
-            parts.append(self.rope.rotate(k[..., off:off + b - a, :], self.recall_at + off - a))
+        for (a, b), shift in zip(spans, self.recall_shifts, strict=True):
+            part = k[..., off:off + b - a, :]
+            parts.append(self.rope.rotate(part, shift) if shift else part)
             off += b - a
         return torch.cat(parts, dim=-2)
+
+    # --- re-rotation ---------------------------------------------------------------------------
+    def sink_shift_for(self, window_start: int, sinks: int) -> int:
+        """Positions the sinks' keys move for a step whose window starts at ``window_start``
+        (a function of the window alone: resumed and forked sessions rotate alike).
+
+        ``window``: just before the window, ``window_start - sinks`` rounded down to a
+        multiple of ``rope_quantum``. ``trained``: not at all while the sinks are within
+        ``rope_reach`` positions of the query, then only as far as keeps them there (rounded
+        up), never past the window."""
+        qn, room = self.rope_quantum, window_start - sinks
+        if self.rope_mode == "window" or self.rope_reach is None:
+            return room // qn * qn
+        need = window_start + (self.max_kv_len or 0) - self.rope_reach
+        return 0 if need <= 0 else min(-(-need // qn) * qn, room // qn * qn)
+
+    def _recall_shifts(self, spans: list[tuple[int, int]]) -> list[int]:
+        """Per recalled span, the positions its keys move (0 without re-rotation)."""
+        if self.rope is None:
+            return [0] * len(spans)
+        ws, p = self.attended_start, min(self.sink_tokens, self.seen)
+        if self.rope_mode == "window" or self.rope_reach is None:  # end where the sinks begin
+            at, out = ws - p - sum(b - a for a, b in spans), []
+            for a, b in spans:
+                out.append(at - a)
+                at += b - a
+            return out
+        t = self.sink_shift_for(ws, p)  # with the sinks, never past the window
+        return [max(0, min(t, ws - b)) for a, b in spans]
 
     def clear_recall(self) -> None:
         """End the active recall (``end_round`` does this)."""
@@ -543,8 +577,8 @@ class TieredCache(Cache):
         other._round_sum = None if self._round_sum is None else self._round_sum.clone()
         other._round_count = self._round_count
         other._recall_spans = list(self._recall_spans)
-        other.recall_at = self.recall_at
-        other.rope = self.rope
+        other.recall_shifts = list(self.recall_shifts)
+        other.rope, other.rope_mode, other.rope_reach = self.rope, self.rope_mode, self.rope_reach
         other.sinks_moved = self.sinks_moved
         other._check_refill = True
         other.recalled_rounds = list(self.recalled_rounds)

@@ -287,15 +287,13 @@ class TieredLayer(DynamicLayer):
         return self._finish(c, key_states, full_k, full_v, p, seen)
 
     def _align_sinks(self, c: TieredCache) -> None:
-        """Rotate the stored sinks' keys to sit just before the window (``rope_rerotate``):
-        by ``window_start - sinks`` positions, rounded down to a multiple of the cache's
-        ``rope_quantum`` so that it changes once per that many steps and depends only on
-        the window (a resumed or forked session rotates exactly as the original)."""
+        """Rotate the stored sinks' keys by the cache's ``sink_shift_for`` this window
+        (``rope_rerotate``): it changes once per ``rope_quantum`` steps at most and depends
+        only on the window (a resumed or forked session rotates exactly as the original)."""
         p = self.pinned
         if not p or self._kb is None:
             return
-        qn = c.rope_quantum
-        t = (self.window_start - p) // qn * qn
+        t = c.sink_shift_for(self.window_start, p)
         if t == self._rot:
             return
         if self._sk0 is None:  # the stored sinks are still the model's own keys

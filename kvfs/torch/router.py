@@ -105,7 +105,7 @@ class KVRouter:
                  watermark: float | None = None, warm: Any = None,
                  warm_options: dict[str, Any] | None = None, summary_dim: int | None = None,
                  sink_tokens: int | None = None, auto_recall: bool | None = None,
-                 recall_rounds: int | None = None, rope_rerotate: bool | None = None,
+                 recall_rounds: int | None = None, rope_rerotate: bool | str | None = None,
                  max_pending_bytes: int = 64 << 20) -> None:
         info = mount_info(mount)
         # the mount's profile unless told otherwise: one set of settings for all tiers
@@ -116,7 +116,7 @@ class KVRouter:
         self.sink_tokens = hot["sink_tokens"] if sink_tokens is None else int(sink_tokens)
         self.auto_recall = hot["auto_recall"] if auto_recall is None else bool(auto_recall)
         self.recall_rounds = hot["recall_rounds"] if recall_rounds is None else int(recall_rounds)
-        self.rope_rerotate = hot["rope_rerotate"] if rope_rerotate is None else bool(rope_rerotate)
+        self.rope_rerotate = hot["rope_rerotate"] if rope_rerotate is None else rope_rerotate
         # from the profile: "where the model allows"; asked for explicitly: refused otherwise
         self._rope_required = rope_rerotate is not None
         self._rope_refused: set[str] = set()  # fingerprints already warned about
@@ -223,10 +223,10 @@ class KVRouter:
                            summary_dim=self.summary_dim, dtype=geometry(model).dtype,
                            rope_rerotate=self._rerotates(model))
 
-    def _rerotates(self, model: Any) -> bool:
-        """Whether this model's caches re-rotate their sinks: the profile's ``rope_rerotate``
+    def _rerotates(self, model: Any) -> bool | str:
+        """How this model's caches re-rotate their sinks: the profile's ``rope_rerotate``
         applies where the model's rotation can be reproduced (one warning per model)."""
-        if not self.rope_rerotate or self._rope_required:
+        if self.rope_rerotate in (False, "off") or self._rope_required:
             return self.rope_rerotate
         try:
             RopeShift.of(model)

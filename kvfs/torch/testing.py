@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -117,9 +118,12 @@ class WindowReference:
     holds every K/V ever produced. ``prefix`` (optional, per layer) is extra K/V attended
     between the sinks and the window in the next steps (recall). ``rerotate`` (a quantum
     ``Q``): the sinks' keys are moved ``(window_start - sinks) // Q * Q`` positions later
-    for each step, with the model's own rotary embedding (the ``rope_rerotate`` rule)."""
+    for each step, with the model's own rotary embedding (``rope_rerotate="window"``); or a
+    function ``(window_start, sinks) -> shift`` (another rule, e.g. a cache's
+    ``sink_shift_for``)."""
 
-    def __init__(self, model, window: int | None, sinks: int = 4, rerotate: int | None = None) -> None:
+    def __init__(self, model, window: int | None, sinks: int = 4,
+                 rerotate: int | Callable[[int, int], int] | None = None) -> None:
         from transformers import DynamicCache
 
         self.model, self.window, self.sinks, self.rerotate = model, window, sinks, rerotate
@@ -144,6 +148,8 @@ class WindowReference:
             return 0
         p = min(self.sinks, self.pos)
         ws = self.pos - (own.keys.shape[-2] - p)
+        if callable(self.rerotate):
+            return self.rerotate(ws, p)
         return (ws - p) // self.rerotate * self.rerotate
 
     @torch.no_grad()
