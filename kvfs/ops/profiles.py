@@ -123,8 +123,10 @@ class Profile:
                               "match it best")
     recall_rounds: int = _spec("int", "rounds brought back by automatic recall", min=0, max=64)
     rope_rerotate: str = _spec("choice", "RoPE models: move the sinks' keys closer to the query "
-                               "(trained: only as far as keeps them within max_position_embeddings; "
-                               "window: next to the window)", choices=("off", "trained", "window"))
+                               "(reach: only as far as keeps them within rope_reach of it; "
+                               "window: next to the window)", choices=("off", "reach", "window"))
+    rope_reach: int = _spec("int", "reach: the farthest the sinks may be from the query, tokens "
+                            "(capped at the model's max_position_embeddings)", min=1)
     keep_summary_rounds: int = _spec(
         "int", "previous rounds kept findable by their summary (ecommerce: 1)", min=0, max=1024)
     # warm tier
@@ -412,7 +414,7 @@ def load(name: str = "gov", overrides: dict[str, Any] | None = None,
 
 #: keys only agent processes use (the hot and RAM tiers): a mount refuses them as overrides
 AGENT_KEYS = frozenset({
-    "max_kv_len", "device_watermark", "sink_tokens", "auto_recall", "recall_rounds", "rope_rerotate",
+    "max_kv_len", "device_watermark", "sink_tokens", "auto_recall", "recall_rounds", "rope_rerotate", "rope_reach",
     "keep_summary_rounds", "warm_shards", "shard_key", "warm_migrate_at", "lru_group",
     "warm_cap_bytes", "warm_root", "summary_dim", "writebehind", "writebehind_s",
     "writebehind_bytes",

@@ -109,9 +109,12 @@ class TieredCache(Cache):
                  auto_recall: bool = DEFAULT_AUTO_RECALL, recall_rounds: int = DEFAULT_RECALL_ROUNDS,
                  spiller: Spiller | None = None, router: Any = None,
                  summary_dim: int = 128, dtype: torch.dtype | None = None,
-                 rope_rerotate: bool | str = DEFAULT_ROPE_REROTATE) -> None:
+                 rope_rerotate: bool | str = DEFAULT_ROPE_REROTATE,
+                 rope_reach: int | None = None) -> None:
         if max_kv_len is not None and max_kv_len < 1:
             raise ValueError(f"max_kv_len must be >= 1 or None, got {max_kv_len}")
+        if rope_reach is not None and rope_reach < 1:
+            raise ValueError(f"rope_reach must be >= 1 or None, got {rope_reach}")
         if sink_tokens < 0 or recall_rounds < 0:
             raise ValueError(f"sink_tokens and recall_rounds must be >= 0, got {sink_tokens}, "
                              f"{recall_rounds}")
@@ -125,8 +128,8 @@ class TieredCache(Cache):
         self.window_slack = window_slack(max_kv_len, self.sink_tokens)  # buffer room, tokens
         # sinks re-rotated toward the window (no window: every position is attended anyway)
         mode = {False: None, "off": None, True: "window"}.get(rope_rerotate, rope_rerotate)
-        if mode not in (None, "window", "trained"):
-            raise ValueError(f"rope_rerotate must be off, window or trained, got {rope_rerotate!r}")
+        if mode not in (None, "window", "reach"):
+            raise ValueError(f"rope_rerotate must be off, window or reach, got {rope_rerotate!r}")
         self.rope_mode: str | None = mode if max_kv_len is not None else None
         self.rope: RopeShift | None = RopeShift.of(model_or_config) if self.rope_mode else None
         self.rope_quantum = max(1, self.window_slack)
@@ -134,9 +137,11 @@ class TieredCache(Cache):
         self.recall_rounds = int(recall_rounds)
         self.config = getattr(model_or_config, "config", model_or_config)
         self.max_positions: int | None = getattr(self.config, "max_position_embeddings", None)
-        # trained: the farthest the sinks may be from a query (a quantum of margin)
-        self.rope_reach = (self.max_positions - 1 - self.rope_quantum
-                           if self.max_positions and self.rope_mode == "trained" else None)
+        # reach: the farthest the sinks may be from a query (within what the model was
+        # trained on, a quantum of margin)
+        reach = [r for r in (rope_reach, self.max_positions and self.max_positions - 1 - self.rope_quantum)
+                 if r]
+        self.rope_reach: int | None = min(reach) if reach and self.rope_mode == "reach" else None
         self._warned_positions = False
         self._auto_query: torch.Tensor | None = None
         self.sinks_moved = False  # the budget took the sinks too (read back before a step)
@@ -503,7 +508,7 @@ class TieredCache(Cache):
         (a function of the window alone: resumed and forked sessions rotate alike).
 
         ``window``: just before the window, ``window_start - sinks`` rounded down to a
-        multiple of ``rope_quantum``. ``trained``: not at all while the sinks are within
+        multiple of ``rope_quantum``. ``reach``: not at all while the sinks are within
         ``rope_reach`` positions of the query, then only as far as keeps them there (rounded
         up), never past the window."""
         qn, room = self.rope_quantum, window_start - sinks

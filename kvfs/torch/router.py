@@ -86,7 +86,8 @@ def mount_profile(info: dict[str, Any] | None) -> Any:
 def hot_settings(prof: Any) -> dict[str, Any]:
     """The hot-tier values of a profile."""
     return {"sink_tokens": prof.sink_tokens, "auto_recall": prof.auto_recall,
-            "recall_rounds": prof.recall_rounds, "rope_rerotate": prof.rope_rerotate}
+            "recall_rounds": prof.recall_rounds, "rope_rerotate": prof.rope_rerotate,
+            "rope_reach": prof.rope_reach}
 
 
 class KVRouter:
@@ -95,7 +96,7 @@ class KVRouter:
     ``KVRouter(mount="/mnt/kv", device="cpu", max_kv_len=24, device_budget_bytes=None,
     profile="gov")``. Values not given come from the profile (:mod:`kvfs.ops.profiles`:
     ``max_kv_len``, ``device_watermark``, ``summary_dim``, ``sink_tokens``, ``auto_recall``,
-    ``recall_rounds``, ``rope_rerotate``, the warm tier's keys); explicit arguments win. ``warm=`` injects a ready warm tier (tests, benchmarks); otherwise one
+    ``recall_rounds``, ``rope_rerotate``, ``rope_reach``, the warm tier's keys); explicit arguments win. ``warm=`` injects a ready warm tier (tests, benchmarks); otherwise one
     ``WarmTier(cold_root=mount, root=warm_root or profile.warm_root, ...)`` is built and owned.
     """
 
@@ -106,6 +107,7 @@ class KVRouter:
                  warm_options: dict[str, Any] | None = None, summary_dim: int | None = None,
                  sink_tokens: int | None = None, auto_recall: bool | None = None,
                  recall_rounds: int | None = None, rope_rerotate: bool | str | None = None,
+                 rope_reach: int | None = None,
                  max_pending_bytes: int = 64 << 20) -> None:
         info = mount_info(mount)
         # the mount's profile unless told otherwise: one set of settings for all tiers
@@ -117,6 +119,7 @@ class KVRouter:
         self.auto_recall = hot["auto_recall"] if auto_recall is None else bool(auto_recall)
         self.recall_rounds = hot["recall_rounds"] if recall_rounds is None else int(recall_rounds)
         self.rope_rerotate = hot["rope_rerotate"] if rope_rerotate is None else rope_rerotate
+        self.rope_reach = hot["rope_reach"] if rope_reach is None else int(rope_reach)
         # from the profile: "where the model allows"; asked for explicitly: refused otherwise
         self._rope_required = rope_rerotate is not None
         self._rope_refused: set[str] = set()  # fingerprints already warned about
@@ -221,7 +224,7 @@ class KVRouter:
                            sink_tokens=self.sink_tokens, auto_recall=self.auto_recall,
                            recall_rounds=self.recall_rounds, spiller=self.spiller, router=self,
                            summary_dim=self.summary_dim, dtype=geometry(model).dtype,
-                           rope_rerotate=self._rerotates(model))
+                           rope_rerotate=self._rerotates(model), rope_reach=self.rope_reach)
 
     def _rerotates(self, model: Any) -> bool | str:
         """How this model's caches re-rotate their sinks: the profile's ``rope_rerotate``
