@@ -52,7 +52,8 @@ def test_agent_day_profile(day: tuple[dict, Path, str], profile: str) -> None:
     assert c["errors"] == 0, log
     assert r["mismatches"] == 0, log
     assert c["check_window"] >= c["interactions"]
-    assert c["check_stored"] > 0 and c["returns"] > 0
+    # a return needs a session retired during the day; a starved machine may retire none
+    assert c["check_stored"] > 0 and (c["returns"] > 0 or c["retired"] == 0)
     if profile != "iot":
         assert c["check_recall"] > 0
     assert c["check_resume_gen"] > 0 and c["bad_resume_gen"] == 0, log

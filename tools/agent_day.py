@@ -175,7 +175,7 @@ class Day:
         self.device_serial: dict[int, int] = {}
         self.c: dict[str, float] = dict.fromkeys((
             "interactions", "steps", "hits", "misses", "miss_recall", "miss_resume", "miss_refill",
-            "recalls", "recall_topic_ok", "recall_topic_checks", "returns", "sessions",
+            "recalls", "recall_topic_ok", "recall_topic_checks", "returns", "retired", "sessions",
             "oom", "errors", "check_recall", "check_window", "check_stored", "check_resume_gen",
             "bad_recall", "bad_window", "bad_stored", "bad_resume_gen", "restarts", "restart_ms",
             "alerts_in_drill", "alerts_outside"), 0)
@@ -262,7 +262,9 @@ class Day:
     def _visit(self) -> Sess:
         torch = self.torch
         w, rng = self.w, self.rng
-        if self.pool and rng.random() < w.return_p:  # half the time the oldest: on the mount by now
+        # the first return as soon as one is possible (a short day may offer few), then
+        # return_p of the visits; half the time the oldest: on the mount by now
+        if self.pool and (not self.c["returns"] or rng.random() < w.return_p):
             s = self.pool.popleft() if rng.random() < 0.5 else self.pool[rng.randrange(len(self.pool))]
             if s in self.pool:
                 self.pool.remove(s)
@@ -368,6 +370,7 @@ class Day:
         self.c["miss_resume"] += min(dm, int(resumed))
         self.c["miss_recall"] += min(dm - min(dm, c.refills - r0) - int(resumed), int(plan is not None))
         if s.left <= 0:
+            self.c["retired"] += 1  # during the day (closing time retires the rest)
             self._retire(s)
 
     def _drop(self, s: Sess) -> None:
