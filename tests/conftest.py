@@ -77,3 +77,15 @@ def shared_mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mount]:
     if m.proc is not None:
         rc = m.stop()
         assert rc == 0, m.log_text()
+
+
+@pytest.fixture
+def warm(tmp_path: Path) -> Iterator:
+    """A RAM tier over a directory laid out like a mounted volume (the hot-tier tests)."""
+    from kvfs.warm import WarmTier
+
+    cold = tmp_path / "cold"
+    (cold / "sessions").mkdir(parents=True, exist_ok=True)
+    w = WarmTier(cold_root=str(cold), root=str(tmp_path / "warm"), shards=16)
+    yield w
+    w.close()

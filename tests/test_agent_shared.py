@@ -25,7 +25,7 @@ pytest.importorskip("transformers")
 from kvfs.shared.testing import HAVE_REDIS, Cluster
 from kvfs.testing import Mount
 from kvfs.torch import KVRouter, TieredCache
-from kvfs.torch.testing import generate_turns, prompt, tiny_llama
+from kvfs.torch.testing import generate_turns, profile_rope, prompt, tiny_llama
 from kvfs.warm import WarmError
 
 WINDOW, NEW, SEED = 8, 5, 11
@@ -92,7 +92,7 @@ def test_session_resumes_on_another_node_after_a_is_killed(node: Callable[..., M
     before = [prompt(50 + i, 6) for i in range(3)]
     after = [prompt(60 + i, 5) for i in range(3)]
     model = tiny_llama(seed=SEED)
-    ref = generate_turns(model, TieredCache(model, max_kv_len=WINDOW, rope_rerotate=True),  # the profile default
+    ref = generate_turns(model, TieredCache(model, max_kv_len=WINDOW, **profile_rope()),  # the profile's setting
                          before + after, NEW)
 
     args = {"mount": str(a.root), "warm": str(tmp_path / "warm-a"), "window": WINDOW,

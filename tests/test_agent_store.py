@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 
 from kvfs.testing import Mount
 from kvfs.torch import KVRouter, TieredCache
-from kvfs.torch.testing import generate_turns, prompt, tiny_llama
+from kvfs.torch.testing import generate_turns, profile_rope, prompt, tiny_llama
 from kvfs.warm import WarmError
 
 WINDOW, NEW = 8, 5
@@ -94,7 +94,7 @@ def test_flush_kill_wipe_remount_resume_is_exact(make_mount, tmp_path: Path) -> 
     r = router(m, warm)
     for sid, seed, dt in specs:
         model = tiny_llama(seed=seed, dtype=getattr(torch, dt))
-        ref = generate_turns(model, TieredCache(model, max_kv_len=WINDOW, rope_rerotate=True),  # the profile default
+        ref = generate_turns(model, TieredCache(model, max_kv_len=WINDOW, **profile_rope()),  # the profile's setting
                          before + after, NEW)
         c = r.resume(sid, model)
         assert c.seen == sum(t.shape[1] for t in before) + NEW * len(before) - 1

@@ -25,24 +25,9 @@ from kvfs.torch.testing import WindowReference, generate_turns, prompt, tiny_lla
 REPO = Path(__file__).resolve().parents[1]
 
 
-def make_warm(tmp_path: Path, name: str = "warm"):
-    from kvfs.warm import WarmTier
-
-    cold = tmp_path / "cold"
-    (cold / "sessions").mkdir(parents=True, exist_ok=True)  # the layout of a mounted volume
-    return WarmTier(cold_root=str(cold), root=str(tmp_path / name), shards=16)
-
-
 @pytest.fixture(scope="module")
 def model():
     return tiny_llama(seed=0)
-
-
-@pytest.fixture
-def warm(tmp_path):
-    w = make_warm(tmp_path)
-    yield w
-    w.close()
 
 
 def turns(n: int, length: int = 5, seed: int = 100) -> list:

@@ -28,24 +28,9 @@ from kvfs.torch.testing import (
 )
 
 
-def make_warm(tmp_path):
-    from kvfs.warm import WarmTier
-
-    cold = tmp_path / "cold"
-    (cold / "sessions").mkdir(parents=True, exist_ok=True)
-    return WarmTier(cold_root=str(cold), root=str(tmp_path / "warm"), shards=16)
-
-
 @pytest.fixture(scope="module")
 def model():
     return tiny_llama(seed=0)
-
-
-@pytest.fixture
-def warm(tmp_path):
-    w = make_warm(tmp_path)
-    yield w
-    w.close()
 
 
 def turns(n: int, length: int, seed: int) -> list:
@@ -221,7 +206,8 @@ def test_profile_re_rotates_where_the_model_allows_and_says_where_not(tmp_path, 
               warm_options={"shards": 16})
     neox = GPTNeoXForCausalLM(_gpt_neox_config()).eval()
     r = KVRouter(**kw)
-    assert r.rope_rerotate and r.cache("llama", model).rope is not None
+    c = r.cache("llama", model)  # the profile's mode reaches the cache, not a bool
+    assert (c.rope_mode, c.rope_reach) == ("reach", min(2048, 4096 - 1 - c.rope_quantum))
     caplog.set_level(logging.WARNING, logger="kvfs.torch.router")
     for sid in ("neox1", "neox2"):
         c = r.cache(sid, neox)

@@ -21,7 +21,7 @@ pytest.importorskip("kvfs.warm")
 from transformers import DynamicCache
 
 from kvfs.torch import KVCorrupt, KVMismatch, KVRouter, TieredCache
-from kvfs.torch.testing import WindowReference, generate_turns, prompt, tiny_llama
+from kvfs.torch.testing import WindowReference, generate_turns, profile_rope, prompt, tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
 WARM_OPTS = {"shards": 16}
@@ -195,7 +195,7 @@ def test_resume_in_a_new_process_continues_identically(tmp_path):
                          "conv": conversation(before, outs)[0].tolist(),
                          "turns": [t[0].tolist() for t in after]})
         # the run that never stopped: same turns, one process, one cache
-        ref = generate_turns(m, TieredCache(m, max_kv_len=window, rope_rerotate=True), before + after, new)
+        ref = generate_turns(m, TieredCache(m, max_kv_len=window, **profile_rope()), before + after, new)
         expected[sid] = [t[0].tolist() for t in ref[len(before):]]
         assert all(torch.equal(x, y) for x, y in zip(ref[: len(before)], outs, strict=True))
     r.flush()

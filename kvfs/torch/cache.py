@@ -133,6 +133,7 @@ class TieredCache(Cache):
         self.rope_mode: str | None = mode if max_kv_len is not None else None
         self.rope: RopeShift | None = RopeShift.of(model_or_config) if self.rope_mode else None
         self.rope_quantum = max(1, self.window_slack)
+        self.step_sink_shift = 0  # the sinks' shift for the step being run
         self.auto_recall = bool(auto_recall)
         self.recall_rounds = int(recall_rounds)
         self.config = getattr(model_or_config, "config", model_or_config)
@@ -298,6 +299,10 @@ class TieredCache(Cache):
 
     def _step_begin(self, q: int) -> None:
         self.steps += 1
+        if self.rope is not None:  # one shift for every layer of this step (same window)
+            lay = self.layers[0]
+            p = lay.pinned
+            self.step_sink_shift = self.sink_shift_for(lay.window_start, p) if p else 0
         self.step_slack = self.room_for(q) if self.router is not None else self.window_slack
         mp = self.max_positions
         if mp and not self._warned_positions and self.seen + q > mp:

@@ -215,8 +215,8 @@ class TieredLayer(DynamicLayer):
         q = key_states.shape[-2]
         if self.idx == 0:
             c._step_begin(q)
-        if c.rope is not None:
-            self._align_sinks(c)
+        if c.rope is not None and c.step_sink_shift != self._rot:
+            self._align_sinks(c, c.step_sink_shift)
         v = self._views
         if (v is not None and q == 1 and self._gap == v.gap and self._n == v.between
                 and self._a + v.gap - v.start < v.count and c.max_kv_len == v.w
@@ -286,15 +286,11 @@ class TieredLayer(DynamicLayer):
                     self._views = _DecodeViews(kb, vb, a + 1, n, p, w)
         return self._finish(c, key_states, full_k, full_v, p, seen)
 
-    def _align_sinks(self, c: TieredCache) -> None:
-        """Rotate the stored sinks' keys by the cache's ``sink_shift_for`` this window
-        (``rope_rerotate``): it changes once per ``rope_quantum`` steps at most and depends
-        only on the window (a resumed or forked session rotates exactly as the original)."""
+    def _align_sinks(self, c: TieredCache, t: int) -> None:
+        """Rotate the stored sinks' keys by ``t`` positions, the cache's shift for this
+        step (``rope_rerotate``, :meth:`TieredCache.sink_shift_for`)."""
         p = self.pinned
         if not p or self._kb is None:
-            return
-        t = c.sink_shift_for(self.window_start, p)
-        if t == self._rot:
             return
         if self._sk0 is None:  # the stored sinks are still the model's own keys
             self._sk0 = self._kb.narrow(-2, self._a, p).clone()

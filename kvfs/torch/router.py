@@ -122,7 +122,7 @@ class KVRouter:
         self.rope_reach = hot["rope_reach"] if rope_reach is None else int(rope_reach)
         # from the profile: "where the model allows"; asked for explicitly: refused otherwise
         self._rope_required = rope_rerotate is not None
-        self._rope_refused: set[str] = set()  # fingerprints already warned about
+        self._rope_ok: dict[str, bool] = {}  # model fingerprint -> its rotation is reproducible
         self.mount = mount
         self.device = torch.device(device)
         self.max_kv_len = self.profile.max_kv_len if max_kv_len is _UNSET else max_kv_len
@@ -231,15 +231,15 @@ class KVRouter:
         applies where the model's rotation can be reproduced (one warning per model)."""
         if self.rope_rerotate in (False, "off") or self._rope_required:
             return self.rope_rerotate
-        try:
-            RopeShift.of(model)
-        except KVUnsupported as e:
-            fp = fingerprint(model)
-            if fp not in self._rope_refused:
-                self._rope_refused.add(fp)
+        fp = fingerprint(model)
+        if fp not in self._rope_ok:  # checked once per model
+            try:
+                RopeShift.of(model)
+                self._rope_ok[fp] = True
+            except KVUnsupported as e:
+                self._rope_ok[fp] = False
                 log.warning("%s; this model's sessions keep the sinks at their own positions", e)
-            return False
-        return True
+        return self.rope_rerotate if self._rope_ok[fp] else False
 
     def _register(self, c: TieredCache) -> None:
         self._sessions[c.session_id] = c

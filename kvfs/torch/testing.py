@@ -81,6 +81,15 @@ def load_smollm2(dtype: torch.dtype = torch.float32):
     return model, tok
 
 
+def profile_rope(name: str = "gov") -> dict:
+    """The ``rope_rerotate``/``rope_reach`` arguments a router gives caches under profile
+    ``name`` (a reference cache built like the router's)."""
+    from kvfs.ops import profiles
+
+    prof = profiles.load(name)
+    return {"rope_rerotate": prof.rope_rerotate, "rope_reach": prof.rope_reach}
+
+
 def prompt(seed: int, n: int, vocab: int = 256) -> torch.Tensor:
     """``[1, n]`` random token ids."""
     g = torch.Generator().manual_seed(seed)
