@@ -7,7 +7,8 @@ that imports torch and transformers; ``import kvfs`` never imports it.
   ``sink_tokens`` tokens (attention sinks) and the last ``max_kv_len`` tokens per layer on
   the device (one :class:`TieredLayer` per layer, ``layer.py``); what falls out goes to the
   warm tier on a background thread (``spill.py``); rounds, recall (explicit and automatic),
-  refill after budget moves, resume, forks.
+  refill after budget moves, resume, forks; its recall and re-rotation methods live in
+  ``cache_recall.py``.
 * :class:`KVRouter` (``router.py``): session id -> cache, device budget and watermark,
   metrics, flush/close, resume after a restart, ``fork``.
 * ``fingerprint.py``: model fingerprint (config + weights digest), refusal of attention the
