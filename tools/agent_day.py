@@ -464,7 +464,7 @@ class Day:
                  and s.cache.stored == min(s.cache.seen, W)][:RESUME_CHECKS]
         for s in picks:
             ref = TieredCache(self.model, max_kv_len=W, sink_tokens=s.cache.sink_tokens,
-                              rope_rerotate=s.cache.rope is not None)
+                              rope_rerotate=s.cache.rope_mode or False, rope_reach=s.cache.rope_reach)
             for lay, src in zip(ref.layers, s.cache.layers, strict=True):
                 src.copy_to(lay)
             s.forced = self._question(s)
