@@ -98,6 +98,65 @@ def test_sync_with_nothing_written_costs_no_fsync(tmp_path):
     s.close()
 
 
+def test_a_write_that_lands_during_an_fsync_is_synced_by_the_next_sync(tmp_path, monkeypatch):
+    """Store.sync fsyncs outside the store's lock, so an append may complete while an fsync
+    runs; that fsync need not cover it, and the next sync must not be skipped."""
+    s = Store.create(str(tmp_path / "v.kvvol"), 8 * MB)
+    vol = s.vol
+    s.create_session("s")
+    s.create_file("s", "a")
+    s.append("s", "a", 0, b"x" * 1000)
+    real, fsyncs = os.fsync, []
+
+    def fsync_with_a_write_landing(fd: int) -> None:
+        fsyncs.append(fd)
+        if len(fsyncs) == 1:  # another thread's append completes while this fsync runs
+            s.append("s", "a", 1000, b"y" * 1000)
+            s.flush()
+        real(fd)
+
+    monkeypatch.setattr("kvfs.engine.volume.os.fsync", fsync_with_a_write_landing)
+    s.sync()
+    assert len(fsyncs) == 1 and vol.dirty  # the append that landed meanwhile is not covered
+    s.sync()
+    assert len(fsyncs) == 2 and not vol.dirty
+    s.sync()
+    assert len(fsyncs) == 2  # nothing new: no fsync
+    s.close()
+
+
+def test_concurrent_syncs_wait_for_the_fsync_in_flight(tmp_path, monkeypatch):
+    """A second sync arriving while an fsync runs returns only after it, and costs no
+    fsync of its own when nothing was written since that fsync began."""
+    s = Store.create(str(tmp_path / "v.kvvol"), 8 * MB)
+    s.create_session("s")
+    s.create_file("s", "a")
+    s.append("s", "a", 0, b"x" * 1000)
+    real, fsyncs = os.fsync, []
+    started, release = threading.Event(), threading.Event()
+
+    def slow_fsync(fd: int) -> None:
+        fsyncs.append(fd)
+        started.set()
+        release.wait(10)
+        real(fd)
+
+    monkeypatch.setattr("kvfs.engine.volume.os.fsync", slow_fsync)
+    first = threading.Thread(target=s.sync)
+    first.start()
+    assert started.wait(10)
+    done = []
+    second = threading.Thread(target=lambda: (s.sync(), done.append(1)))
+    second.start()
+    time.sleep(0.2)
+    assert not done  # not before the fsync in flight made the append durable
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert done == [1] and len(fsyncs) == 1
+    s.close()
+
+
 def test_readers_run_beside_an_appender_and_reclaim(tmp_path):
     """Readers on several threads, one appender that keeps the ring wrapping (live data is
     copied forward from under the readers): every byte right, no exception, no fsck mark."""

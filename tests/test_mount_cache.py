@@ -133,3 +133,26 @@ def test_fsync_flushes_the_device_once_per_batch(kvfs: Mount) -> None:
         for fd in fds:
             os.close(fd)
     assert (d / "l3").read_bytes().endswith(b"more")
+
+
+def test_one_fsync_flushes_every_files_buffer(kvfs: Mount) -> None:
+    """Files written and still open (their bytes buffered in the mount), then fsync'd one
+    by one (the warm tier's migration): the first fsync stores every buffer and flushes
+    the device once; the others find nothing to do."""
+    d = kvfs.sessions / "g"
+    d.mkdir()
+    data = [os.urandom(300 << 10) for _ in range(6)]
+    fds = [os.open(d / f"layer_{i}", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) for i in range(6)]
+    try:
+        for fd, b in zip(fds, data, strict=True):
+            assert os.write(fd, b) == len(b)
+        before = fs_stats(kvfs)["device_syncs"]
+        for fd in fds:
+            os.fsync(fd)
+        assert fs_stats(kvfs)["device_syncs"] == before + 1
+    finally:
+        for fd in fds:
+            os.close(fd)
+    kvfs.remount()
+    for i, b in enumerate(data):
+        assert (d / f"layer_{i}").read_bytes() == b

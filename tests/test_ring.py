@@ -58,6 +58,12 @@ class MemVolume:
     def sync(self) -> None:
         self.dirty = False
 
+    def sync_written(self) -> bool:
+        if not self.dirty:
+            return False
+        self.sync()
+        return True
+
 
 TAB = BLOCK_ENTRY.size  # one block's table entry
 

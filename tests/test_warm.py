@@ -247,6 +247,45 @@ def test_lru_order_and_group_migration_at_threshold(dirs, append_only):
     w.close()
 
 
+def test_group_migration_fsyncs_only_after_every_session_is_written(dirs, append_only, monkeypatch):
+    """On the mount an fsync that runs while other files are still being written finds new
+    bytes each time (a device flush each): the group's fsyncs wait until all is written,
+    and layer files are fsync'd on the descriptor that wrote them."""
+    cold, root = dirs
+    events: list[str] = []
+    real_append, real_close = ColdStore.append, ColdStore.fsync_close
+    real_file, real_dir = ColdStore.fsync_file, ColdStore.sync_dir
+
+    def append(self, sid, name, *a, **kw):
+        events.append(f"write {sid}/{name}")
+        return real_append(self, sid, name, *a, **kw)
+
+    def fsync_close(self, sid, name, fd):
+        events.append(f"fsync {sid}/{name} fd")
+        return real_close(self, sid, name, fd)
+
+    def fsync_file(self, sid, name):
+        events.append(f"fsync {sid}/{name}")
+        return real_file(self, sid, name)
+
+    def sync_dir(self, sid):
+        events.append(f"fsync {sid}/")
+        return real_dir(self, sid)
+
+    for name, fn in (("append", append), ("fsync_close", fsync_close),
+                     ("fsync_file", fsync_file), ("sync_dir", sync_dir)):
+        monkeypatch.setattr(ColdStore, name, fn)
+    with WarmTier(cold, root, shards=4, writebehind=False) as w:
+        refs = {f"s{i}": fill(w, f"s{i}", i, layers=3) for i in range(3)}
+        assert sorted(w.migrate(3)) == ["s0", "s1", "s2"]
+        writes = [i for i, e in enumerate(events) if e.startswith("write")]
+        fsyncs = [i for i, e in enumerate(events) if e.startswith("fsync")]
+        assert len(writes) >= 9 and fsyncs and max(writes) < min(fsyncs), events
+        assert sum(e.endswith("fd") for e in events) == 9  # every layer file, on its own fd
+        for sid, ref in refs.items():
+            check(w, sid, ref)
+
+
 def test_bytes_identical_warm_cold_warm(dirs, append_only):
     cold, root = dirs
     with WarmTier(cold, root, shards=4) as w:

@@ -185,8 +185,7 @@ class Ring:
     def sync(self) -> None:
         """Flush and fsync; no fsync when nothing was written since the last one."""
         self.flush()
-        if self.vol.dirty:
-            self.vol.sync()
+        self.vol.sync_written()
 
     # ------------------------------------------------------------------- read
     def on_disk(self, pos: int) -> bool:

@@ -358,13 +358,13 @@ class Store(ReadPath):
     def flush(self) -> None:
         self.ring.flush()
 
-    def sync(self) -> None:
+    def sync(self) -> bool:
         """Flush, then fsync (readers keep running); nothing to do when nothing was
-        written since the last sync, so syncing N files after one batch is one flush."""
+        written since the last sync, so syncing N files after one batch is one flush.
+        Returns whether the device was flushed."""
         with self._lock:
             self.ring.flush()
-        if self.vol.dirty:
-            self.vol.sync()
+        return self.vol.sync_written()
 
     def checkpoint(self, clean: bool = False) -> None:
         """Persist the index (dirty sessions, purges, bitmap) and a superblock pointing at it."""

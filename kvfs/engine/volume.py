@@ -14,6 +14,7 @@ import fcntl
 import logging
 import os
 import stat
+import threading
 import time
 
 from .errors import BadSuperblock, FormatError, VolumeBusy
@@ -50,7 +51,12 @@ class VolumeFile:
     def __init__(self, path: str, fd: int, size: int, readonly: bool) -> None:
         self.path, self.fd, self.size, self.readonly = path, fd, size, readonly
         self.fadvise = True
-        self.dirty = False  # written since the last fsync: a sync with nothing to do skips it
+        # writes completed, and how many of them the last finished fsync covers: a sync
+        # with nothing new to cover skips the fsync (``sync_written``)
+        self._writes = 0
+        self._synced = 0
+        self._count_lock = threading.Lock()
+        self._sync_lock = threading.Lock()
 
     # ----------------------------------------------------------- open / create
     @classmethod
@@ -155,16 +161,31 @@ class VolumeFile:
             raise OSError(errno.EIO, f"short read at {off}: {len(out)} of {n}")
         return out
 
+    def _wrote(self) -> None:
+        # counted once the write returned (or failed part way): an fsync that began before
+        # it must not be taken as covering it
+        with self._count_lock:
+            self._writes += 1
+
+    @property
+    def dirty(self) -> bool:
+        """Written since the last fsync began."""
+        return self._writes != self._synced
+
     def pwrite(self, data: bytes | memoryview, off: int) -> None:
-        self.dirty = True
-        pwrite_all(self.fd, data, off)
+        try:
+            pwrite_all(self.fd, data, off)
+        finally:
+            self._wrote()
 
     def pwritev(self, bufs: list[bytes | memoryview], off: int) -> None:
-        self.dirty = True
-        total = sum(len(b) for b in bufs)
-        n = os.pwritev(self.fd, bufs, off)
-        if n != total:  # a short gathered write: finish the rest plainly
-            pwrite_all(self.fd, b"".join(bytes(b) for b in bufs)[n:], off + n)
+        try:
+            total = sum(len(b) for b in bufs)
+            n = os.pwritev(self.fd, bufs, off)
+            if n != total:  # a short gathered write: finish the rest plainly
+                pwrite_all(self.fd, b"".join(bytes(b) for b in bufs)[n:], off + n)
+        finally:
+            self._wrote()
 
     def dontneed(self, off: int, n: int) -> None:
         if self.fadvise:
@@ -174,8 +195,22 @@ class VolumeFile:
         os.posix_fadvise(self.fd, off, n, os.POSIX_FADV_WILLNEED)
 
     def sync(self) -> None:
+        """fsync: every write completed before this call is durable when it returns."""
+        upto = self._writes
         os.fsync(self.fd)
-        self.dirty = False
+        with self._count_lock:
+            self._synced = max(self._synced, upto)
+
+    def sync_written(self) -> bool:
+        """``sync`` unless every completed write is durable already; returns whether it
+        synced. Concurrent callers take turns: one that arrives while an fsync runs waits
+        for it, then syncs only if a write completed after that fsync began (a write that
+        lands during an fsync is not covered by it)."""
+        with self._sync_lock:
+            if not self.dirty:
+                return False
+            self.sync()
+            return True
 
 
 def now_ns() -> int:

@@ -4,7 +4,8 @@ Owns every byte the mount has acknowledged but the engine does not hold yet, and
 bounds on them:
 
 - per file: a buffer becomes one ``Store.append`` (ring entries of at most ``entry_max``)
-  when it reaches ``flush_at``, and on flush, fsync and close;
+  when it reaches ``flush_at``, and on flush, fsync and close; an fsync flushes every
+  file's buffer before the device flush (``flush_for_sync``);
 - per mount: the unflushed bytes of all files stay under ``max_pending`` (memory) and under
   the ring space the engine is known to have free (``headroom``), so a write that cannot
   be stored fails at write() with ENOSPC, not later at close. Past either bound the other
@@ -212,11 +213,36 @@ class WriteBuffers:
             async with p.lock:
                 await self._flush_locked(p)
 
-    async def _flush_locked(self, p: Pending) -> None:
+    async def flush_for_sync(self, node: Node, sync: Callable[[], bool]) -> bool:
+        """Before a device flush: every other file's buffer, then this file's, whose append
+        and the device flush ``sync`` (a worker-side call) run as one worker job. So the
+        one flush makes the other files durable too and their own fsyncs, when they come,
+        find nothing left to flush (N files written, then fsync'd one by one, cost one
+        device flush, not N). Returns whether ``sync`` ran (this file had bytes buffered).
+        Another file's failure leaves its bytes buffered for its own flush or fsync to
+        report; this file's rises."""
+        for q in list(self._by_ino.values()):
+            if q.node is node or not q.buf or q.node.unlinked:
+                continue
+            try:
+                async with q.lock:
+                    await self._flush_locked(q)
+            except (errors.KVFSError, Stale) as e:
+                log.debug("flush of %s before a device flush: %r", shown(q.node.key), e)
+        p = self._by_ino.get(node.ino)
+        if p is None or not p.buf:
+            return False
+        async with p.lock:
+            if not p.buf:  # flushed while this waited for the lock
+                return False
+            await self._flush_locked(p, then=sync)
+            return True
+
+    async def _flush_locked(self, p: Pending, then: Callable[[], Any] | None = None) -> None:
         if not p.buf:
             return
         data = bytes(p.buf)
-        done, err, headroom = await self.call(self._append_pieces, p.node, p.base, data)
+        done, err, headroom = await self.call(self._append_pieces, p.node, p.base, data, then)
         del p.buf[:done]  # what was stored leaves the buffer; the rest stays for a retry
         p.base += done
         if done and self.shared is not None:  # stored: now it may be replicated
@@ -226,14 +252,17 @@ class WriteBuffers:
             self._full_until = trio.current_time() + FULL_RETRY_S
         if err is not None:
             if not isinstance(err, Stale):
-                log.error("append of %d bytes to %s at %d failed after %d, rest kept "
-                          "buffered: %r", len(data), shown(p.node.key), p.base - done, done, err)
+                log.error("storing %d bytes of %s at %d failed after %d (the rest, if any, "
+                          "kept buffered): %r", len(data), shown(p.node.key), p.base - done,
+                          done, err)
             raise err
 
-    def _append_pieces(self, node: Node, base: int,
-                       data: bytes) -> tuple[int, BaseException | None, int | None]:
+    def _append_pieces(self, node: Node, base: int, data: bytes,
+                       then: Callable[[], Any] | None = None
+                       ) -> tuple[int, BaseException | None, int | None]:
         """(bytes stored, error, headroom after) of appending ``data`` as entries of at most
-        ``entry_max`` bytes; stops at the first failure (on the worker thread)."""
+        ``entry_max`` bytes; stops at the first failure (on the worker thread). ``then``
+        runs after a complete append (its error is reported as the error)."""
         mv = memoryview(data)
         done = 0
         err: BaseException | None = None
@@ -243,6 +272,8 @@ class WriteBuffers:
                 on_live(node, self.store.append, *node.key, base + done, mv[done:done + n])
                 done += n
                 self.counters.appends += 1
+            if then is not None:
+                then()
         except Exception as e:
             err = e
         try:

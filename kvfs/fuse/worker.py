@@ -71,16 +71,23 @@ class Worker:
         last flush began. Returns whether the device was flushed."""
         return await self.call(self._sync, changes=False)
 
+    def sync_after(self) -> bool:
+        """``sync`` from inside a job that just changed the volume (on a worker): that
+        change is counted here, as jobs are counted only once they return."""
+        with self._count_lock:
+            self.changes += 1
+        return self._sync()
+
     def _sync(self) -> bool:  # on a worker
         with self._count_lock:
             upto = self.changes
             if upto == self.synced:
                 return False
-        self.store.sync()
+        flushed = self.store.sync() is not False  # the store may find all durable already
         with self._count_lock:  # only once it succeeded: a failed sync is retried next time
             self.synced = max(self.synced, upto)
-            self.syncs += 1
-        return True
+            self.syncs += flushed
+        return flushed
 
     # ------------------------------------------------------------------ threads
     def _start(self) -> None:

@@ -32,7 +32,9 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 from kvfs.ops import metrics
 
@@ -68,15 +70,17 @@ def _pause(point: str) -> None:
 
 
 FSYNC_THREADS = 8
+KEEP_FDS = 256  # descriptors a group migration may hold open until its fsyncs
 
 
 class _Staged:
     """A session written to cold, waiting for its fsyncs and then its drop from RAM."""
 
-    __slots__ = ("sid", "session", "gen", "syncs", "made_dir", "error")
+    __slots__ = ("sid", "session", "gen", "jobs", "syncs", "made_dir", "error")
 
     def __init__(self, sid: str, session: WarmSession) -> None:
         self.sid, self.session, self.gen = sid, session, session.gen
+        self.jobs: list[tuple[Callable[..., None], tuple[Any, ...]]] = []  # fsyncs to run
         self.syncs: list[Future] = []
         self.made_dir = False
         self.error: BaseException | None = None
@@ -286,9 +290,10 @@ class Mover:
         pool = self._fsync_pool()
         staged: list[_Staged] = []
         errors: list[str] = []
+        kept = [0]
         for sid in victims:
             try:
-                st = self._stage(sid, pool)
+                st = self._stage(sid, kept)
             except WarmCorrupt as e:
                 self._drop_damaged(sid, e)
                 continue
@@ -297,6 +302,11 @@ class Mover:
                 continue
             if st is not None:
                 staged.append(st)
+        # fsyncs only once every session is written: an fsync that runs while others are
+        # still being written finds new bytes each time, and on the mount each such fsync
+        # is a device flush (one flush covers all the files of a volume)
+        for st in staged:
+            st.syncs = [pool.submit(fn, *args) for fn, args in st.jobs]
         for st in staged:
             for fut in st.syncs:
                 try:
@@ -334,8 +344,11 @@ class Mover:
             log.info("migrated %d session(s), %d bytes, to cold in %.1f ms", len(done), moved, ms)
         return done
 
-    def _stage(self, sid: str, pool: ThreadPoolExecutor) -> _Staged | None:
-        """Append what cold lacks of one session; queue the fsyncs. None if it is gone."""
+    def _stage(self, sid: str, kept: list[int]) -> _Staged | None:
+        """Append what cold lacks of one session; list its fsyncs. None if it is gone.
+        ``kept``: [descriptors of the group left open for their fsyncs]; a layer file keeps
+        its descriptor while fewer than ``KEEP_FDS`` are (an fsync on it needs no second
+        open and lookup), else it is fsync'd by name."""
         with self._io_lock(sid), self._locked(sid, own=False) as slot:
             f, s = self._warm(slot, sid)
             if s is None:
@@ -346,11 +359,13 @@ class Mover:
                 st.made_dir = self.cold.ensure_dir(sid)
                 if self.cold.read_incarnation(sid) is None:  # deletion wins: writeback.py
                     self.cold.write_incarnation(sid, s.inc or 1, sync=False)
-                    st.syncs.append(pool.submit(self.cold.fsync_file, sid, INCARNATION))
+                    st.jobs.append((self.cold.fsync_file, (sid, INCARNATION)))
                 s.cold = s.cold if s.cold is not None else {}
+                # the files, not the cache: a failed try may have grown them (one listing)
+                sizes = self.cold.layer_sizes(sid) or {}
                 for k, (layer, stream) in enumerate(sorted(s.layers.items())):
                     name = layer_name(layer)
-                    c = self.cold.size(sid, layer)  # the file, not the cache: a failed try may have grown it
+                    c = sizes.get(layer, 0)
                     if c < stream.base:
                         raise WarmError(f"cold {name} has {c} bytes, warm starts at {stream.base}")
                     if c > stream.end:
@@ -358,19 +373,33 @@ class Mover:
                         c = stream.end
                     if c < stream.end or layer not in s.cold:
                         pieces = f.segments(s, stream, c, stream.end, f"layer {layer}")
-                        c = self.cold.append(sid, name, c, pieces, sync=False)
-                        st.syncs.append(pool.submit(self.cold.fsync_file, sid, name))
+                        keep: list[int] | None = [] if kept[0] < KEEP_FDS else None
+                        try:
+                            c = self.cold.append(sid, name, c, pieces, sync=False, keep=keep)
+                        except BaseException:
+                            for fd in keep or ():
+                                os.close(fd)
+                            raise
+                        if keep:  # fsync'd (then closed) on the descriptor that wrote it
+                            kept[0] += 1
+                            st.jobs.append((self.cold.fsync_close, (sid, name, keep[0])))
+                        else:
+                            st.jobs.append((self.cold.fsync_file, (sid, name)))
                     s.cold[layer] = c
                     if k == 0:
                         _pause("cold_partial")
                 if self.cold.sync_summaries(sid, self._summary_bytes(f, s), sync=False):
-                    st.syncs.append(pool.submit(self.cold.fsync_file, sid, SUMMARIES))
+                    st.jobs.append((self.cold.fsync_file, (sid, SUMMARIES)))
                 meta = f.meta_bytes(s)
                 if meta is not None and self.cold.write_meta(sid, meta, sync=False):
-                    st.syncs.append(pool.submit(self.cold.fsync_file, sid, META))
-                st.syncs.append(pool.submit(self.cold.sync_dir, sid))
+                    st.jobs.append((self.cold.fsync_file, (sid, META)))
+                st.jobs.append((self.cold.sync_dir, (sid,)))
             except BaseException:
                 f.set_flags(s, s.flags & ~FLAG_MIGRATING)
+                for fn, args in st.jobs:  # descriptors kept for fsyncs that will not run
+                    if fn == self.cold.fsync_close:
+                        os.close(args[2])
+                        kept[0] -= 1
                 raise
             return st
 
