@@ -441,3 +441,28 @@ def test_hot_hits_reach_the_counter_by_the_end_of_each_round(model, warm):
     assert cache.hits > TieredCache.PUBLISH_HITS_EVERY
     assert metrics.sample(metrics.hot_hits, "_total") == before + cache.hits
     cache.close()
+
+
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.float16, 6), (torch.float32, 5)])
+def test_token_major_bytes_round_trip_exactly_at_any_alignment(dtype, head_dim):
+    """The layout copies move the widest words a head row allows; rows of odd width, K/V
+    that are views and bytes at an odd offset take the element-wide path, same bytes."""
+    from kvfs.torch.fingerprint import (
+        KVGeometry,
+        kv_from_bytes,
+        kv_to_token_major,
+        token_major_bytes,
+    )
+
+    heads, tokens = 3, 7
+    g = torch.Generator().manual_seed(head_dim)
+    k = torch.randn(1, heads, tokens + 2, head_dim, generator=g).to(dtype)[..., 1:-1, :]  # a view
+    v = torch.randn(1, heads, tokens, head_dim, generator=g).to(dtype)
+    raw = token_major_bytes(kv_to_token_major(k, v))
+    geo = KVGeometry(num_layers=1, num_kv_heads=heads, head_dim=head_dim, dtype=dtype)
+    for shift in (0, 1, 2):  # bytes at an offset of 1 or 2 from an aligned buffer
+        buf = np.zeros(raw.size + shift, np.uint8)
+        buf[shift:] = raw
+        k2, v2 = kv_from_bytes(buf[shift:], geo, tokens)
+        assert torch.equal(k2.view(torch.uint8), k.contiguous().view(torch.uint8))
+        assert torch.equal(v2.view(torch.uint8), v.view(torch.uint8))

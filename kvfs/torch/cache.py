@@ -506,8 +506,9 @@ class TieredCache(RecallMixin, Cache):
         check_meta(meta, self.fingerprint, self.geo, sid)
         tokens = meta["tokens"]
         tb = self.geo.token_bytes
+        sizes = self.warm.layer_sizes(sid)
         for layer in range(self.num_layers):
-            have = self.warm.size(sid, layer)
+            have = sizes.get(layer, 0)
             if have < tokens * tb:
                 raise KVCorrupt(
                     f"session {sid!r} layer_{layer}: {have} bytes, meta.json says {tokens} tokens x "
@@ -520,14 +521,14 @@ class TieredCache(RecallMixin, Cache):
         start = 0 if self.max_kv_len is None else max(sinks, tokens - self.max_kv_len)
         spans = [(0, tokens)] if start <= sinks else [(0, sinks), (start, tokens)]
         # straight from where the bytes are: the window goes to the device, not to RAM first
-        kv = read_spans(self.warm, sid, self.geo, spans, device, promote=False)
+        kv = read_spans(self.warm, sid, self.geo, spans, device, promote=False, checked=True)
         for lay, (k, v) in zip(self.layers, kv, strict=True):
             lay.set_window(k, v, tokens)
         self.rounds = [list(r) for r in meta["rounds"]]
         self._round_start = self.rounds[-1][1] if self.rounds else 0
         if self._round_start < tokens:  # an open round: rebuild its running key sum
             k, _ = read_tokens(self.warm, sid, self.summary_layer, self.geo, self._round_start,
-                               tokens, device, promote=False)
+                               tokens, device, promote=False, checked=True)
             self._accumulate(k, -1)
         self._miss_pending = True  # the first step runs on a window read from below
         self._check_refill = True

@@ -302,5 +302,7 @@ def kv_from_bytes(buf: np.ndarray | bytes | memoryview, geo: KVGeometry, tokens:
         t = t.pin_memory().to(dev, non_blocking=True)
     (rows,) = _as_rows(t.view(-1, geo.head_dim * geo.itemsize))
     tm = rows.view(tokens, 2, geo.num_kv_heads, -1)
-    kv = tm.permute(1, 2, 0, 3).contiguous().view(geo.dtype)  # [2, H, T, D]: K then V
+    # always a copy (a permute that is already contiguous, e.g. one token, would be a view
+    # of ``buf``, which the caller may reuse): [2, H, T, D], K then V
+    kv = tm.permute(1, 2, 0, 3).clone(memory_format=torch.contiguous_format).view(geo.dtype)
     return kv[0:1], kv[1:2]

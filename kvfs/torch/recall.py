@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -26,6 +28,18 @@ from kvfs.torch.fingerprint import KVCorrupt, KVGeometry, kv_from_bytes
 from kvfs.warm import summarize_keys as warm_summarize_keys
 
 log = logging.getLogger("kvfs.torch.recall")
+
+PIPELINE_MIN = 256 << 10  # bytes per layer from which read_spans reads layers two at a time
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _layer_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(2, thread_name_prefix="kvfs-read")
+        return _pool
 
 
 def summarize_keys(keys: np.ndarray, dim: int = 128) -> np.ndarray:
@@ -65,24 +79,43 @@ def rank_rounds(summaries: np.ndarray, query: np.ndarray, among: list[int] | Non
     return sorted(idx, key=lambda i: (-float(sims[i]), i))
 
 
+SCRATCH_MAX = 16 << 20  # reads up to this size go through a reused per-thread buffer
+_scratch = threading.local()
+
+
 def _read(warm: Any, sid: str, layer: int, a: int, b: int, promote: bool | None) -> Any:
-    if promote is None:
-        return warm.read(sid, layer, a, b)
-    return warm.read(sid, layer, a, b, promote=promote)
+    """Layer bytes [a, b): into this thread's reused buffer when the tier can fill one
+    (its pages are faulted in once, not per read: 4 MiB of fresh memory costs about a
+    millisecond of page faults), else a new array. The bytes are valid until this
+    thread's next read: the caller copies them out (``kv_from_bytes`` does)."""
+    kw = {} if promote is None else {"promote": promote}
+    n = b - a
+    if n > SCRATCH_MAX or not hasattr(warm, "read_into"):
+        return warm.read(sid, layer, a, b, **kw)
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.size < n:
+        buf = _scratch.buf = np.empty(max(n, 1 << 20), np.uint8)
+    out = buf[:n]
+    warm.read_into(sid, layer, a, b, out, **kw)
+    return out
 
 
 def read_tokens(warm: Any, sid: str, layer: int, geo: KVGeometry, start: int, end: int,
-                device: torch.device | str, promote: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                device: torch.device | str, promote: bool | None = None,
+                checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens ``[start, end)`` of (sid, layer) as K/V ``[1,H,T,D]`` on ``device`` (exact bytes).
 
-    ``promote`` is passed to the warm tier's read (None: its default policy).
+    ``promote`` is passed to the warm tier's read (None: its default policy). ``checked``:
+    the caller has checked that the layer holds ``end`` tokens (a read past its end still
+    raises :class:`KVCorrupt`, with the warm tier's words).
     """
     tb = geo.token_bytes
-    have = warm.size(sid, layer)
-    if have < end * tb:
-        raise KVCorrupt(
-            f"session {sid!r} layer_{layer}: holds {have} bytes ({have // tb} whole tokens), "
-            f"needs tokens [{start}, {end}) = {end * tb} bytes: the layer file is truncated")
+    if not checked:
+        have = warm.size(sid, layer)
+        if have < end * tb:
+            raise KVCorrupt(
+                f"session {sid!r} layer_{layer}: holds {have} bytes ({have // tb} whole tokens), "
+                f"needs tokens [{start}, {end}) = {end * tb} bytes: the layer file is truncated")
     try:
         buf = _read(warm, sid, layer, start * tb, end * tb, promote)
     except ValueError as e:
@@ -91,24 +124,30 @@ def read_tokens(warm: Any, sid: str, layer: int, geo: KVGeometry, start: int, en
 
 
 def read_spans(warm: Any, sid: str, geo: KVGeometry, spans: list[tuple[int, int]],
-               device: torch.device | str, promote: bool | None = None
+               device: torch.device | str, promote: bool | None = None, checked: bool = False
                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """For each layer, K/V of the concatenated token ``spans`` (in the order given)."""
-    out = []
-    for layer in range(geo.num_layers):
+    """For each layer, K/V of the concatenated token ``spans`` (in the order given).
+
+    From ``PIPELINE_MIN`` bytes per layer, layers are read two at a time: one layer's bytes
+    come in (a read that waits on the disk or the mount) while the previous one is laid
+    out as K and V (a copy); both release the GIL. ``checked``: see :func:`read_tokens`."""
+    def one(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         ks, vs = [], []
         for a, b in spans:
             if b > a:
-                k, v = read_tokens(warm, sid, layer, geo, a, b, device, promote)
+                k, v = read_tokens(warm, sid, layer, geo, a, b, device, promote, checked)
                 ks.append(k)
                 vs.append(v)
         if not ks:
             empty = torch.empty(1, geo.num_kv_heads, 0, geo.head_dim, dtype=geo.dtype, device=device)
-            out.append((empty, empty.clone()))
-        else:
-            out.append((torch.cat(ks, dim=-2) if len(ks) > 1 else ks[0],
-                        torch.cat(vs, dim=-2) if len(vs) > 1 else vs[0]))
-    return out
+            return empty, empty.clone()
+        return (torch.cat(ks, dim=-2) if len(ks) > 1 else ks[0],
+                torch.cat(vs, dim=-2) if len(vs) > 1 else vs[0])
+
+    per_layer = sum(max(0, b - a) for a, b in spans) * geo.token_bytes
+    if geo.num_layers > 1 and per_layer >= PIPELINE_MIN:
+        return list(_layer_pool().map(one, range(geo.num_layers)))
+    return [one(layer) for layer in range(geo.num_layers)]
 
 
 def prefetch_cold(cold_root: str | None, sid: str, layers: int, start: int, end: int) -> int:

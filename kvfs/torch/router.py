@@ -114,6 +114,9 @@ class KVRouter:
         self.profile = mount_profile(info) if profile is None else load_profile(profile)
         vol = ((info or {}).get("store") or {}).get("volume") or {}
         self.volume_id: str | None = vol.get("uuid")
+        # a kvfs mount serves layer files without the page cache (direct I/O, its default):
+        # a read-ahead hint would only make it read 128 KiB per file into unread pages
+        self._prefetch = not ((info or {}).get("fs") or {}).get("direct_io", False)
         hot = hot_settings(self.profile)
         self.sink_tokens = hot["sink_tokens"] if sink_tokens is None else int(sink_tokens)
         self.auto_recall = hot["auto_recall"] if auto_recall is None else bool(auto_recall)
@@ -213,7 +216,8 @@ class KVRouter:
             n = total if self.max_kv_len is None else min(total, self.max_kv_len + self.sink_tokens)
             self.reserve(c, n * c.geo.session_token_bytes)
             tb = c.geo.token_bytes
-            prefetch_cold(self.mount, session_id, c.num_layers, (total - n) * tb, total * tb)
+            if self._prefetch:
+                prefetch_cold(self.mount, session_id, c.num_layers, (total - n) * tb, total * tb)
         c.load(dev)
         self._register(c)
         self.after_step(c)

@@ -120,6 +120,11 @@ class ColdStore:
 
     def _open(self, sid: str, name: str, flags: int, create: bool = False) -> int:
         """A checked descriptor of a session's file (created 0600 with ``create``)."""
+        return self._open_stat(sid, name, flags, create)[0]
+
+    def _open_stat(self, sid: str, name: str, flags: int,
+                   create: bool = False) -> tuple[int, os.stat_result]:
+        """``_open`` and the descriptor's checked stat."""
         dfd = self._sdir(sid)
         try:
             fd = os.open(name, flags | _NOFOLLOW | (os.O_CREAT if create else 0), 0o600,
@@ -131,11 +136,12 @@ class ColdStore:
         finally:
             os.close(dfd)
         try:
-            self._refuse(self.path(sid, name), os.fstat(fd), False)
+            st = os.fstat(fd)
+            self._refuse(self.path(sid, name), st, False)
         except BaseException:
             os.close(fd)
             raise
-        return fd
+        return fd, st
 
     # ---- reads --------------------------------------------------------------------
     def reachable(self) -> None:
@@ -217,13 +223,22 @@ class ColdStore:
         return st.st_size
 
     @_errors
-    def read_into(self, sid: str, layer: int, off: int, out: np.ndarray) -> None:
-        """Fill ``out`` (uint8, contiguous) from layer bytes at ``off``; WarmError if short."""
+    def read_into(self, sid: str, layer: int, off: int, out: np.ndarray,
+                  missing_is_empty: bool = False) -> None:
+        """Fill ``out`` (uint8, contiguous) from layer bytes at ``off``; ValueError when
+        the file ends before, WarmError if it is missing (unless ``missing_is_empty``: then
+        it holds 0 bytes) or a read comes back short."""
         try:
-            fd = self._open(sid, layer_name(layer), os.O_RDONLY)
+            fd, st = self._open_stat(sid, layer_name(layer), os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError) as e:
+            if missing_is_empty:
+                raise ValueError(f"read [{off}, {off + len(out)}) past the end (0) of "
+                                 f"{sid}/layer_{layer}") from e
             raise WarmError(f"cold {sid}/layer_{layer} is missing") from e
         try:
+            if off + len(out) > st.st_size:
+                raise ValueError(f"read [{off}, {off + len(out)}) past the end ({st.st_size}) "
+                                 f"of {sid}/layer_{layer}")
             view = memoryview(out).cast("B")
             done = 0
             while done < len(view):

@@ -312,6 +312,15 @@ class WarmTier(Mover, WriteBehind, Lifecycle):
                 return self._span(s, layer)[1]
             return self.cold.size(sid, layer) if self.cold else 0
 
+    def layer_sizes(self, sid: str) -> dict[int, int]:
+        """{layer: size} of every layer the session has, in warm or cold (addition to the
+        contract; one listing of the cold directory instead of a lookup per layer)."""
+        with self._locked(sid) as slot:
+            _, s = self._warm(slot, sid)
+            if s is not None:
+                return {n: self._span(s, n)[1] for n in sorted(set(s.layers) | set(s.cold or ()))}
+            return dict(sorted(((self.cold.layer_sizes(sid) or {}) if self.cold else {}).items()))
+
     def layers(self, sid: str) -> list[int]:
         """Layer numbers the session has, in warm or cold (addition to the contract)."""
         with self._locked(sid) as slot:
@@ -327,9 +336,21 @@ class WarmTier(Mover, WriteBehind, Lifecycle):
         reused once the session migrates. ``promote``: None = a read of a whole layer that
         is partly or wholly on cold promotes the session first, True = always, False =
         never."""
+        if not 0 <= start <= end:
+            raise ValueError(f"bad range [{start}, {end})")
+        out = np.empty(end - start, np.uint8)
+        self.read_into(sid, layer, start, end, out, promote=promote)
+        return out
+
+    def read_into(self, sid: str, layer: int, start: int, end: int, out: np.ndarray, *,
+                  promote: bool | None = None) -> None:
+        """``read`` into the caller's ``out`` (uint8, contiguous, ``end - start`` bytes;
+        addition to the contract: a reader that reuses one buffer pays no page faults)."""
         layer = check_layer(layer)
         if not 0 <= start <= end:
             raise ValueError(f"bad range [{start}, {end})")
+        if out.dtype != np.uint8 or out.shape != (end - start,) or not out.flags.c_contiguous:
+            raise ValueError(f"out must be {end - start} contiguous uint8 bytes")
         promoted = False
         with self._locked(sid) as slot:
             f, s = self._warm(slot, sid)
@@ -339,14 +360,12 @@ class WarmTier(Mover, WriteBehind, Lifecycle):
                 if promote or whole:
                     promoted = self._promote_locked(slot, sid, soft=True)
                     f, s = self._warm(slot, sid)
-            out = np.empty(end - start, np.uint8)
             hit = self._fill(f, s, sid, layer, start, end, out)
             if s is not None:
                 self._touch(f, s)
         self._count(hit)
         if promoted:
             self._maybe_migrate(exclude={sid})
-        return out
 
     def read_layers(self, sid: str, layers: list[int] | range, start: int, end: int, *,
                     promote: bool = False) -> np.ndarray:
@@ -374,17 +393,20 @@ class WarmTier(Mover, WriteBehind, Lifecycle):
     def _fill(self, f: ShardFile | None, s: WarmSession | None, sid: str, layer: int,
               start: int, end: int, out: np.ndarray) -> bool:
         """Copy layer bytes [start, end) into ``out``; True when all came from warm."""
-        if s is not None:
-            base, size = self._span(s, layer)
-        else:  # all of it is on cold
-            base = size = self.cold.size(sid, layer) if self.cold else 0
-        if end > size:
-            raise ValueError(f"read [{start}, {end}) past the end ({size}) of {sid}/layer_{layer}")
+        if s is not None or self.cold is None or start == end:
+            if s is not None:
+                base, size = self._span(s, layer)
+            else:
+                base = size = self.cold.size(sid, layer) if self.cold else 0
+            if end > size:
+                raise ValueError(f"read [{start}, {end}) past the end ({size}) of {sid}/layer_{layer}")
+        else:  # all of it is on cold, whose read checks the end (one lookup less)
+            base = end
         split = min(max(base, start), end)  # [start, split) from cold, [split, end) from warm
         if split > start:
             if self.cold is None:
                 raise WarmError(f"{sid}/layer_{layer}: bytes below {base} are on a cold tier not configured")
-            self.cold.read_into(sid, layer, start, out[:split - start])
+            self.cold.read_into(sid, layer, start, out[:split - start], missing_is_empty=s is None)
         if end > split:
             try:
                 f.read_into(s, s.layers[layer], split, end, out[split - start:], f"layer {layer}")
