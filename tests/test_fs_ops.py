@@ -208,9 +208,10 @@ def test_handles_of_an_unlinked_file_are_stale(store) -> None:
     run(main)
 
 
-def test_read_of_buffered_tail_never_exceeds_request_across_a_flush(store) -> None:
+@pytest.mark.parametrize("inline_reads", [True, False])
+def test_read_of_buffered_tail_never_exceeds_request_across_a_flush(store, inline_reads) -> None:
     async def main() -> None:
-        ops = Operations(store)
+        ops = Operations(store, inline_reads=inline_reads)
         ino, fh = await _new_file(ops, "s", "f")
         data = bytes(range(256)) * 64  # 16 KiB
         await ops.write(fh, 0, data[:8192])

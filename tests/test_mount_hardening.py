@@ -172,8 +172,9 @@ def _block(k: int) -> bytes:
     return bytes([k % 251]) * 4096
 
 
-def test_reads_racing_appends_get_right_bytes_never_eio(make_mount) -> None:
-    m = make_mount(size="128M")
+@pytest.mark.parametrize("extra", [(), ("--offload-reads",)], ids=["reads-on-loop", "offloaded"])
+def test_reads_racing_appends_get_right_bytes_never_eio(make_mount, extra) -> None:
+    m = make_mount(size="128M", extra=extra)
     d = m.sessions / "race"
     d.mkdir()
     f = d / "layer_0"

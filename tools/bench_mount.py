@@ -17,6 +17,11 @@ peer directory are siblings under the work directory):
   samples touch the same ring entry, so the engine's decoded-entry cache never serves
   one; p50 and p99 (goals <= 1.5x and <= 1.3x).
 
+Figures 1 and 2 (random, sequential, fsync'd appends) also measure the same work through
+``tools/fuse_floor.py``, a pyfuse3 passthrough over the same ext4 directory, as rows marked
+``[FUSE floor]``: what any pyfuse3 server loses to ext4 on this machine, which bounds what
+kvfs can reach through FUSE.
+
 Each takes ``quick`` and an optional ``workdir`` and returns ``{"results": [...],
 "info": {...}}`` (see ``bench_common``); ``page_cache=True`` mounts with
 ``--page-cache`` instead of direct I/O (how docs/mount.md's comparison was made).
@@ -109,6 +114,46 @@ def _mount_process(volume: Path, mountpoint: Path, size: int | None,
             log.warning("mount.py exited with %s", rc)
 
 
+@contextmanager
+def floor_mounted(backing: Path, mountpoint: Path) -> Iterator[Path]:
+    """``tools/fuse_floor.py BACKING MOUNTPOINT`` (a pyfuse3 passthrough: the FUSE stack's
+    floor) for the duration; yields the mountpoint."""
+    backing.mkdir(parents=True, exist_ok=True)
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tools" / "fuse_floor.py"), str(backing),
+                             str(mountpoint)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + MOUNT_TIMEOUT
+    try:
+        while not os.path.ismount(mountpoint):
+            if proc.poll() is not None:
+                raise RuntimeError(f"fuse_floor.py failed: {proc.stderr.read() if proc.stderr else ''}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("fuse_floor mount not live in time")
+            time.sleep(0.005)
+        yield mountpoint
+    finally:
+        if os.path.ismount(mountpoint):
+            subprocess.run(["fusermount3", "-u", str(mountpoint)], check=False)
+        try:
+            proc.wait(timeout=MOUNT_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+FLOOR = "pyfuse3 passthrough (tools/fuse_floor.py)"
+
+
+def _floor_result(fig: str, name: str, vals: dict[str, list[float]], unit: str, better: str,
+                  what: str, note: str, stat: str = "median") -> dict[str, Any]:
+    """The FUSE floor's figure beside kvfs's: the same work through a pyfuse3 passthrough
+    over the same ext4 directory vs ext4 itself (no goal: it bounds kvfs's)."""
+    return Result(fig, f"{name} [FUSE floor]", f"{FLOOR}: {what}", f"ext4 file: {what}", unit,
+                  {"subject": vals["floor"], "peer": vals["ext4"]}, better=better, stat=stat,
+                  note=note).to_dict()
+
+
 def _fresh(*paths: Path) -> None:
     for p in paths:
         if p.is_dir():
@@ -167,22 +212,26 @@ def fsync_appends(quick: bool = False, workdir: str | None = None,
     vol, mnt, peer = work / "vol", work / "mnt", work / "ext4"
     peer.mkdir()
     mib = size / MiB
-    with mounted(vol, mnt, 8 * (reps + 1) * size, page_cache) as m:
+    with mounted(vol, mnt, 8 * (reps + 1) * size, page_cache) as m, \
+            floor_mounted(work / "floor", work / "floor_mnt") as fm:
         (m / "sessions" / "bench").mkdir()
         counter = iter(range(1 << 30))
         vals = interleave([
             ("kvfs", lambda: mib / _append_rounds(m / "sessions" / "bench" / f"l{next(counter)}", data)),
             ("ext4", lambda: mib / _append_rounds(peer / "layer", data)),
+            ("floor", lambda: mib / _append_rounds(fm / "layer", data)),
         ], reps, warmup=1)
         written = (m / "sessions" / "bench" / "l0").read_bytes()
     _fresh(work)
     if written != data:
         raise RuntimeError("the mount returned different bytes than were appended")
-    res = Result("2", f"append {mib:g} MiB as fsync'd {ROUND // KiB} KiB rounds",
-                 "kvfs mount: write + fsync", "ext4 file: write + fsync", "MiB/s",
+    name = f"append {mib:g} MiB as fsync'd {ROUND // KiB} KiB rounds"
+    note = f"{'page cache' if page_cache else 'direct_io'}; fp16 random-normal KV"
+    res = Result("2", name, "kvfs mount: write + fsync", "ext4 file: write + fsync", "MiB/s",
                  {"subject": vals["kvfs"], "peer": vals["ext4"]}, better="higher", goal=0.8,
-                 note=f"{'page cache' if page_cache else 'direct_io'}; fp16 random-normal KV")
-    return {"results": [res.to_dict()], "info": {"bytes": size, "reps": reps}}
+                 note=note)
+    floor = _floor_result("2", name, vals, "MiB/s", "higher", "write + fsync", note)
+    return {"results": [res.to_dict(), floor], "info": {"bytes": size, "reps": reps}}
 
 
 def seq_read(quick: bool = False, workdir: str | None = None,
@@ -200,6 +249,9 @@ def seq_read(quick: bool = False, workdir: str | None = None,
         (m / "sessions" / "bench").mkdir()
         _write_big(m / "sessions" / "bench" / "layer_0", data)
     _write_big(peer, data)
+    floor_file = work / "floor" / "layer_0"
+    floor_file.parent.mkdir()
+    _write_big(floor_file, data)
     mib = size / MiB
     how: list[str] = []
 
@@ -212,16 +264,24 @@ def seq_read(quick: bool = False, workdir: str | None = None,
         drop_caches([vol, peer])
         return mib / _read_all(peer)
 
+    def floor_once() -> float:
+        with floor_mounted(floor_file.parent, work / "floor_mnt") as fm:
+            drop_caches([floor_file, peer])
+            return mib / _read_all(fm / "layer_0")
+
     try:
-        vals = interleave([("kvfs", kvfs_once), ("ext4", ext4_once)], reps, warmup=1)
+        vals = interleave([("kvfs", kvfs_once), ("ext4", ext4_once), ("floor", floor_once)],
+                          reps, warmup=1)
     finally:
         _fresh(work)
-    res = Result("2", f"sequential read of a {mib:g} MiB layer file, caches dropped",
-                 "kvfs mount: 1 MiB reads", "ext4 file: 1 MiB reads", "MiB/s",
+    name = f"sequential read of a {mib:g} MiB layer file, caches dropped"
+    note = (f"{'page cache' if page_cache else 'direct_io'}; written in 1 MiB writes; "
+            f"caches dropped by {how[-1] if how else '?'}; mount restarted per sample")
+    res = Result("2", name, "kvfs mount: 1 MiB reads", "ext4 file: 1 MiB reads", "MiB/s",
                  {"subject": vals["kvfs"], "peer": vals["ext4"]}, better="higher", goal=0.9,
-                 note=f"{'page cache' if page_cache else 'direct_io'}; written in 1 MiB writes; "
-                      f"caches dropped by {how[-1] if how else '?'}; mount restarted per sample")
-    return {"results": [res.to_dict()], "info": {"bytes": size, "reps": reps}}
+                 note=note)
+    floor = _floor_result("2", name, vals, "MiB/s", "higher", "1 MiB reads", note)
+    return {"results": [res.to_dict(), floor], "info": {"bytes": size, "reps": reps}}
 
 
 def _read_many(paths: list[Path]) -> float:
@@ -312,14 +372,18 @@ def random_read(quick: bool = False, workdir: str | None = None,
     rounds = size // ROUND
     vol, mnt, peer = work / "vol", work / "mnt", work / "ext4.layer"
     peer.write_bytes(data)
+    (work / "floor").mkdir()
+    (work / "floor" / "layer").write_bytes(data)
     order = _unshared_rounds(rounds, samples + 10)
-    names = ("rounds", "big", "ext4")
+    names = ("rounds", "big", "ext4", "floor")
     vals: dict[str, list[float]] = {n: [] for n in names}
     try:
-        with mounted(vol, mnt, 3 * size + 64 * MiB, page_cache) as m:
+        with mounted(vol, mnt, 3 * size + 64 * MiB, page_cache) as m, \
+                floor_mounted(work / "floor", work / "floor_mnt") as fm:
             (m / "sessions" / "bench").mkdir()
             paths = {"rounds": m / "sessions" / "bench" / "rounds", "ext4": peer,
-                     "big": m / "sessions" / "bench" / "big"}
+                     "big": m / "sessions" / "bench" / "big", "floor": fm / "layer"}
+            backing = [vol, work / "floor" / "layer"]
             for off in range(0, size, ROUND):  # each close flushes: one entry per round
                 with open(paths["rounds"], "ab", buffering=0) as f:
                     f.write(data[off:off + ROUND])
@@ -328,7 +392,8 @@ def random_read(quick: bool = False, workdir: str | None = None,
             try:
                 for i, r in enumerate(order):
                     for name in (names if i % 2 == 0 else names[::-1]):
-                        fadvise_dontneed(vol)
+                        for b in backing:
+                            fadvise_dontneed(b)
                         for fd in fds.values():
                             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                         t0 = time.perf_counter()
@@ -355,6 +420,10 @@ def random_read(quick: bool = False, workdir: str | None = None,
                 note=f"{'page cache' if page_cache else 'direct_io'}; {len(vals['ext4'])} distinct "
                      f"rounds of a {size // MiB} MiB file; DONTNEED on every file before each read",
             ).to_dict())
+    for stat in ("p50", "p99"):
+        results.append(_floor_result(
+            "1", f"random {ROUND // KiB} KiB round read through the mount, caches dropped, {stat}",
+            vals, "ms", "lower", "pread", "direct_io; the same rounds and samples", stat=stat))
     return {"results": results, "info": {"bytes": size, "samples": samples}}
 
 

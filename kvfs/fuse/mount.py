@@ -73,6 +73,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="mount a volume marked as needing fsck (the mark stays until kvfs-fsck --repair)")
     p.add_argument("--page-cache", action="store_true",
                    help="serve file data through the page cache instead of direct I/O")
+    p.add_argument("--offload-reads", action="store_true",
+                   help="run engine reads on the engine threads, not on the FUSE loop (for "
+                        "many concurrent readers of a slow disk on a machine with spare cores)")
     p.add_argument("--write-buffer-max", type=profiles.parse_size, metavar="SIZE",
                    help="bound on the mount's unflushed written bytes (default: 256M, at "
                         "most 1/8 of RAM)")
@@ -328,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         ops = Operations(store, direct_io=not args.page_cache, allow_other=args.allow_other,
                          max_pending=args.write_buffer_max or default_max_pending(),
                          alerts_state=alert_engine.state if alert_engine else None,
-                         profile=profile.as_dict())
+                         profile=profile.as_dict(), inline_reads=not args.offload_reads)
         if tier is not None:
             from kvfs.fuse.remote import Remote
 

@@ -103,7 +103,7 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
     def __init__(self, store: Any, *, direct_io: bool = True, allow_other: bool = False,
                  flush_at: int = FLUSH_AT, entry_max: int = ENTRY_MAX,
                  max_pending: int = MAX_PENDING, alerts_state: Callable[[], Any] | None = None,
-                 profile: dict[str, Any] | None = None) -> None:
+                 profile: dict[str, Any] | None = None, inline_reads: bool = True) -> None:
         super().__init__()
         self.profile = profile  # published in /.kvfs/stats: agents take it from there
         self.store = store
@@ -113,9 +113,11 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         self.needs_fsck = False
         self.counters = Counters()
         self.inodes = InodeTable()
-        # reads run in parallel (the Store locks its own state; a file's writes are ordered
-        # by its buffer's lock); pread, checksums and zstd release the GIL
-        self.worker = Worker(store, threads=ENGINE_THREADS, serialise=False)
+        # changes run on engine threads, in parallel with each other and with reads (the
+        # Store locks its own state; a file's writes are ordered by its buffer's lock);
+        # reads run on the trio thread unless offloaded (worker.py says why)
+        self.worker = Worker(store, threads=ENGINE_THREADS, serialise=False,
+                             inline_reads=inline_reads)
         self._handles: dict[int, Handle] = {}
         self._dirs: dict[int, list[tuple[str, Key | int]]] = {}
         self.buffers = WriteBuffers(store, self.call, self.counters, flush_at, entry_max,
