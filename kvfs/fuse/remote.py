@@ -263,6 +263,9 @@ class Remote(Local):
         if self.writers.get(session):
             self.writers[session] += 1
             return
+        # the last writer's release of the lease, pending or in flight, must not come after
+        # this acquire (another node could then take the session from under this writer)
+        await self._t(self.repl.hold, session)
         if self.repl.down is None:
             try:
                 await self._t(self.tier.acquire, session)

@@ -88,6 +88,7 @@ class SessionQueue:
     syncs: list[Future] = field(default_factory=list)
     repush: bool = False  # bytes were not queued (bound, loss): reconcile from the volume
     release: bool = False  # the last writer closed: release the lease after the jobs
+    releasing: bool = False  # the thread is giving the lease back now (``hold`` waits)
     error: str | None = None  # another node owns it now: fsync fails until re-acquired
     busy: bool = False  # the thread is applying a batch of this session
     failures: int = 0  # reconciles in a row that did not end in a pushed batch
@@ -166,6 +167,16 @@ class Replicator:
         with self._cv:
             self._sq(session).release = True
             self._cv.notify()
+
+    def hold(self, session: str) -> None:
+        """A writer is about to take the lease: a pending release is off, and one the
+        thread is making now has finished when this returns (else it could give back the
+        lease the writer takes meanwhile). Blocks: call it off the trio thread."""
+        with self._cv:
+            q = self._sq(session)
+            q.release = False
+            while q.releasing:
+                self._cv.wait()
 
     def keep(self, session: str) -> bool:
         """A writer opened (this node holds the lease): a pending release is off. True if
@@ -301,13 +312,16 @@ class Replicator:
             syncs = []
             q.failures = 0
             with self._cv:
-                if q.release and not q.jobs and not q.meta and not q.repush:
-                    q.release = False
-                    release = True
-                else:
-                    release = False
+                release = q.release and not q.jobs and not q.meta and not q.repush
+                if release:
+                    q.release, q.releasing = False, True
             if release:
-                self.tier.release(session)
+                try:
+                    self.tier.release(session)
+                finally:
+                    with self._cv:
+                        q.releasing = False
+                        self._cv.notify_all()
         except SharedUnavailable as e:
             self._put_back(q, jobs[self._progress:], meta, repush, syncs, e)
             with self._cv:
