@@ -157,6 +157,38 @@ def test_concurrent_syncs_wait_for_the_fsync_in_flight(tmp_path, monkeypatch):
     s.close()
 
 
+def test_read_advice_is_given_per_aligned_chunk_in_batches_off_the_read_path(tmp_path, monkeypatch):
+    """DONTNEED after reads: whole 2 MiB chunks (smaller ranges inside a cached folio drop
+    nothing), a batch at a time, consecutive chunks in one call; close gives the rest."""
+    from kvfs.engine import volume as volmod
+
+    calls: list[tuple[int, int]] = []
+    real = os.posix_fadvise
+
+    def record(fd, off, n, advice):
+        if advice == os.POSIX_FADV_DONTNEED:
+            calls.append((off, n))
+        return real(fd, off, n, advice)
+
+    monkeypatch.setattr(volmod.os, "posix_fadvise", record)
+    s = Store.create(str(tmp_path / "v.kvvol"), 64 * MB)
+    vol, chunk = s.vol, volmod.DROP_CHUNK
+    calls.clear()
+    for c in range(volmod.DROP_BATCH - 1):  # 96 KiB reads in distinct chunks: noted only
+        vol.dontneed(c * chunk + 4096, 96 << 10)
+    vol.dontneed(3 * chunk + 8192, 96 << 10)  # a chunk already noted
+    time.sleep(0.2)
+    assert calls == []
+    vol.dontneed(40 * chunk - 4096, 8192)  # straddles chunks 39 and 40: the batch is full
+    deadline = time.monotonic() + 10
+    while len(calls) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert calls == [(0, (volmod.DROP_BATCH - 1) * chunk), (39 * chunk, 2 * chunk)]
+    vol.dontneed(50 * chunk, 10)
+    s.close()  # the chunks noted since are advised before the descriptor closes
+    assert calls[-1] == (50 * chunk, chunk)
+
+
 def test_readers_run_beside_an_appender_and_reclaim(tmp_path):
     """Readers on several threads, one appender that keeps the ring wrapping (live data is
     copied forward from under the readers): every byte right, no exception, no fsck mark."""

@@ -298,7 +298,14 @@ async def serve(ops: Operations, store: Any, profile: profiles.Profile,
             nursery.start_soon(tune_readahead, mountpoint)
         if alert_engine is not None:
             nursery.start_soon(alert_loop, alert_engine, profile.alert_interval_s)
-        await pyfuse3.main()
+        try:
+            await pyfuse3.main()
+        except* ConnectionAbortedError as eg:
+            # the kernel ended the connection (an abort, or seen once at the end of an
+            # unmount after heavy load): nothing more can be answered, the volume is
+            # still closed the usual way
+            log.warning("the kernel aborted the FUSE connection (%s); closing the volume",
+                        eg.exceptions[0])
         ops.readahead.nursery = None
         nursery.cancel_scope.cancel()
     await ops.flush_all()
