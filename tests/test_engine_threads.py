@@ -157,9 +157,9 @@ def test_concurrent_syncs_wait_for_the_fsync_in_flight(tmp_path, monkeypatch):
     s.close()
 
 
-def test_read_advice_is_given_per_aligned_chunk_in_batches_off_the_read_path(tmp_path, monkeypatch):
-    """DONTNEED after reads: whole 2 MiB chunks (smaller ranges inside a cached folio drop
-    nothing), a batch at a time, consecutive chunks in one call; close gives the rest."""
+def test_read_advice_is_given_in_batches_off_the_read_path(tmp_path, monkeypatch):
+    """DONTNEED after reads: exactly the ranges read (never pages read ahead of them), a
+    batch at a time, touching ranges in one call; close gives the rest."""
     from kvfs.engine import volume as volmod
 
     calls: list[tuple[int, int]] = []
@@ -172,21 +172,21 @@ def test_read_advice_is_given_per_aligned_chunk_in_batches_off_the_read_path(tmp
 
     monkeypatch.setattr(volmod.os, "posix_fadvise", record)
     s = Store.create(str(tmp_path / "v.kvvol"), 64 * MB)
-    vol, chunk = s.vol, volmod.DROP_CHUNK
+    vol, k = s.vol, 96 << 10
     calls.clear()
-    for c in range(volmod.DROP_BATCH - 1):  # 96 KiB reads in distinct chunks: noted only
-        vol.dontneed(c * chunk + 4096, 96 << 10)
-    vol.dontneed(3 * chunk + 8192, 96 << 10)  # a chunk already noted
+    for i in range(volmod.DROP_BATCH - 2):  # a sequential reader: touching ranges
+        vol.dontneed(i * k, k)
+    vol.dontneed(10 * MB, 4096)  # and one elsewhere
     time.sleep(0.2)
-    assert calls == []
-    vol.dontneed(40 * chunk - 4096, 8192)  # straddles chunks 39 and 40: the batch is full
+    assert calls == []  # noted only
+    vol.dontneed(20 * MB, 4096)  # the batch is full
     deadline = time.monotonic() + 10
-    while len(calls) < 2 and time.monotonic() < deadline:
+    while len(calls) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert calls == [(0, (volmod.DROP_BATCH - 1) * chunk), (39 * chunk, 2 * chunk)]
-    vol.dontneed(50 * chunk, 10)
-    s.close()  # the chunks noted since are advised before the descriptor closes
-    assert calls[-1] == (50 * chunk, chunk)
+    assert calls == [(0, (volmod.DROP_BATCH - 2) * k), (10 * MB, 4096), (20 * MB, 4096)]
+    vol.dontneed(30 * MB, 10)
+    s.close()  # what was noted since is advised before the descriptor closes
+    assert calls[-1] == (30 * MB, 10)
 
 
 def test_readers_run_beside_an_appender_and_reclaim(tmp_path):

@@ -5,10 +5,10 @@ Knows nothing of sessions or entries. All I/O is os.pread/os.pwrite on one fd (t
 and the B+ tree both go through it, so a test volume sees every write); reads of cold data
 are followed by POSIX_FADV_DONTNEED so the page cache does not fill with KV the agent will
 not read again soon (or push out what the machine does re-read, such as model weights).
-The advice is given per aligned 2 MiB chunk (the kernel drops only whole cached folios, up
-to 2 MiB: advice on a smaller range inside one drops nothing), for a batch of chunks at a
-time, on a thread of its own: a call costs about a fifth of a 96 KiB read, so the read
-path only notes which chunks it touched.
+The read path only notes the ranges it read; a thread of the volume gives the advice for a
+batch of them at a time, ranges that touch merged into one call (a call costs about a
+fifth of a 96 KiB read). Only what was read is advised, never the pages the kernel read
+ahead of a sequential reader.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from .format import MIN_VOLUME, PAGE, RING_ALIGN, SB_SLOT, VOLUME_MAGIC, Superbl
 
 log = logging.getLogger(__name__)
 
-DROP_CHUNK = 2 << 20  # page-cache advice granule: the largest folio the kernel caches
-DROP_BATCH = 16  # chunks touched before their advice is given (32 MiB of volume)
+DROP_BATCH = 64  # ranges read before their advice is given ...
+DROP_BYTES = 32 << 20  # ... or bytes
 
 
 def pwrite_all(fd: int, data: bytes | memoryview, off: int) -> None:
@@ -65,8 +65,9 @@ class VolumeFile:
         self._synced = 0
         self._count_lock = threading.Lock()
         self._sync_lock = threading.Lock()
-        self._touched: set[int] = set()  # DROP_CHUNK chunks read since the last batch
-        self._drops: queue.SimpleQueue[list[int] | None] | None = None
+        self._touched: list[tuple[int, int]] = []  # ranges read since the last batch
+        self._touched_bytes = 0
+        self._drops: queue.SimpleQueue[list[tuple[int, int]] | None] | None = None
         self._dropper: threading.Thread | None = None
 
     # ----------------------------------------------------------- open / create
@@ -127,7 +128,7 @@ class VolumeFile:
     def close(self) -> None:
         if self._dropper is not None and self._drops is not None:
             with self._count_lock:
-                batch, self._touched = sorted(self._touched), set()
+                batch, self._touched, self._touched_bytes = self._touched, [], 0
             self._drops.put(batch)
             self._drops.put(None)  # the advice queued so far is given first
             self._dropper.join()
@@ -206,15 +207,16 @@ class VolumeFile:
             self._wrote()
 
     def dontneed(self, off: int, n: int) -> None:
-        """Note that ``[off, off + n)`` was read: its chunks are advised DONTNEED with the
-        next batch (``DROP_BATCH`` chunks), on the dropper thread."""
+        """Note that ``[off, off + n)`` was read: it is advised DONTNEED with the next batch
+        (``DROP_BATCH`` ranges or ``DROP_BYTES``), on the dropper thread."""
         if not self.fadvise or n <= 0:
             return
         with self._count_lock:
-            self._touched.update(range(off // DROP_CHUNK, (off + n - 1) // DROP_CHUNK + 1))
-            if len(self._touched) < DROP_BATCH:
+            self._touched.append((off, n))
+            self._touched_bytes += n
+            if len(self._touched) < DROP_BATCH and self._touched_bytes < DROP_BYTES:
                 return
-            batch, self._touched = sorted(self._touched), set()
+            batch, self._touched, self._touched_bytes = self._touched, [], 0
             if self._dropper is None:
                 self._drops = queue.SimpleQueue()
                 self._dropper = threading.Thread(target=self._drop_loop, args=(self._drops,),
@@ -223,20 +225,20 @@ class VolumeFile:
         assert self._drops is not None
         self._drops.put(batch)
 
-    def _drop_loop(self, q: queue.SimpleQueue[list[int] | None]) -> None:
+    def _drop_loop(self, q: queue.SimpleQueue[list[tuple[int, int]] | None]) -> None:
         fd = self.fd
-        while (chunks := q.get()) is not None:
-            i = 0
-            while i < len(chunks):  # one call per run of consecutive chunks
-                j = i + 1
-                while j < len(chunks) and chunks[j] == chunks[j - 1] + 1:
-                    j += 1
+        while (batch := q.get()) is not None:
+            runs: list[list[int]] = []
+            for off, n in sorted(batch):  # one call per run of touching ranges
+                if runs and off <= runs[-1][1]:
+                    runs[-1][1] = max(runs[-1][1], off + n)
+                else:
+                    runs.append([off, off + n])
+            for a, b in runs:
                 try:
-                    os.posix_fadvise(fd, chunks[i] * DROP_CHUNK, (j - i) * DROP_CHUNK,
-                                     os.POSIX_FADV_DONTNEED)
+                    os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_DONTNEED)
                 except OSError as e:  # advice only
-                    log.debug("%s: DONTNEED of chunk %d: %r", self.path, chunks[i], e)
-                i = j
+                    log.debug("%s: DONTNEED [%d, %d): %r", self.path, a, b, e)
 
     def willneed(self, off: int, n: int) -> None:
         os.posix_fadvise(self.fd, off, n, os.POSIX_FADV_WILLNEED)
