@@ -203,9 +203,9 @@ class Day:
         if cold is not None:  # time every read of a layer file through the mount
             orig = cold.read_into
 
-            def timed(sid: str, layer: int, off: int, out: Any) -> None:
+            def timed(sid: str, layer: int, off: int, out: Any, **kw: Any) -> None:
                 t = time.perf_counter()
-                orig(sid, layer, off, out)
+                orig(sid, layer, off, out, **kw)
                 self.cold_lat.add((time.perf_counter() - t) * 1e3)
 
             cold.read_into = timed
