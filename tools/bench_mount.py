@@ -85,23 +85,41 @@ def mounted(volume: Path, mountpoint: Path, size: int | None,
 @contextmanager
 def _mount_process(volume: Path, mountpoint: Path, size: int | None,
                    page_cache: bool = False) -> Iterator[tuple[Path, subprocess.Popen[str]]]:
-    mountpoint.mkdir(parents=True, exist_ok=True)
     args = [sys.executable, "-m", "kvfs.cli.mount", str(volume), str(mountpoint), "--foreground",
             "--log", str(volume) + ".log"]
     if size is not None:
         args += ["--size", str(size)]
     if page_cache:
         args.append("--page-cache")
+    with _serving(args, mountpoint, "mount.py") as proc:
+        yield mountpoint, proc
+
+
+@contextmanager
+def floor_mounted(backing: Path, mountpoint: Path) -> Iterator[Path]:
+    """``tools/fuse_floor.py BACKING MOUNTPOINT`` (a pyfuse3 passthrough: the FUSE stack's
+    floor) for the duration; yields the mountpoint."""
+    backing.mkdir(parents=True, exist_ok=True)
+    args = [sys.executable, str(ROOT / "tools" / "fuse_floor.py"), str(backing), str(mountpoint)]
+    with _serving(args, mountpoint, "fuse_floor.py"):
+        yield mountpoint
+
+
+@contextmanager
+def _serving(args: list[str], mountpoint: Path, what: str) -> Iterator[subprocess.Popen[str]]:
+    """A FUSE server process started with ``args``, once ``mountpoint`` is live (else
+    RuntimeError); unmounted and waited for on the way out."""
+    mountpoint.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + MOUNT_TIMEOUT
     try:
         while not os.path.ismount(mountpoint):
             if proc.poll() is not None:
-                raise RuntimeError(f"mount.py failed: {proc.stderr.read() if proc.stderr else ''}")
+                raise RuntimeError(f"{what} failed: {proc.stderr.read() if proc.stderr else ''}")
             if time.monotonic() > deadline:
-                raise RuntimeError("mount not live in time")
+                raise RuntimeError(f"{what}: mount not live in time")
             time.sleep(0.005)
-        yield mountpoint, proc
+        yield proc
     finally:
         if os.path.ismount(mountpoint):
             subprocess.run(["fusermount3", "-u", str(mountpoint)], check=False)
@@ -111,35 +129,7 @@ def _mount_process(volume: Path, mountpoint: Path, size: int | None,
             proc.kill()
             rc = proc.wait()
         if rc != 0:
-            log.warning("mount.py exited with %s", rc)
-
-
-@contextmanager
-def floor_mounted(backing: Path, mountpoint: Path) -> Iterator[Path]:
-    """``tools/fuse_floor.py BACKING MOUNTPOINT`` (a pyfuse3 passthrough: the FUSE stack's
-    floor) for the duration; yields the mountpoint."""
-    backing.mkdir(parents=True, exist_ok=True)
-    mountpoint.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tools" / "fuse_floor.py"), str(backing),
-                             str(mountpoint)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
-    deadline = time.monotonic() + MOUNT_TIMEOUT
-    try:
-        while not os.path.ismount(mountpoint):
-            if proc.poll() is not None:
-                raise RuntimeError(f"fuse_floor.py failed: {proc.stderr.read() if proc.stderr else ''}")
-            if time.monotonic() > deadline:
-                raise RuntimeError("fuse_floor mount not live in time")
-            time.sleep(0.005)
-        yield mountpoint
-    finally:
-        if os.path.ismount(mountpoint):
-            subprocess.run(["fusermount3", "-u", str(mountpoint)], check=False)
-        try:
-            proc.wait(timeout=MOUNT_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            log.warning("%s exited with %s", what, rc)
 
 
 FLOOR = "pyfuse3 passthrough (tools/fuse_floor.py)"
