@@ -329,3 +329,30 @@ def test_fsync_flushes_the_device_only_after_changes(store) -> None:
             await ops.release(fh)
 
     run(main)
+
+
+def test_device_flushes_never_run_on_the_trio_thread(store, monkeypatch) -> None:
+    """Reads may run on the trio thread; an fsync's device flush must not (it would stall
+    every other request while the disk flushes), with or without buffered bytes."""
+    import threading
+
+    threads: list[str] = []
+    real = store.sync
+
+    def sync() -> bool:
+        threads.append(threading.current_thread().name)
+        return real()
+
+    monkeypatch.setattr(store, "sync", sync)
+
+    async def main() -> None:
+        ops = Operations(store)
+        _, fh = await _new_file(ops, "s", "f")
+        await ops.write(fh, 0, b"x" * 1000)
+        await ops.fsync(fh, False)  # its append and the flush in one worker job
+        await ops.flush(fh)
+        await ops.fsync(fh, False)  # nothing buffered: the flush alone
+        await ops.release(fh)
+
+    run(main)
+    assert len(threads) == 2 and threading.main_thread().name not in threads, threads

@@ -25,7 +25,7 @@ kvfs can reach through FUSE.
 Each takes ``quick`` and an optional ``workdir`` and returns ``{"results": [...],
 "info": {...}}`` (see ``bench_common``); ``page_cache=True`` mounts with
 ``--page-cache`` instead of direct I/O (how docs/mount.md's comparison was made).
-``python tools/bench_mount.py [--quick] [--page-cache] [--only append,seq,random,time]``
+``python tools/bench_mount.py [--quick] [--page-cache] [--offload-reads] [--only append,seq,random,time]``
 prints the figures.
 """
 
@@ -63,6 +63,7 @@ log = logging.getLogger("bench.mount")
 
 ROUND = 96 * KiB  # one agent round of one layer
 MOUNT_TIMEOUT = 30.0
+MOUNT_ARGS: list[str] = []  # more kvfs-mount options for every mount (``--offload-reads``)
 
 
 def kv_bytes(n: int, seed: int = 0) -> bytes:
@@ -91,7 +92,7 @@ def _mount_process(volume: Path, mountpoint: Path, size: int | None,
         args += ["--size", str(size)]
     if page_cache:
         args.append("--page-cache")
-    with _serving(args, mountpoint, "mount.py") as proc:
+    with _serving(args + MOUNT_ARGS, mountpoint, "mount.py") as proc:
         yield mountpoint, proc
 
 
@@ -489,10 +490,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--page-cache", action="store_true", help="mount without direct_io")
+    ap.add_argument("--offload-reads", action="store_true",
+                    help="mount with --offload-reads (engine reads on the engine threads)")
     ap.add_argument("--only", default=",".join(FIGURES))
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if a.offload_reads:
+        MOUNT_ARGS.append("--offload-reads")
     for f in a.only.split(","):
         kw = {"page_cache": a.page_cache} if f != "time" else {}
         r = FIGURES[f](quick=a.quick, workdir=a.out, **kw)

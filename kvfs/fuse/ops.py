@@ -440,7 +440,7 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         h = self._handles[fh]
         if h.content is None:
             node = self._file(h.ino)
-            if not await self.buffers.flush_for_sync(node, self.worker.sync_after):
+            if not await self.buffers.flush_for_sync(node, self.worker.sync_now):
                 await self.worker.sync()  # no device flush when nothing changed since the last
             if h.writable:  # and replicated: pushed, and held by a replica (docs/scale-out.md)
                 await self.shared.fsync(node.key[0])

@@ -1,11 +1,12 @@
-"""The FUSE layer's engine worker: blocking ``Store`` calls off the trio thread.
+"""The FUSE layer's engine worker: where the ``Store`` calls of the handlers run.
 
-Every ``Store`` call of the layer goes through ``Worker.call``. A job goes on a queue to a
-persistent worker thread, which runs it under ``engine_lock`` and wakes the waiting trio
-task directly (``TrioToken.run_sync_soon`` + ``reschedule``): no limiter, no per-call
-thread start, one checkpoint less than ``trio.to_thread.run_sync`` and one wake-up of the
-trio thread for all the jobs that finished while it slept. The trio thread never runs the
-engine: an index lookup may read tree pages and a read may go to the disk.
+Every ``Store`` call of the layer goes through ``Worker.call``. A call that changes the
+volume (``changes=True``, the default: appends, truncates, creates, deletes, syncs) goes on
+a queue to persistent worker threads, which run it and wake the waiting trio task directly
+(``TrioToken.run_sync_soon`` + ``reschedule``): no limiter, no per-call thread start, one
+checkpoint less than ``trio.to_thread.run_sync`` and one wake-up of the trio thread for all
+the jobs that finished while it slept. A device flush is such a call: it never runs on
+the trio thread.
 
 The ``Store`` is thread-safe (changes take turns under its writer lock; reads run beside
 them and each other), so the mount runs ``Worker(threads=N, serialise=False)``: N engine
@@ -13,17 +14,12 @@ calls in flight. ``serialise=True`` puts every call under ``engine_lock`` again.
 
 Calls that only look (``changes=False``: reads, stats, listings) run on the trio thread
 itself unless ``inline_reads`` is off: on a two-core machine a thread hand-off each way
-cost more than the overlap it bought (sequential reads through the mount 0.36x -> 0.5x of
-ext4, eight concurrent readers 0.37x -> 0.58x, random 96 KiB reads slightly faster;
-docs/mount.md). The trio thread then waits while such a call reads the disk; changes
-(appends, fsyncs, deletes) still go to the worker threads.
+cost more than the overlap it bought (docs/mount.md, Threads). The trio thread then waits
+while such a call reads the disk.
 
-The worker also keeps the count of engine changes (appends, truncates, creates, deletes,
-attribute sets) against the count at the last device flush, so ``sync`` flushes the
-device only when something changed since: N files fsync'd after one batch cost one
-flush. A change is counted once it has returned, and a flush covers the changes counted
-before it began, so with concurrent calls a change still running is never taken as
-flushed.
+``sync`` skips the device flush when nothing was written since the last one: the volume
+counts its completed writes against those its last fsync covered (``VolumeFile``), so N
+files fsync'd after one batch cost one flush.
 """
 
 from __future__ import annotations
@@ -50,8 +46,6 @@ class Worker:
         self.store = store
         self.engine_lock = threading.Lock() if serialise else None
         self.inline_reads = inline_reads
-        self.changes = 0  # engine calls that may have changed the volume
-        self.synced = 0  # ``changes`` when the last device flush began
         self.syncs = 0  # device flushes done (``sync`` calls that were not skipped)
         self._threads = threads
         self._count_lock = threading.Lock()
@@ -63,9 +57,8 @@ class Worker:
     async def call(self, fn: Callable[..., T], *args: Any, changes: bool = True) -> T:
         """``fn(*args)`` on a worker thread; its result or its exception.
 
-        ``changes=False`` for calls that only look (reads, stats, listings); anything else
-        counts as a change, so a forgotten flag costs a device flush, never durability.
-        Not cancellable once queued (like ``trio.to_thread.run_sync``): the engine call
+        ``changes=False`` for calls that only look (reads, stats, listings): a forgotten
+        flag costs a hand-off, never a blocked loop. Not cancellable once queued (like ``trio.to_thread.run_sync``): the engine call
         runs to its end and its result is delivered. With ``inline_reads``, a call with
         ``changes=False`` runs here, on the calling (trio) thread."""
         if self.inline_reads and not changes:
@@ -77,30 +70,19 @@ class Worker:
             self._start()
         task = trio.lowlevel.current_task()
         token = trio.lowlevel.current_trio_token()
-        self._q.put((fn, args, changes, task, token))
+        self._q.put((fn, args, task, token))
         # the worker reschedules this task with the call's outcome: its value, or it raises
         return await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
 
     async def sync(self) -> bool:
-        """Make every change durable (``store.sync``), unless nothing changed since the
-        last flush began. Returns whether the device was flushed."""
-        return await self.call(self._sync, changes=False)
+        """Make every change durable (``store.sync``, on a worker thread); no device flush
+        when nothing was written since the last. Returns whether the device was flushed."""
+        return await self.call(self.sync_now)
 
-    def sync_after(self) -> bool:
-        """``sync`` from inside a job that just changed the volume (on a worker): that
-        change is counted here, as jobs are counted only once they return."""
+    def sync_now(self) -> bool:
+        """``sync`` on the calling thread (a worker: from inside another job)."""
+        flushed = self.store.sync() is not False  # the volume may find all durable already
         with self._count_lock:
-            self.changes += 1
-        return self._sync()
-
-    def _sync(self) -> bool:  # on a worker
-        with self._count_lock:
-            upto = self.changes
-            if upto == self.synced:
-                return False
-        flushed = self.store.sync() is not False  # the store may find all durable already
-        with self._count_lock:  # only once it succeeded: a failed sync is retried next time
-            self.synced = max(self.synced, upto)
             self.syncs += flushed
         return flushed
 
@@ -119,14 +101,11 @@ class Worker:
             job = self._q.get()
             if job is None:
                 return
-            fn, args, changes, task, token = job
+            fn, args, task, token = job
             if lock is not None:
                 lock.acquire()
             try:
                 result = outcome.capture(fn, *args)
-                if changes:  # failed or not: it may have written part of its entries
-                    with self._count_lock:
-                        self.changes += 1
             finally:
                 if lock is not None:
                     lock.release()

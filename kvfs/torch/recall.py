@@ -84,13 +84,13 @@ _scratch = threading.local()
 
 
 def _read(warm: Any, sid: str, layer: int, a: int, b: int, promote: bool | None) -> Any:
-    """Layer bytes [a, b): into this thread's reused buffer when the tier can fill one
+    """Layer bytes [a, b): into this thread's reused buffer up to ``SCRATCH_MAX`` bytes
     (its pages are faulted in once, not per read: 4 MiB of fresh memory costs about a
     millisecond of page faults), else a new array. The bytes are valid until this
     thread's next read: the caller copies them out (``kv_from_bytes`` does)."""
     kw = {} if promote is None else {"promote": promote}
     n = b - a
-    if n > SCRATCH_MAX or not hasattr(warm, "read_into"):
+    if n > SCRATCH_MAX:
         return warm.read(sid, layer, a, b, **kw)
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.size < n:
