@@ -57,3 +57,23 @@ def test_missing_module_is_reported_not_crashed(tmp_path: Path) -> None:
     page = bench.render(doc, "img")
     assert "bench_nosuchmodule.figure_fn`: **not available**" in page
     assert "## Figure 9" in page  # every figure has a place, measured or not
+
+
+@pytest.mark.mount
+@pytest.mark.timeout(240)
+def test_migration_floors_run_through_the_passthrough(tmp_path: Path) -> None:
+    """Figure 3's bounds: a real group migration through tools/fuse_floor.py (mkdir, create,
+    write, rename, fsyncdir, rmdir through the kernel) and into a plain directory, each
+    paired with dd on the same filesystem; every sample a real, finite rate."""
+    if not Path("/dev/fuse").exists():
+        pytest.skip("/dev/fuse is absent")
+    import bench_warm
+    out = bench_warm.migration_floors(quick=True, workdir=str(tmp_path))
+    names = [r["name"] for r in out["results"]]
+    assert [n.rsplit("[", 1)[1] for n in names] == ["FUSE floor]", "ext4 directory]"]
+    for r in out["results"]:
+        for who in ("subject", "peer"):
+            vals = r["values"][who]
+            assert len(vals) == 2 and all(math.isfinite(v) and v > 0 for v in vals), r["name"]
+        assert r["goal"] is None  # a bound, not a goal
+    assert not (tmp_path / "work" / "migration_floors").exists()  # the passthrough is gone too

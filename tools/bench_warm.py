@@ -9,6 +9,11 @@
   the mount, fsynced), against ``dd`` of the same bytes. Goal: >= 0.8x dd.
 * ``bench_clean_eviction(cold_root, tmp)``: dropping a group of 10 clean sessions (their
   cold copies complete) at the threshold: no copying. Goal: < 5 ms.
+* ``migration_floors(quick, workdir)``: ``bench_migration`` where no kvfs code serves the
+  cold side, each against dd on the same filesystem: through ``tools/fuse_floor.py`` (a
+  pyfuse3 passthrough over ext4) and into a plain ext4 directory. They bound the kvfs
+  figure: a group is ~250 files, each created, written, closed and fsync'd, where dd
+  writes one file.
 * ``bench_memmap_vs_torch_load(tmp)``: reading one round (all layers) out of the warm
   memmap into a tensor vs ``torch.load`` of the same round saved with ``torch.save``;
   medians of several runs. The article reports memmap 3.2x faster.
@@ -29,6 +34,7 @@ import tempfile
 import time
 
 import numpy as np
+from bench_common import Result, bench_dir
 
 from kvfs.warm import WarmTier
 
@@ -88,6 +94,38 @@ def bench_migration(cold_root: str, tmp: str, *, sessions: int = 10, total_bytes
             "ratio": round(mig_mbps / dd_mbps, 3), "goal_ratio": 0.8, "article_ms": 200,
             "migrate_ms_all": [round(x * 1000, 1) for x in mig],
             "dd_ms_all": [round(x * 1000, 1) for x in dd], "command": " ".join(cmd)}
+
+
+def migration_floors(quick: bool = False, workdir: str | None = None) -> dict:
+    """Figure 3's bounds: ``bench_migration`` through a pyfuse3 passthrough over ext4 and
+    into a plain ext4 directory, each against dd on the same filesystem (MB/s)."""
+    from bench_mount import FLOOR, floor_mounted
+
+    work = bench_dir(workdir) / "migration_floors"
+    shutil.rmtree(work, ignore_errors=True)
+    (work / "ext4" / "sessions").mkdir(parents=True)
+    (work / "floor" / "sessions").mkdir(parents=True)
+    kw = dict(sessions=10, total_bytes=(22_000_000 if quick else 87_000_000),
+              repeats=(2 if quick else 3))
+    runs = {}
+    try:
+        with floor_mounted(work / "floor", work / "floor_mnt") as fm:
+            runs["FUSE floor"] = (f"{FLOOR}", bench_migration(str(fm), str(work), **kw))
+        runs["ext4 directory"] = ("ext4 directory", bench_migration(str(work / "ext4"), str(work), **kw))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    results = []
+    for tag, (where, r) in runs.items():
+        mb = r["bytes"] / 1e6
+        results.append(Result(
+            "3", f"group migration of 10 sessions (~{mb:.0f} MB), warm → cold [{tag}]",
+            f"kvfs warm tier: migrate() to {where}", f"dd bs=4M conv=fsync, same bytes, {where}",
+            "MB/s", {"subject": [mb / (ms / 1e3) for ms in r["migrate_ms_all"]],
+                     "peer": [mb / (ms / 1e3) for ms in r["dd_ms_all"]]}, better="higher",
+            note=f"{r['sessions'] * r['layers']} layer files + meta per group; {r['repeats']} "
+                 "alternating runs; no kvfs code on the cold side",
+        ).to_dict())
+    return {"results": results, "info": {k: v[1] for k, v in runs.items()}}
 
 
 def _dd(src: str, dst_dir: str) -> tuple[float, str]:
