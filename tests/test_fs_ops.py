@@ -331,6 +331,36 @@ def test_fsync_flushes_the_device_only_after_changes(store) -> None:
     run(main)
 
 
+def test_fsync_stores_every_free_buffer_in_one_job(store) -> None:
+    """Files written and kept open, then fsync'd one by one (a group migration): the first
+    fsync hands every buffer to the engine in one worker job ending in one device flush;
+    the later fsyncs find their bytes durable and make no job at all."""
+    async def main() -> None:
+        ops = Operations(store)
+        files = await _new_files(ops, "s", 6)
+        for k, (_, fh) in enumerate(files):
+            await ops.write(fh, 0, bytes([k]) * 5000)
+        jobs: list[str] = []
+        real = ops.worker.call
+
+        async def call(fn, *args, changes=True):
+            jobs.append(getattr(fn, "__name__", "?"))
+            return await real(fn, *args, changes=changes)
+
+        ops.worker.call = call
+        for _, fh in files:
+            await ops.fsync(fh, False)
+        assert jobs == ["_append_batch"], jobs
+        assert ops.worker.syncs == 1
+        assert ops.buffers.pending_bytes == 0
+        for k in range(6):
+            assert store.read("s", f"f{k}", 0, 6000) == bytes([k]) * 5000
+        for _, fh in files:
+            await ops.release(fh)
+
+    run(main)
+
+
 def test_device_flushes_never_run_on_the_trio_thread(store, monkeypatch) -> None:
     """Reads may run on the trio thread; an fsync's device flush must not (it would stall
     every other request while the disk flushes), with or without buffered bytes."""
@@ -351,7 +381,9 @@ def test_device_flushes_never_run_on_the_trio_thread(store, monkeypatch) -> None
         await ops.write(fh, 0, b"x" * 1000)
         await ops.fsync(fh, False)  # its append and the flush in one worker job
         await ops.flush(fh)
+        await _new_file(ops, "t", "g")  # an engine change with nothing buffered for fh
         await ops.fsync(fh, False)  # nothing buffered: the flush alone
+        await ops.fsync(fh, False)  # nothing changed since: no flush, no hand-off
         await ops.release(fh)
 
     run(main)

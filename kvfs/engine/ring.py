@@ -182,6 +182,11 @@ class Ring:
             self._buf = bytearray()
         self._buf_pos = self.head
 
+    @property
+    def unwritten(self) -> int:
+        """Bytes of entries still in the write buffer (not yet given to the volume)."""
+        return len(self._buf)
+
     def sync(self) -> None:
         """Flush and fsync; no fsync when nothing was written since the last one."""
         self.flush()

@@ -37,6 +37,7 @@ Contract (the FUSE layer, tools and tests rely on it):
   truncate(session, name, length)          # shorter or equal only, else BadRange
   flush()                                  # write buffered entries to the volume (no fsync)
   sync()                                   # flush + fsync: durability point
+  durable() -> bool                        # sync() would do nothing (no lock needed)
   checkpoint()                             # write the B+ tree checkpoint + superblock
   maybe_checkpoint()                       # checkpoint if interval elapsed or replay is long
   cleanup() -> int                         # drop sessions idle > retention; returns count
@@ -365,6 +366,13 @@ class Store(ReadPath):
         with self._lock:
             self.ring.flush()
         return self.vol.sync_written()
+
+    def durable(self) -> bool:
+        """Whether ``sync()`` would find nothing to do: no entry waits in the write buffer
+        and every completed write is covered by a completed fsync. No lock: a change still
+        running may make it False a moment later, never a returned one un-durable (the
+        buffer empties only once its write has completed and been counted)."""
+        return not self.ring.unwritten and not self.vol.dirty
 
     def checkpoint(self, clean: bool = False) -> None:
         """Persist the index (dirty sessions, purges, bitmap) and a superblock pointing at it."""

@@ -67,6 +67,62 @@ def on_live(node: Node, fn: Callable[..., T], *args: Any) -> T:
     return fn(*args)
 
 
+class Tail:
+    """A file's buffered bytes, kept as the chunks the kernel wrote: a write is not copied
+    (the engine gets them joined once, or the one chunk as it is). Its length is also
+    counted in the mount-wide ``total``, so the bound is checked without a walk over every
+    open file."""
+
+    __slots__ = ("chunks", "n", "total")
+
+    def __init__(self, total: list[int]) -> None:
+        self.chunks: list[bytes] = []
+        self.n = 0
+        self.total = total  # [bytes buffered by every file]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __bool__(self) -> bool:
+        return self.n > 0
+
+    def _grow(self, d: int) -> None:
+        self.n += d
+        self.total[0] += d
+
+    def add(self, b: bytes) -> None:
+        if b:
+            self.chunks.append(b if type(b) is bytes else bytes(b))
+            self._grow(len(b))
+
+    def data(self) -> bytes:
+        """Every buffered byte as one object (joined once; later calls are free)."""
+        if len(self.chunks) > 1:
+            self.chunks = [b"".join(self.chunks)]
+        return self.chunks[0] if self.chunks else b""
+
+    def keep(self, k: int) -> None:
+        """Only the first ``k`` bytes stay (a truncate, a write taken back)."""
+        if k < self.n:
+            head = self.data()[:max(k, 0)]
+            self.chunks = [head] if head else []
+            self._grow(len(head) - self.n)
+
+    def drop_front(self, k: int) -> None:
+        """The first ``k`` bytes were stored: they leave."""
+        if k > 0:
+            rest = self.data()[k:]
+            self.chunks = [rest] if rest else []
+            self._grow(len(rest) - self.n)
+
+    def clear(self) -> None:
+        self.chunks = []
+        self._grow(-self.n)
+
+    def slice(self, a: int, b: int) -> bytes:
+        return self.data()[a:b]
+
+
 @dataclass(eq=False)
 class Pending:
     """Bytes appended to one file (one inode) through the mount, not yet in the engine.
@@ -77,7 +133,7 @@ class Pending:
 
     node: Node
     base: int
-    buf: bytearray = field(default_factory=bytearray)
+    buf: Tail
     lock: trio.Lock = field(default_factory=trio.Lock)
 
     @property
@@ -98,6 +154,7 @@ class WriteBuffers:
         self.store, self.call, self.counters = store, call, counters
         self.flush_at, self.entry_max, self.max_pending = flush_at, entry_max, max_pending
         self._by_ino: dict[int, Pending] = {}
+        self._total = [0]  # bytes buffered over every file (each Tail keeps it)
         self._headroom: int | None = None  # free ring bytes at the last look, less the reserve
         self._full_until = 0.0  # trio clock: until then a full engine is not asked again
         self.shared: Any = None  # told what reached the engine (``remote.Remote``), if set
@@ -112,14 +169,18 @@ class WriteBuffers:
     def drop(self, ino: int) -> int:
         """Forget a file's buffer (unlinked, last handle closed); returns bytes dropped."""
         p = self._by_ino.pop(ino, None)
-        return len(p.buf) if p is not None else 0
+        if p is None:
+            return 0
+        n = len(p.buf)
+        p.buf.clear()
+        return n
 
     def pending(self) -> list[Pending]:
         return list(self._by_ino.values())
 
     @property
     def pending_bytes(self) -> int:
-        return sum(len(p.buf) for p in self._by_ino.values())
+        return self._total[0]
 
     # ------------------------------------------------------------------ the global bound
     def _need(self, n: int) -> int:
@@ -173,7 +234,9 @@ class WriteBuffers:
         p = self._by_ino.get(node.ino)
         if p is None:
             st = await self.call(on_live, node, self.store.file_stat, *node.key, changes=False)
-            p = self._by_ino.setdefault(node.ino, Pending(node, st.size))
+            p = self._by_ino.get(node.ino)  # another write may have made it meanwhile
+            if p is None:
+                p = self._by_ino[node.ino] = Pending(node, st.size, Tail(self._total))
         if not self._fits(n):
             if trio.current_time() < self._full_until:
                 raise errors.NoSpace("volume full")
@@ -191,14 +254,14 @@ class WriteBuffers:
             if p.buf and (len(p.buf) + n > self.flush_at or not self._fits(n)):
                 await self._flush_locked(p)
             through = not self._fits(n)  # no room to promise: store it before saying yes
-            p.buf += buf
+            p.buf.add(buf)
             accepted = n
             if through or len(p.buf) >= self.flush_at:
                 try:
                     await self._flush_locked(p)
                 except errors.KVFSError:
                     unstored = min(n, len(p.buf))  # this write's tail left in the buffer
-                    del p.buf[len(p.buf) - unstored:]
+                    p.buf.keep(len(p.buf) - unstored)
                     accepted = n - unstored
                     if not accepted:
                         raise
@@ -214,73 +277,124 @@ class WriteBuffers:
                 await self._flush_locked(p)
 
     async def flush_for_sync(self, node: Node, sync: Callable[[], bool]) -> bool:
-        """Before a device flush: every other file's buffer, then this file's, whose append
-        and the device flush ``sync`` (a worker-side call) run as one worker job. So the
-        one flush makes the other files durable too and their own fsyncs, when they come,
-        find nothing left to flush (N files written, then fsync'd one by one, cost one
-        device flush, not N). Returns whether ``sync`` ran (this file had bytes buffered).
-        Another file's failure leaves its bytes buffered for its own flush or fsync to
-        report; this file's rises."""
-        for q in list(self._by_ino.values()):
-            if q.node is node or not q.buf or q.node.unlinked:
-                continue
-            try:
-                async with q.lock:
-                    await self._flush_locked(q)
-            except (errors.KVFSError, Stale) as e:
-                log.debug("flush of %s before a device flush: %r", shown(q.node.key), e)
+        """Before a device flush: this file's buffer and every other buffer free right now
+        go to the engine in one worker job, which ends with the device flush ``sync`` (a
+        worker-side call). So the one flush makes the other files durable too, their own
+        fsyncs find nothing left to do, and a batch costs one hand-off to the worker, not
+        one per file (N files written, then fsync'd one by one, cost one job and one
+        device flush). Returns whether ``sync`` ran (this file had bytes buffered).
+
+        This file's lock is taken first and the others only when free (never waited for
+        while holding one: two fsyncs cannot wait on each other); a busy buffer is being
+        written or flushed by its own request and left to it. Another file's failure
+        leaves its bytes buffered for its own flush or fsync to report; this file's rises."""
         p = self._by_ino.get(node.ino)
         if p is None or not p.buf:
+            await self._flush_others(p)
             return False
         async with p.lock:
             if not p.buf:  # flushed while this waited for the lock
                 return False
-            await self._flush_locked(p, then=sync)
+            held: list[Pending] = []
+            try:
+                for q in list(self._by_ino.values()):
+                    if q is p or not q.buf or q.node.unlinked:
+                        continue
+                    try:
+                        q.lock.acquire_nowait()
+                    except trio.WouldBlock:
+                        continue
+                    held.append(q)
+                batch = [q for q in held if q.buf] + [p]
+                await self._store(batch, then=sync)
+            finally:
+                for q in held:
+                    q.lock.release()
             return True
 
-    async def _flush_locked(self, p: Pending, then: Callable[[], Any] | None = None) -> None:
-        if not p.buf:
-            return
-        data = bytes(p.buf)
-        done, err, headroom = await self.call(self._append_pieces, p.node, p.base, data, then)
-        del p.buf[:done]  # what was stored leaves the buffer; the rest stays for a retry
-        p.base += done
-        if done and self.shared is not None:  # stored: now it may be replicated
-            self.shared.stored(p.node.key, p.base - done, data if done == len(data) else data[:done])
+    async def _flush_others(self, mine: Pending | None) -> None:
+        """The buffers of every file but ``mine`` whose lock is free, in one worker job."""
+        held: list[Pending] = []
+        try:
+            for q in list(self._by_ino.values()):
+                if q is mine or not q.buf or q.node.unlinked:
+                    continue
+                try:
+                    q.lock.acquire_nowait()
+                except trio.WouldBlock:
+                    continue
+                held.append(q)
+            batch = [q for q in held if q.buf]
+            if batch:
+                await self._store(batch, own=False)
+        finally:
+            for q in held:
+                q.lock.release()
+
+    async def _flush_locked(self, p: Pending) -> None:
+        if p.buf:
+            await self._store([p])
+
+    async def _store(self, batch: list[Pending], then: Callable[[], Any] | None = None,
+                     own: bool = True) -> None:
+        """Hand the buffers of ``batch`` (their locks held) to the engine in one worker call,
+        then ``then`` there (after the last one's complete append). What was stored leaves
+        each buffer; the rest stays for a retry. The last buffer's error (or ``then``'s)
+        rises when ``own``; the others' are logged."""
+        items = [(q.node, q.base, q.buf.data()) for q in batch]
+        results, headroom = await self.call(self._append_batch, items, then)
         self._headroom = headroom
-        if isinstance(err, errors.NoSpace):
-            self._full_until = trio.current_time() + FULL_RETRY_S
-        if err is not None:
+        failure: BaseException | None = None
+        for k, (q, (node, base, data), (done, err)) in enumerate(zip(batch, items, results, strict=True)):
+            q.buf.drop_front(done)
+            q.base += done
+            if done and self.shared is not None:  # stored: now it may be replicated
+                self.shared.stored(node.key, base, data if done == len(data) else data[:done])
+            if isinstance(err, errors.NoSpace):
+                self._full_until = trio.current_time() + FULL_RETRY_S
+            if err is None:
+                continue
             if not isinstance(err, Stale):
                 log.error("storing %d bytes of %s at %d failed after %d (the rest, if any, "
-                          "kept buffered): %r", len(data), shown(p.node.key), p.base - done,
-                          done, err)
-            raise err
+                          "kept buffered): %r", len(data), shown(node.key), base, done, err)
+            if own and k == len(batch) - 1:
+                failure = err
+        if failure is not None:
+            raise failure
 
-    def _append_pieces(self, node: Node, base: int, data: bytes,
-                       then: Callable[[], Any] | None = None
-                       ) -> tuple[int, BaseException | None, int | None]:
-        """(bytes stored, error, headroom after) of appending ``data`` as entries of at most
-        ``entry_max`` bytes; stops at the first failure (on the worker thread). ``then``
-        runs after a complete append (its error is reported as the error)."""
+    def _append_batch(self, items: list[tuple[Node, int, bytes]],
+                      then: Callable[[], Any] | None = None
+                      ) -> tuple[list[tuple[int, BaseException | None]], int | None]:
+        """On the worker: ``_append_pieces`` of each (node, base, data), then ``then`` if
+        the last one was stored whole (its error is reported as the last one's); with the
+        headroom after."""
+        results = [self._append_pieces(*item) for item in items]
+        done, err = results[-1]
+        if then is not None and err is None:
+            try:
+                then()
+            except Exception as e:
+                results[-1] = (done, e)
+        try:
+            headroom: int | None = self._headroom_now()
+        except Exception:  # the next write looks again
+            headroom = None
+        return results, headroom
+
+    def _append_pieces(self, node: Node, base: int, data: bytes) -> tuple[int, BaseException | None]:
+        """(bytes stored, error) of appending ``data`` as entries of at most ``entry_max``
+        bytes; stops at the first failure (on the worker thread)."""
         mv = memoryview(data)
         done = 0
-        err: BaseException | None = None
         try:
             while done < len(data):
                 n = min(self.entry_max, len(data) - done)
                 on_live(node, self.store.append, *node.key, base + done, mv[done:done + n])
                 done += n
                 self.counters.appends += 1
-            if then is not None:
-                then()
         except Exception as e:
-            err = e
-        try:
-            headroom: int | None = self._headroom_now()
-        except Exception:  # the next write looks again
-            headroom = None
-        return done, err, headroom
+            return done, e
+        return done, None
 
     async def truncate(self, node: Node, length: int) -> None:
         """Drop the tail of a file (an agent retrying a turn); longer -> EINVAL."""
@@ -295,7 +409,7 @@ class WriteBuffers:
             if length > p.size:
                 raise FUSEError(errno.EINVAL)
             if length >= p.base:  # the cut is in the unflushed tail: the engine never saw it
-                del p.buf[length - p.base:]
+                p.buf.keep(length - p.base)
                 return
             p.buf.clear()
             await self.call(on_live, node, self.store.truncate, *node.key, length)
@@ -324,7 +438,7 @@ class WriteBuffers:
                 if len(head) < want:  # the engine holds less than it said: no splice
                     return head
             start = off + len(head) - p.base
-            return head + bytes(p.buf[start:start + size - len(head)])
+            return head + p.buf.slice(start, start + size - len(head))
 
     async def _engine_read(self, node: Node, off: int, size: int) -> bytes:
         return await self.call(on_live, node, self.store.read, *node.key, off, size,

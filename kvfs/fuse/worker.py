@@ -19,7 +19,8 @@ while such a call reads the disk.
 
 ``sync`` skips the device flush when nothing was written since the last one: the volume
 counts its completed writes against those its last fsync covered (``VolumeFile``), so N
-files fsync'd after one batch cost one flush.
+files fsync'd after one batch cost one flush; when ``Store.durable`` already says so on the
+trio thread, it skips the hand-off too.
 """
 
 from __future__ import annotations
@@ -76,7 +77,11 @@ class Worker:
 
     async def sync(self) -> bool:
         """Make every change durable (``store.sync``, on a worker thread); no device flush
-        when nothing was written since the last. Returns whether the device was flushed."""
+        when nothing was written since the last, and no hand-off either when the store says
+        so from here (``durable``: the second and later fsyncs of a batch). Returns whether
+        the device was flushed."""
+        if self.store.durable():
+            return False
         return await self.call(self.sync_now)
 
     def sync_now(self) -> bool:
