@@ -388,3 +388,26 @@ def test_device_flushes_never_run_on_the_trio_thread(store, monkeypatch) -> None
 
     run(main)
     assert len(threads) == 2 and threading.main_thread().name not in threads, threads
+
+
+def test_tail_keeps_the_bytes_and_the_mount_wide_count() -> None:
+    from kvfs.fuse.buffers import Tail
+
+    total = [0]
+    a, b = Tail(total), Tail(total)
+    a.add(b"abc")
+    a.add(memoryview(b"defg"))
+    b.add(b"xy")
+    b.add(b"")
+    assert (len(a), len(b), total[0]) == (7, 2, 9)
+    assert a.slice(2, 5) == b"cde" and a.data() == b"abcdefg"
+    a.drop_front(3)  # stored: they leave
+    assert a.data() == b"defg" and total[0] == 6
+    a.keep(2)  # a truncate inside the buffer
+    assert a.data() == b"de" and total[0] == 4
+    a.keep(5)  # longer than it holds: nothing changes
+    assert a.data() == b"de" and total[0] == 4
+    a.drop_front(2)
+    assert not a and a.data() == b"" and total[0] == 2
+    b.clear()
+    assert total[0] == 0 and not b

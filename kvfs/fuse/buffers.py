@@ -295,38 +295,34 @@ class WriteBuffers:
         async with p.lock:
             if not p.buf:  # flushed while this waited for the lock
                 return False
-            held: list[Pending] = []
+            held = self._take_free(p)
             try:
-                for q in list(self._by_ino.values()):
-                    if q is p or not q.buf or q.node.unlinked:
-                        continue
-                    try:
-                        q.lock.acquire_nowait()
-                    except trio.WouldBlock:
-                        continue
-                    held.append(q)
-                batch = [q for q in held if q.buf] + [p]
-                await self._store(batch, then=sync)
+                await self._store([*held, p], then=sync)
             finally:
                 for q in held:
                     q.lock.release()
             return True
 
+    def _take_free(self, mine: Pending | None) -> list[Pending]:
+        """The other files' buffers holding bytes whose lock is free, their locks taken
+        (no waiting: see ``flush_for_sync``)."""
+        held = []
+        for q in list(self._by_ino.values()):
+            if q is mine or not q.buf or q.node.unlinked:
+                continue
+            try:
+                q.lock.acquire_nowait()
+            except trio.WouldBlock:
+                continue
+            held.append(q)
+        return held
+
     async def _flush_others(self, mine: Pending | None) -> None:
         """The buffers of every file but ``mine`` whose lock is free, in one worker job."""
-        held: list[Pending] = []
+        held = self._take_free(mine)
         try:
-            for q in list(self._by_ino.values()):
-                if q is mine or not q.buf or q.node.unlinked:
-                    continue
-                try:
-                    q.lock.acquire_nowait()
-                except trio.WouldBlock:
-                    continue
-                held.append(q)
-            batch = [q for q in held if q.buf]
-            if batch:
-                await self._store(batch, own=False)
+            if held:
+                await self._store(held, own=False)
         finally:
             for q in held:
                 q.lock.release()
