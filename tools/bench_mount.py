@@ -177,7 +177,7 @@ def _write_big(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _read_all(path: Path) -> float:
+def read_all(path: Path) -> float:
     """Seconds to read a whole file front to back in 1 MiB reads into a page-aligned
     buffer, as cat and dd do (an unaligned one splits each direct read in two)."""
     fd = os.open(path, os.O_RDONLY)
@@ -249,16 +249,16 @@ def seq_read(quick: bool = False, workdir: str | None = None,
     def kvfs_once() -> float:
         with mounted(vol, mnt, vsize, page_cache) as m:
             how.append(drop_caches([vol, peer]))
-            return mib / _read_all(m / "sessions" / "bench" / "layer_0")
+            return mib / read_all(m / "sessions" / "bench" / "layer_0")
 
     def ext4_once() -> float:
         drop_caches([vol, peer])
-        return mib / _read_all(peer)
+        return mib / read_all(peer)
 
     def floor_once() -> float:
         with floor_mounted(floor_file.parent, work / "floor_mnt") as fm:
             drop_caches([floor_file, peer])
-            return mib / _read_all(fm / "layer_0")
+            return mib / read_all(fm / "layer_0")
 
     try:
         vals = interleave([("kvfs", kvfs_once), ("ext4", ext4_once), ("floor", floor_once)],
@@ -276,12 +276,12 @@ def seq_read(quick: bool = False, workdir: str | None = None,
 
 
 def _read_many(paths: list[Path]) -> float:
-    """Seconds for one thread per file to read its whole file at once (``_read_all``)."""
+    """Seconds for one thread per file to read its whole file at once (``read_all``)."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(len(paths)) as pool:
         t0 = time.perf_counter()
-        list(pool.map(_read_all, paths))
+        list(pool.map(read_all, paths))
         return time.perf_counter() - t0
 
 
