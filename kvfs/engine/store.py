@@ -368,10 +368,8 @@ class Store(ReadPath):
         return self.vol.sync_written()
 
     def durable(self) -> bool:
-        """Whether ``sync()`` would find nothing to do: no entry waits in the write buffer
-        and every completed write is covered by a completed fsync. No lock: a change still
-        running may make it False a moment later, never a returned one un-durable (the
-        buffer empties only once its write has completed and been counted)."""
+        """Whether ``sync()`` would do nothing; no lock needed: the ring's buffer empties only
+        once its write completed and was counted, and a covered write stays covered."""
         return not self.ring.unwritten and not self.vol.dirty
 
     def checkpoint(self, clean: bool = False) -> None:

@@ -91,9 +91,10 @@ class Tail:
         self.total[0] += d
 
     def add(self, b: bytes) -> None:
-        if b:
-            self.chunks.append(b if type(b) is bytes else bytes(b))
-            self._grow(len(b))
+        chunk = b if type(b) is bytes else bytes(b)
+        if chunk:
+            self.chunks.append(chunk)
+            self._grow(len(chunk))
 
     def data(self) -> bytes:
         """Every buffered byte as one object (joined once; later calls are free)."""
