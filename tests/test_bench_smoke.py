@@ -1,4 +1,4 @@
-"""Smoke test of the benchmark command: ``tools/bench.py --quick`` on the engine figures.
+"""Smoke test of the benchmark command: ``tools/bench.py --quick`` on the engine and codec figures.
 
 Checks that the run completes and that ``results.json`` carries every engine figure with
 numeric samples and ratios, plus the plots and the page. No timing assertions: the numbers
@@ -24,7 +24,7 @@ ENGINE_FIGURES = {"1", "2", "7", "8"}
 def test_bench_quick_engine(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     env = dict(os.environ, KVFS_BENCH_CACHE=str(tmp_path / "cache"), MPLBACKEND="Agg")
-    p = subprocess.run([sys.executable, str(ROOT / "tools" / "bench.py"), "--quick", "--only", "engine",
+    p = subprocess.run([sys.executable, str(ROOT / "tools" / "bench.py"), "--quick", "--only", "engine,codec",
                         "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     doc = json.loads((out / "results.json").read_text())

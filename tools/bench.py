@@ -3,10 +3,10 @@
 
     python tools/bench.py [--quick] [--out DIR] [--only NAME,...] [--docs PATH | --no-docs]
 
-Runs the figure functions of ``bench_engine``, ``bench_mount``, ``bench_warm`` and
-``bench_hot`` (each imported optionally: a missing module or function is reported as "not
-available", never a crash; a function that raises is reported as failed and the run goes
-on), writes ``DIR/results.json`` and one PNG per figure, and regenerates
+Runs the figure functions of ``bench_engine``, ``bench_codec``, ``bench_mount``,
+``bench_warm``, ``bench_hot`` and ``bench_quality`` (each imported optionally: a missing
+module or function is reported as "not available", never a crash; a function that raises
+is reported as failed and the run goes on), writes ``DIR/results.json`` and one PNG per figure, and regenerates
 ``docs/benchmarks.md`` with the machine, the command, a table per figure (subject, peer,
 ratio, goal, met?), the plots (copied to ``docs/img/``) and a plain sentence for every
 goal missed. ``--only`` takes figure numbers (``1,8``), module names (``engine``) or
@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 log = logging.getLogger("bench")
 
-MODULES = ("engine", "mount", "warm", "hot", "quality")  # tools/bench_<name>.py
+MODULES = ("engine", "codec", "mount", "warm", "hot", "quality")  # tools/bench_<name>.py
 # figure -> (title, peer, [(module, function), ...]); a module's FIGURES dict may add more
 FIGURES: dict[str, tuple[str, str, list[tuple[str, str]]]] = {
     "1": ("Cold random read of one round of one layer, page cache dropped",
@@ -61,7 +61,7 @@ FIGURES: dict[str, tuple[str, str, list[tuple[str, str]]]] = {
     "7": ("Open/mount time and RSS with 10k / 100k / 1M sessions", "the same at the smallest count",
           [("engine", "open_sessions"), ("mount", "mount_time")]),
     "8": ("Lossless compression ratio and speed on fp16 and bf16 KV", "plain zstd level 1",
-          [("engine", "compression")]),
+          [("codec", "compression")]),
     "9": ("memmap read of one round vs `torch.load` of the same round", "`torch.load`",
           [("warm", "memmap_read|bench_memmap_vs_torch_load")]),
     "10": ("Perplexity of a real model (SmolLM2-135M) with a hot window", "the full cache",
