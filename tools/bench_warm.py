@@ -110,7 +110,7 @@ def migration_floors(quick: bool = False, workdir: str | None = None) -> dict:
     runs = {}
     try:
         with floor_mounted(work / "floor", work / "floor_mnt") as fm:
-            runs["FUSE floor"] = (f"{FLOOR}", bench_migration(str(fm), str(work), **kw))
+            runs["FUSE floor"] = (FLOOR, bench_migration(str(fm), str(work), **kw))
         runs["ext4 directory"] = ("ext4 directory", bench_migration(str(work / "ext4"), str(work), **kw))
     finally:
         shutil.rmtree(work, ignore_errors=True)
