@@ -189,6 +189,50 @@ def test_read_advice_is_given_in_batches_off_the_read_path(tmp_path, monkeypatch
     assert calls[-1] == (30 * MB, 10)
 
 
+def test_write_out_starts_per_run_of_writes_and_promises_nothing(tmp_path, monkeypatch):
+    """Every ``writeback`` bytes of appended entries, their write-out is started on the
+    advice thread: contiguous ranges of the ring, in order, none before the run is full;
+    a failing call changes nothing (the data is still there after the fsync, and after a
+    reopen); 0 turns it off."""
+    from kvfs.engine import volume as volmod
+
+    calls: list[tuple[int, int, int]] = []
+    real = volmod._SYNC_FILE_RANGE
+
+    def record(fd, off, n, flags):
+        calls.append((off, n, flags))
+        real(fd, off, n, flags)
+        return -1  # as if it failed: advice only
+
+    monkeypatch.setattr(volmod, "_SYNC_FILE_RANGE", record)
+    path = str(tmp_path / "v.kvvol")
+    s = Store.create(path, 64 * MB, StoreConfig(writeback=MB, compression="none"))
+    s.create_session("s")
+    s.create_file("s", "f")
+    data = bf16(5 * MB + 12345, 3)
+    calls.clear()
+    for off in range(0, len(data), 96 << 10):
+        s.append("s", "f", off, data[off: off + (96 << 10)])
+    s.sync()
+    s.close()  # the queued advice is given before the descriptor closes
+    ring_lo, ring_hi = s.sb.ring_offset, s.sb.ring_offset + s.sb.ring_size
+    assert len(calls) >= 4 and all(f == volmod.SYNC_FILE_RANGE_WRITE for _, _, f in calls)
+    assert all(n >= MB and ring_lo <= off and off + n <= ring_hi for off, n, _ in calls)
+    assert all(a + n <= b for (a, n, _), (b, _, _) in zip(calls, calls[1:], strict=False))
+    assert sum(n for _, n, _ in calls) >= 4 * MB  # the last, partly filled run waits for fsync
+    s = Store.open(path)
+    assert s.read("s", "f", 0, len(data)) == data
+    s.close()
+
+    calls.clear()
+    s = Store.create(str(tmp_path / "off.kvvol"), 64 * MB, StoreConfig(writeback=0))
+    s.create_session("s")
+    s.create_file("s", "f")
+    s.append("s", "f", 0, data)
+    s.close()
+    assert calls == []
+
+
 def test_readers_run_beside_an_appender_and_reclaim(tmp_path):
     """Readers on several threads, one appender that keeps the ring wrapping (live data is
     copied forward from under the readers): every byte right, no exception, no fsck mark."""

@@ -97,7 +97,7 @@ class Store(ReadPath):
                  clock: Callable[[], float], observer: Observer | None = None) -> None:
         self.vol, self.sb, self.cfg, self.clock = vol, sb, config, clock
         self.observer = observer or NullObserver()
-        vol.fadvise = config.fadvise
+        vol.fadvise, vol.writeback = config.fadvise, config.writeback
         self.ring = Ring(vol, sb.ring_offset, sb.ring_size, sb.head, sb.tail, config.write_buffer)
         tree = BTree(vol, sb.tree_offset, sb.tree_pages, TreeRoot.unpack(sb.tree_root))
         self.idx = Index(tree, config.hot_sessions)

@@ -53,6 +53,8 @@ class StoreConfig:
     # a lap of the ring is stored small
     write_buffer: int = 4 << 20  # bytes of entries gathered before one pwrite
     fadvise: bool = True  # POSIX_FADV_DONTNEED after cold reads
+    writeback: int = 4 << 20  # bytes written in one run before their write-out to the disk
+    # starts (an fsync then waits for the last run only); 0 leaves it to the kernel
 
 
 @dataclass
