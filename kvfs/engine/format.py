@@ -151,6 +151,9 @@ class Header(NamedTuple):
         return body + struct.pack("<I", crc32c.crc32c(body))
 
 
+_new_header = tuple.__new__
+
+
 def unpack_header(raw: bytes | memoryview, off: int = 0) -> Header | None:
     """Parse a header at ``off``; None unless magic, checksum and type are right."""
     if len(raw) - off < HDR_SIZE:
@@ -160,7 +163,7 @@ def unpack_header(raw: bytes | memoryview, off: int = 0) -> Header | None:
         return None
     if crc32c.crc32c(raw[off: off + HDR_SIZE - 4]) != f[-1]:
         return None
-    return Header(f[1], f[2], *f[4:14])
+    return _new_header(Header, (f[1], f[2], *f[4:14]))  # Header(...) without its Python __new__
 
 
 def entry_size(stored_len: int) -> int:

@@ -214,7 +214,7 @@ class Ring:
         """Under the store's lock, before ``read_data``: Corrupt unless the entry is in the
         live ring; its bytes if they are still in the write buffer, else None."""
         self.live(pos, esize)
-        return self.buffered(pos, esize)
+        return None if pos < self._buf_pos else self.buffered(pos, esize)
 
     def _check_header(self, raw: bytes | memoryview, pos: int, esize: int) -> Header:
         h = unpack_header(raw)
@@ -250,7 +250,7 @@ class Ring:
         first blocks in one read when they lie close, else in a read of their own.
         ``src``: the entry's bytes from the write buffer (``locate``); ``raw_hint``: the
         entry's raw length as far as the index knows (sizes the table). No lock needed."""
-        phys = self.phys(pos)
+        phys = self.offset + pos % self.size
 
         def fetch(o: int, n: int) -> bytes | memoryview:
             if src is not None:
@@ -259,13 +259,11 @@ class Ring:
             self.vol.dontneed(phys + o, n)
             return out
 
-        have, have_off = memoryview(b""), 0
         if known is None:
             end = HDR_SIZE + BLOCK_ENTRY.size * -(-max(b, raw_hint) // BLOCK)
             if a - a % BLOCK <= INLINE_SKIP:  # the blocks from the start up to b, in one read
                 end += -(-b // BLOCK) * BLOCK
-            n = min(esize, -(-(phys + end) // PAGE_IO) * PAGE_IO - phys)
-            have = memoryview(fetch(0, n))
+            have = memoryview(fetch(0, min(esize, -(-(phys + end) // PAGE_IO) * PAGE_IO - phys)))
             h = self._check_header(have, pos, esize)
             if h.type != T_DATA:
                 raise Corrupt(f"entry at {pos} is not a data entry")
@@ -273,10 +271,12 @@ class Ring:
             if tend > len(have) and tend <= esize:
                 have = memoryview(bytes(have) + bytes(fetch(len(have), tend - len(have))))
             known = (h, parse_table(h, have[HDR_SIZE:]))
+        else:
+            have = memoryview(b"")
         h, t = known
         if not 0 <= a < b <= h.raw_len:
             raise Corrupt(f"entry at {pos} holds {h.raw_len} bytes, index wants {a}..{b}")
-        pieces, decoded = read_range(h, t, a, b, have, have_off, fetch)
+        pieces, decoded = read_range(h, t, a, b, have, 0, fetch)
         return pieces, decoded, known
 
     # ------------------------------------------------------------------- scan
