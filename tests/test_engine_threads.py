@@ -381,3 +381,45 @@ def test_read_ahead_advises_only_where_the_file_jumps_on_disk(tmp_path):
     assert AdvisedVolume.advised and all(entries.get(off) == n for off, n in AdvisedVolume.advised)
     assert len(AdvisedVolume.advised) == len(set(AdvisedVolume.advised)) <= 15  # each entry once
     s.close()
+
+
+class ReadLog(FaultyVolume):
+    """Records the advice and the reads, in order."""
+
+    log: list[tuple[str, int, int]] = []
+
+    def willneed(self, off: int, n: int) -> None:
+        type(self).log.append(("advise", off, n))
+        super().willneed(off, n)
+
+    def pread(self, n: int, off: int) -> bytes:
+        type(self).log.append(("read", off, n))
+        return super().pread(n, off)
+
+
+def test_a_read_that_needs_two_volume_reads_asks_for_the_second_first(tmp_path):
+    """A range deep inside a large entry whose table is not known is read in two (header
+    and table, then the blocks): the blocks are advised before the first read, at exactly
+    where the second read finds them. A read spanning two entries advises the second
+    entry's read. One volume read: no advice. The bytes are right every time."""
+    path = str(tmp_path / "v.kvvol")
+    s = Store.create(path, 64 * MB, StoreConfig(compression="none"), volume=ReadLog)
+    s.create_session("s")
+    s.create_file("s", "f")
+    data = os.urandom(2 * MB)
+    s.append("s", "f", 0, data[:MB])
+    s.append("s", "f", MB, data[MB:])
+    s.close()
+    s = Store.open(path, volume=ReadLog)
+    # (offset, length, volume reads): within the first blocks; deep inside; across two
+    cases = [(0, 96 << 10, 1), (512 << 10, 96 << 10, 2), (MB - (32 << 10), 96 << 10, 3)]
+    for off, n, nreads in cases:
+        s.drop_caches()
+        ReadLog.log = []
+        assert s.read("s", "f", off, n) == data[off: off + n]
+        adv = [(o, k) for what, o, k in ReadLog.log if what == "advise"]
+        reads = [(o, k) for what, o, k in ReadLog.log if what == "read"]
+        assert len(reads) == nreads
+        assert adv == reads[1:]  # exactly what was read after the first, in order
+        assert all(what == "advise" for what, _, _ in ReadLog.log[:len(adv)])  # and before it
+    s.close()

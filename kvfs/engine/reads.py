@@ -122,6 +122,14 @@ class ReadPath:
 
     def _read_jobs(self, jobs: list[list]) -> tuple[list, list]:
         """No lock: read, check and decode what ``_plan_read`` planned."""
+        if len(jobs) > 1 or jobs[0][6] is None:
+            # A read that needs more than one volume read asks for all of them first, so
+            # the disk has them in flight at once rather than one after another.
+            ranges = [r for pos, esize, a, b, hint, src, known, pieces in jobs
+                      if pieces is None and src is None
+                      for r in self.ring.read_plan(pos, esize, a, b, known, hint)]
+            for off, n in ranges[1:]:  # the first is read right away
+                self.vol.willneed(off, n)
         out: list[bytes | memoryview] = []
         learned = []
         for pos, esize, a, b, hint, src, known, pieces in jobs:

@@ -241,6 +241,32 @@ class Ring:
             raise Corrupt(f"payload checksum mismatch in entry at ring position {pos}")
         return h, payload
 
+    def _first_read(self, phys: int, esize: int, a: int, b: int, raw_hint: int) -> tuple[int, int]:
+        """For an entry whose table is not known: the bytes of its first read (header,
+        table and, when they lie close, the blocks from the start up to ``b``), and where
+        raw blocks [a, b) would begin if they need a read of their own (else 0)."""
+        end = HDR_SIZE + BLOCK_ENTRY.size * -(-max(b, raw_hint) // BLOCK)
+        rest = 0
+        if a - a % BLOCK <= INLINE_SKIP:
+            end += -(-b // BLOCK) * BLOCK
+        else:
+            rest = end + a - a % BLOCK
+        return min(esize, -(-(phys + end) // PAGE_IO) * PAGE_IO - phys), rest
+
+    def read_plan(self, pos: int, esize: int, a: int, b: int, known: tuple[Header, Table] | None,
+                  raw_hint: int = 0) -> list[tuple[int, int]]:
+        """The volume ranges ``read_data`` reads for these arguments: exact for a known
+        table, else where raw blocks would lie (appends store raw). For advice only."""
+        phys = self.offset + pos % self.size
+        if known is not None:
+            st, r = known[1].st_off, known[1].blocks(a, b)
+            return [(phys + st[r[0]], st[r[-1] + 1] - st[r[0]])]
+        n, rest = self._first_read(phys, esize, a, b, raw_hint)
+        if not rest:
+            return [(phys, n)]
+        tend = HDR_SIZE + BLOCK_ENTRY.size * -(-max(b, raw_hint) // BLOCK)
+        return [(phys, n), (phys + rest, min(tend + -(-b // BLOCK) * BLOCK, esize) - rest)]
+
     def read_data(self, pos: int, esize: int, a: int, b: int, src: bytes | None,
                   known: tuple[Header, Table] | None, raw_hint: int = 0
                   ) -> tuple[list[bytes | memoryview], dict[int, bytes | memoryview], tuple[Header, Table]]:
@@ -260,10 +286,8 @@ class Ring:
             return out
 
         if known is None:
-            end = HDR_SIZE + BLOCK_ENTRY.size * -(-max(b, raw_hint) // BLOCK)
-            if a - a % BLOCK <= INLINE_SKIP:  # the blocks from the start up to b, in one read
-                end += -(-b // BLOCK) * BLOCK
-            have = memoryview(fetch(0, min(esize, -(-(phys + end) // PAGE_IO) * PAGE_IO - phys)))
+            n, _ = self._first_read(phys, esize, a, b, raw_hint)
+            have = memoryview(fetch(0, n))
             h = self._check_header(have, pos, esize)
             if h.type != T_DATA:
                 raise Corrupt(f"entry at {pos} is not a data entry")
