@@ -220,16 +220,14 @@ def cold_read(quick: bool = False, workdir: str | None = None) -> dict[str, Any]
         return dt
 
     from kvfs.engine.format import BLOCK
-
     crcs = [crc32c.crc32c(data[o: o + BLOCK]) for o in range(0, size, BLOCK)]
 
     def checked(r: int) -> bytes:
         """The peer's read plus what checking it costs: each block's CRC, one copy out."""
         got = memoryview(os.pread(peer_fd, ROUND, r * ROUND))
         blocks = [got[o: o + BLOCK] for o in range(0, ROUND, BLOCK)]
-        for i, blk in enumerate(blocks):
-            if crc32c.crc32c(blk) != crcs[(r * ROUND) // BLOCK + i]:
-                raise RuntimeError("peer file changed under the benchmark")
+        if [crc32c.crc32c(b) for b in blocks] != crcs[r * ROUND // BLOCK: (r + 1) * ROUND // BLOCK]:
+            raise RuntimeError("peer file changed under the benchmark")
         return b"".join(blocks)
 
     fns = [(k, partial(lambda st, r: st.read("bench", "layer_0", r * ROUND, ROUND), stores[k]))
