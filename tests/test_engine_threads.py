@@ -397,11 +397,11 @@ class ReadLog(FaultyVolume):
         return super().pread(n, off)
 
 
-def test_a_read_that_needs_two_volume_reads_asks_for_the_second_first(tmp_path):
+def test_a_random_read_with_a_jump_on_disk_asks_for_what_follows_it_first(tmp_path):
     """A range deep inside a large entry whose table is not known is read in two (header
     and table, then the blocks): the blocks are advised before the first read, at exactly
-    where the second read finds them. A read spanning two entries advises the second
-    entry's read. One volume read: no advice. The bytes are right every time."""
+    where the second read finds them. What follows on disk (the next entry of a range over
+    two) is not advised, nor is anything for a sequential reader. The bytes are right."""
     path = str(tmp_path / "v.kvvol")
     s = Store.create(path, 64 * MB, StoreConfig(compression="none"), volume=ReadLog)
     s.create_session("s")
@@ -411,15 +411,17 @@ def test_a_read_that_needs_two_volume_reads_asks_for_the_second_first(tmp_path):
     s.append("s", "f", MB, data[MB:])
     s.close()
     s = Store.open(path, volume=ReadLog)
-    # (offset, length, volume reads): within the first blocks; deep inside; across two
-    cases = [(0, 96 << 10, 1), (512 << 10, 96 << 10, 2), (MB - (32 << 10), 96 << 10, 3)]
-    for off, n, nreads in cases:
+    # (offset, length, volume reads, advised): within the first blocks; deep inside;
+    # across two; then on from where that read ended (sequential), deep in the second
+    cases = [(0, 96 << 10, 1, 0), (512 << 10, 96 << 10, 2, 1), (MB - (32 << 10), 160 << 10, 3, 1),
+             (MB + (128 << 10), 96 << 10, 2, 0)]
+    for off, n, nreads, advised in cases:
         s.drop_caches()
         ReadLog.log = []
         assert s.read("s", "f", off, n) == data[off: off + n]
         adv = [(o, k) for what, o, k in ReadLog.log if what == "advise"]
         reads = [(o, k) for what, o, k in ReadLog.log if what == "read"]
         assert len(reads) == nreads
-        assert adv == reads[1:]  # exactly what was read after the first, in order
-        assert all(what == "advise" for what, _, _ in ReadLog.log[:len(adv)])  # and before it
+        assert adv == reads[1:1 + advised]  # only the read after the jump
+        assert all(what == "advise" for what, _, _ in ReadLog.log[:len(adv)])  # first
     s.close()

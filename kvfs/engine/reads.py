@@ -58,11 +58,11 @@ class ReadPath:
         t0 = time.perf_counter()
         for _ in range(READ_RETRIES):
             with self._lock:
-                jobs = self._plan_read(session, name, offset, length)
+                jobs, sequential = self._plan_read(session, name, offset, length)
             if not jobs:
                 return b""
             try:
-                out, learned = self._read_jobs(jobs)
+                out, learned = self._read_jobs(jobs, not sequential)
             except Corrupt:
                 if not self._reclaimed(jobs):
                     with self._lock:
@@ -81,14 +81,16 @@ class ReadPath:
             return b"".join(out)
         raise Corrupt(f"{session}/{name}: reclaim moved the data {READ_RETRIES} times during one read")
 
-    def _plan_read(self, session: str, name: str, offset: int, length: int) -> list[list]:
+    def _plan_read(self, session: str, name: str, offset: int, length: int) -> tuple[list[list], bool]:
         """Under the state lock: per extent in [offset, offset+length), what to read —
-        [pos, esize, a, b, raw_hint, buffered copy, known table, pieces if all cached]."""
+        [pos, esize, a, b, raw_hint, buffered copy, known table, pieces if all cached] —
+        and whether the read goes on where the file's last read ended."""
         s, f = self._file(session, name)
         end = min(f.size, offset + length)
         if offset >= end:
-            return []
-        if offset == f.seq_end:  # sequential reader: let the disk work ahead of us
+            return [], False
+        sequential = offset == f.seq_end
+        if sequential:  # let the disk work ahead of us
             self._read_ahead(f, end)
         f.seq_end = end
         jobs = []
@@ -107,7 +109,7 @@ class ReadPath:
             i += 1
         s.atime = f.atime = time.time_ns()
         self.idx.touched(s)
-        return jobs
+        return jobs, sequential
 
     def _cached_range(self, pos: int, t: Table, a: int, b: int) -> list | None:
         pieces = []
@@ -120,16 +122,22 @@ class ReadPath:
             pieces.append(raw[max(a, r0) - r0: min(b, t.raw_off[i + 1]) - r0])
         return pieces
 
-    def _read_jobs(self, jobs: list[list]) -> tuple[list, list]:
-        """No lock: read, check and decode what ``_plan_read`` planned."""
-        if len(jobs) > 1 or jobs[0][6] is None:
-            # A read that needs more than one volume read asks for all of them first, so
-            # the disk has them in flight at once rather than one after another.
+    def _read_jobs(self, jobs: list[list], advise: bool = True) -> tuple[list, list]:
+        """No lock: read, check and decode what ``_plan_read`` planned.
+
+        A random read that needs more than one volume read with a jump on disk between
+        them (a range deep in a large entry: its table, then its blocks) asks for those
+        after the jump first, so the disk has them in flight at once. Never for ranges
+        that follow each other on disk, nor for a sequential reader: the kernel's
+        readahead and ``_read_ahead`` serve those, and an advice call costs about as
+        much as the read it announces."""
+        if advise and (len(jobs) > 1 or jobs[0][6] is None):
             ranges = [r for pos, esize, a, b, hint, src, known, pieces in jobs
                       if pieces is None and src is None
                       for r in self.ring.read_plan(pos, esize, a, b, known, hint)]
-            for off, n in ranges[1:]:  # the first is read right away
-                self.vol.willneed(off, n)
+            for (p0, n0), (off, n) in zip(ranges, ranges[1:], strict=False):
+                if not 0 <= off - (p0 + n0) < READ_GAP:  # a jump: the first is read right away
+                    self.vol.willneed(off, n)
         out: list[bytes | memoryview] = []
         learned = []
         for pos, esize, a, b, hint, src, known, pieces in jobs:
