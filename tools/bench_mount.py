@@ -55,6 +55,7 @@ from bench_common import (
     drop_caches,
     fadvise_dontneed,
     interleave,
+    kv_bytes,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,12 +65,6 @@ log = logging.getLogger("bench.mount")
 ROUND = 96 * KiB  # one agent round of one layer
 MOUNT_TIMEOUT = 30.0
 MOUNT_ARGS: list[str] = []  # more kvfs-mount options for every mount (``--offload-reads``)
-
-
-def kv_bytes(n: int, seed: int = 0) -> bytes:
-    """``n`` bytes of fp16 random-normal activations (KV-like; compresses ~1.18x)."""
-    rng = np.random.default_rng(seed)
-    return rng.standard_normal(n // 2, dtype=np.float32).astype(np.float16).tobytes()
 
 
 @contextmanager

@@ -241,17 +241,17 @@ class Ring:
             raise Corrupt(f"payload checksum mismatch in entry at ring position {pos}")
         return h, payload
 
-    def _first_read(self, phys: int, esize: int, a: int, b: int, raw_hint: int) -> tuple[int, int]:
+    def _first_read(self, phys: int, esize: int, a: int, b: int, raw_hint: int) -> tuple[int, int, int]:
         """For an entry whose table is not known: the bytes of its first read (header,
-        table and, when they lie close, the blocks from the start up to ``b``), and where
-        raw blocks [a, b) would begin if they need a read of their own (else 0)."""
+        table and, when they lie close, the blocks from the start up to ``b``), and the
+        entry range [start, end) raw blocks [a, b) would span if they need a read of their
+        own (else 0, 0)."""
         end = HDR_SIZE + BLOCK_ENTRY.size * -(-max(b, raw_hint) // BLOCK)
-        rest = 0
-        if a - a % BLOCK <= INLINE_SKIP:
-            end += -(-b // BLOCK) * BLOCK
-        else:
-            rest = end + a - a % BLOCK
-        return min(esize, -(-(phys + end) // PAGE_IO) * PAGE_IO - phys), rest
+        blocks_end = min(esize, end + -(-b // BLOCK) * BLOCK)
+        rest = (0, 0) if a - a % BLOCK <= INLINE_SKIP else (end + a - a % BLOCK, blocks_end)
+        if not rest[1]:
+            end = blocks_end
+        return min(esize, -(-(phys + end) // PAGE_IO) * PAGE_IO - phys), *rest
 
     def read_plan(self, pos: int, esize: int, a: int, b: int, known: tuple[Header, Table] | None,
                   raw_hint: int = 0) -> list[tuple[int, int]]:
@@ -261,11 +261,8 @@ class Ring:
         if known is not None:
             st, r = known[1].st_off, known[1].blocks(a, b)
             return [(phys + st[r[0]], st[r[-1] + 1] - st[r[0]])]
-        n, rest = self._first_read(phys, esize, a, b, raw_hint)
-        if not rest:
-            return [(phys, n)]
-        tend = HDR_SIZE + BLOCK_ENTRY.size * -(-max(b, raw_hint) // BLOCK)
-        return [(phys, n), (phys + rest, min(tend + -(-b // BLOCK) * BLOCK, esize) - rest)]
+        n, r0, r1 = self._first_read(phys, esize, a, b, raw_hint)
+        return [(phys, n), (phys + r0, r1 - r0)] if r1 else [(phys, n)]
 
     def read_data(self, pos: int, esize: int, a: int, b: int, src: bytes | None,
                   known: tuple[Header, Table] | None, raw_hint: int = 0
@@ -286,7 +283,7 @@ class Ring:
             return out
 
         if known is None:
-            n, _ = self._first_read(phys, esize, a, b, raw_hint)
+            n, _, _ = self._first_read(phys, esize, a, b, raw_hint)
             have = memoryview(fetch(0, n))
             h = self._check_header(have, pos, esize)
             if h.type != T_DATA:
