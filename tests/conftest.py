@@ -1,4 +1,5 @@
-"""Shared fixtures: real kvfs mounts through /dev/fuse (see :mod:`kvfs.testing`).
+"""Shared fixtures: real kvfs mounts through /dev/fuse (see :mod:`kvfs.testing`), and the
+warm-tier tests' directories and bytes.
 
 Every test that uses a mount fixture is marked ``mount``, so ``pytest -m "not mount"`` is
 the fast unit lane. Mount tests are skipped only when /dev/fuse is absent.
@@ -9,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvfs.testing import (  # noqa: F401 - re-exported for the test modules
@@ -77,6 +79,19 @@ def shared_mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mount]:
     if m.proc is not None:
         rc = m.stop()
         assert rc == 0, m.log_text()
+
+
+@pytest.fixture
+def dirs(tmp_path: Path) -> tuple[str, str]:
+    """A cold root laid out like a mounted volume and a warm root (the warm-tier tests)."""
+    cold = tmp_path / "cold"
+    (cold / "sessions").mkdir(parents=True)  # the layout of a mounted volume
+    return str(cold), str(tmp_path / "warm")
+
+
+def blob(seed: int, n: int) -> np.ndarray:
+    """``n`` random bytes, the same for the same seed."""
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
 
 @pytest.fixture

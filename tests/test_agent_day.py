@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import agent_day_report
 import agentlib
 import pytest
 
@@ -78,15 +79,15 @@ def test_agent_day_profile(day: tuple[dict, Path, str], profile: str) -> None:
 def test_page_sections_kept(tmp_path: Path) -> None:
     page = tmp_path / "agent-day.md"
     order = ["gov", "ecommerce", "iot"]
-    agentlib.write_sections(page, order, "agent-day", "iot", "## iot\nfirst", default_head="# Head")
-    agentlib.write_sections(page, order, "agent-day", "gov", "## gov\nfirst", default_head="# Head")
+    agent_day_report.write_sections(page, order, "agent-day", "iot", "## iot\nfirst", default_head="# Head")
+    agent_day_report.write_sections(page, order, "agent-day", "gov", "## gov\nfirst", default_head="# Head")
     page.write_text(page.read_text().replace("# Head", "# Head\n\nHand-written intro."))
-    agentlib.write_sections(page, order, "agent-day", "iot", "## iot\nsecond", default_head="# Other")
+    agent_day_report.write_sections(page, order, "agent-day", "iot", "## iot\nsecond", default_head="# Other")
     text = page.read_text()
     assert text.startswith("# Head\n\nHand-written intro.")
-    assert agentlib.section(text, "agent-day:gov") == "## gov\nfirst"
-    assert agentlib.section(text, "agent-day:iot") == "## iot\nsecond"
-    assert agentlib.section(text, "agent-day:ecommerce") is None
+    assert agent_day_report.section(text, "agent-day:gov") == "## gov\nfirst"
+    assert agent_day_report.section(text, "agent-day:iot") == "## iot\nsecond"
+    assert agent_day_report.section(text, "agent-day:ecommerce") is None
     assert text.index("agent-day:gov") < text.index("agent-day:iot")
 
 

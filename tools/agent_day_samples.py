@@ -1,0 +1,106 @@
+"""Samples and figures of an agent day: :class:`DaySamples`, a part of
+``agent_day_sim.Day``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import agentlib as lib
+
+
+class DaySamples:
+    """The time series and the day's results, mixed into ``Day``: its router, volume, counters,
+    latencies and the marks of the previous sample."""
+
+    def _sample(self, now: float) -> None:
+        from kvfs.ops import metrics
+
+        r, mk = self.router, self._mark
+        wu = r.warm.usage()
+        ev_sum, ev_n = metrics.histogram_totals(metrics.warm_evict_latency)
+        mm = self._mount_metrics()
+        st = lib.mount_stats(self.vol.mnt) if self.vol.use_mount else None
+        cold_write = None
+        if mm and "w_n" in mk and mm.get("kv_cold_write_ms_count", 0) > mk["w_n"]:
+            cold_write = (mm["kv_cold_write_ms_sum"] - mk["w_sum"]) / (mm["kv_cold_write_ms_count"] - mk["w_n"])
+        p50, p99 = self.cold_lat.quantiles(mk.get("reads", 0))
+        steps = self.c["steps"] - mk.get("steps", 0)
+        row = {
+            "h": now / 3600, "active": len(self.active), "interactions": self.c["interactions"],
+            "hit_rate": (self.c["hits"] - mk.get("hits", 0)) / steps if steps else None,
+            "hot_ratio": r.hot_total / r.budget, "warm_ratio": wu["ratio"],
+            "cold_used": st["usage"]["used"] if st else None,
+            "evict_ms": (ev_sum - mk["ev_sum"]) / (ev_n - mk["ev_n"]) if "ev_n" in mk and ev_n > mk["ev_n"] else None,
+            "cold_p50": p50, "cold_p99": p99, "engine_p99": mm.get("kv_cold_read_p99_ms") if mm else None,
+            "moves": r.watermark_moves + self.offs["moves"],
+            "migrations": wu["migrations"] + self.offs["migrations"],
+            "promotions": wu["promotions"] + self.offs["promotions"],
+            "alerts": self.c["alerts_in_drill"] + self.c["alerts_outside"],
+            "rss": lib.rss_bytes(), "mount_rss": lib.rss_bytes(self.vol.pid) if self.vol.pid else None,
+        }
+        self.rows.append(row)
+        mk.update(steps=self.c["steps"], hits=self.c["hits"], reads=len(self.cold_lat), ev_sum=ev_sum, ev_n=ev_n)
+        if mm:
+            mk.update(w_sum=mm.get("kv_cold_write_ms_sum", 0.0), w_n=mm.get("kv_cold_write_ms_count", 0.0))
+        if now > 0:
+            self._tick_alerts(cold_write)
+
+    # --- figures --------------------------------------------------------------------------
+    def _results(self) -> dict[str, Any]:
+        c, rows, MiB = self.c, self.rows, 1 << 20
+        m1 = self._mount_metrics()
+        eng: dict[str, Any] = {}
+        if m1:  # the day's reads inside the mount (kv_cold_read_ms); exact at the 1 ms bound
+            b0 = lib.histogram_buckets(self.m0, "kv_cold_read_ms")
+            d = {k: v - b0.get(k, 0.0) for k, v in lib.histogram_buckets(m1, "kv_cold_read_ms").items()}
+            n = d.get(math.inf, 0.0)
+            gauge = [r["engine_p99"] for r in rows if r["engine_p99"]]
+            eng = {"reads": n, "p50": lib.histogram_quantile(0.5, d), "p99": lib.histogram_quantile(0.99, d),
+                   "within_1ms": d.get(1.0, 0.0) / n if n else None,
+                   "gauge_end": m1.get("kv_cold_read_p99_ms"), "gauge_max": max(gauge, default=None)}
+        ev: dict[str, Any] = dict.fromkeys(("n", "mean", "p99"))
+        evb, ev_sum, ev_n = lib.local_histogram("warm_evict_latency")
+        d = {k: v - self.ev0[0].get(k, 0.0) for k, v in evb.items()}
+        n = ev_n - self.ev0[2]
+        if n:
+            ev = {"n": int(n), "mean": (ev_sum - self.ev0[1]) / n, "p99": lib.histogram_quantile(0.99, d)}
+        base = rows[max(1, len(rows) // 10)]  # after the first ~2.4 simulated hours (warm-up)
+        later = [r["rss"] for r in rows if r["h"] >= base["h"] and r["rss"]]
+        rss = {"start": base["rss"], "end": rows[-1]["rss"], "max": max(later),
+               "first": rows[0]["rss"], "at_h": base["h"]}
+        rss["growth"] = rss["max"] - rss["start"]
+        rss["flat"] = rss["growth"] <= max(0.05 * rss["start"], 16 * MiB)
+        mrss = [r["mount_rss"] for r in rows if r["mount_rss"]]
+        p50, p99 = self.cold_lat.quantiles()
+        steps = c["steps"]
+        res: dict[str, Any] = {
+            "profile": self.w.name, "minutes": self.args.minutes, "speed": self.clock.speed,
+            "real_s": time.perf_counter() - self.clock.t0, "peak_sessions": self.peak,
+            "budget_bytes": self.budget, "warm_cap": self.w.warm_cap, "counts": c,
+            "hit_rate": c["hits"] / steps if steps else None,
+            "cold_reads": len(self.cold_lat), "cold_read_p50_ms": p50, "cold_read_p99_ms": p99,
+            "engine_cold_read": eng, "warm_evict": ev,
+            "hot_peak": max(r["hot_ratio"] for r in rows), "warm_peak": max(r["warm_ratio"] for r in rows),
+            "cold_used_end": rows[-1]["cold_used"],
+            "moves": rows[-1]["moves"], "migrations": rows[-1]["migrations"],
+            "promotions": rows[-1]["promotions"], "rss": rss,
+            "mount_rss": {"start": mrss[0], "end": mrss[-1], "max": max(mrss)} if mrss else None,
+            "mismatches": sum(c[k] for k in ("bad_recall", "bad_window", "bad_stored", "bad_resume_gen")),
+            "events": self.drill_log + [f"{rule} fired {len(hs)} times outside the drills ({hs[0]:05.2f} h to "
+                                        f"{hs[-1]:05.2f} h)" for rule, hs in self.outside.items()],
+            "drills": self.drills, "rows": rows,
+        }
+        res["goals"] = [
+            ("OOMs", c["oom"] == 0), ("errors", c["errors"] == 0),
+            ("byte mismatches", res["mismatches"] == 0),
+            ("resumed sessions continue identically", c["check_resume_gen"] > 0 and c["bad_resume_gen"] == 0),
+            ("hot hit rate >= 95 %", res["hit_rate"] is not None and res["hit_rate"] >= 0.95),
+            ("cold read p99 < 1 ms", eng["within_1ms"] >= 0.99 if eng.get("within_1ms") is not None
+             else p99 is not None and p99 < 1.0),
+            ("flat RSS", rss["flat"]),
+        ]
+        return res
+
