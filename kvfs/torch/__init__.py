@@ -8,9 +8,10 @@ that imports torch and transformers; ``import kvfs`` never imports it.
   the device (one :class:`TieredLayer` per layer, ``layer.py``); what falls out goes to the
   warm tier on a background thread (``spill.py``); rounds, recall (explicit and automatic),
   refill after budget moves, resume, forks; its recall and re-rotation methods live in
-  ``cache_recall.py``.
+  ``cache_recall.py``, its budget moves, refill and resume in ``cache_moves.py``.
 * :class:`KVRouter` (``router.py``): session id -> cache, device budget and watermark,
-  metrics, flush/close, resume after a restart, ``fork``.
+  metrics, flush/close, resume after a restart, ``fork``; the budget's checks and moves
+  out live in ``router_budget.py``.
 * ``fingerprint.py``: model fingerprint (config + weights digest), refusal of attention the
   cache cannot serve (:class:`KVUnsupported`), ``meta.json`` and the token-major layout.
 * ``recall.py``: ranking rounds by summary and reading stored tokens back.

@@ -1,29 +1,10 @@
 """The session router: session id -> TieredCache, one warm tier, one spill thread, the budget.
 
 Owns: the mapping of live sessions (in least-recently-used order), the device budget and
-its watermark, the synchronous "move the oldest round of the least recently used sessions
-out" policy, the shared :class:`~kvfs.torch.spill.Spiller`, the :class:`kvfs.warm.WarmTier`
-it builds over the mount (``cold_root``), resume, and the hot-tier metrics.
-
-Budget (checked at every forward step of every session):
-
-* CPU: the K/V bytes the router's caches hold (window storage + recalled copies, counted
-  exactly from tensor sizes) against ``watermark * device_budget_bytes``. With no budget,
-  nothing is enforced.
-* CUDA: ``torch.cuda.memory_reserved()`` against ``watermark * budget`` (budget = the
-  device's total memory unless given). The caching allocator never shrinks on its own and
-  ``torch.cuda.empty_cache()`` is never called: rounds are moved out until the *allocated*
-  bytes leave room for the step, so freed blocks are reused and ``memory_reserved`` stops
-  growing.
-
-Before a step, room for the step's growth (and for reading back what earlier moves took
-from this session, see "refill" in :mod:`kvfs.torch.cache`) is made by moving rounds of
-*other* sessions (a session cannot shrink mid-step: its attention mask is already built).
-After the step the budget is enforced over all sessions, the stepping one last (it is the
-most recent). Moves are synchronous: they return once the bytes are in the warm tier.
-Moves change what is on the device, never what a step attends. Moves take window tokens
-(and recalled copies); a session's sinks stay on the device unless no window token of any
-session is left to move, and are then read back, like the window, before its next step.
+its watermark, the shared :class:`~kvfs.torch.spill.Spiller`, the :class:`kvfs.warm.WarmTier`
+it builds over the mount (``cold_root``), resume, forks, and the hot-tier metrics. The
+budget's checks and its synchronous "move the oldest round of the least recently used
+sessions out" policy are a mixin of the router (:mod:`kvfs.torch.router_budget`).
 
 Never calls ``torch.cuda.empty_cache()``; never writes files itself (the warm tier does).
 One thread drives a router and its caches (the forward passes); the spill thread is the
@@ -35,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from collections import OrderedDict
 from typing import Any
 
@@ -48,6 +28,7 @@ from kvfs.torch.cache import (
 from kvfs.torch.fingerprint import KVCorrupt, KVMismatch, KVUnsupported, fingerprint, geometry
 from kvfs.torch.recall import prefetch_cold
 from kvfs.torch.rope import RopeShift
+from kvfs.torch.router_budget import BudgetMixin
 from kvfs.torch.spill import Spiller
 
 log = logging.getLogger("kvfs.torch.router")
@@ -90,7 +71,7 @@ def hot_settings(prof: Any) -> dict[str, Any]:
             "rope_reach": prof.rope_reach}
 
 
-class KVRouter:
+class KVRouter(BudgetMixin):
     """Session id -> :class:`TieredCache` over one warm tier (and, below it, the mount).
 
     ``KVRouter(mount="/mnt/kv", device="cpu", max_kv_len=24, device_budget_bytes=None,
@@ -329,107 +310,6 @@ class KVRouter:
 
     def hot_session_count(self) -> int:
         return sum(1 for c in self._sessions.values() if c.hot_bytes > 0)
-
-    # --- budget -------------------------------------------------------------------------------
-    @property
-    def limit(self) -> float | None:
-        return None if self.budget is None else self.watermark * self.budget
-
-    def account(self, c: TieredCache) -> None:
-        """Record ``c``'s device bytes now (called by the cache after it changed them)."""
-        now = c.hot_bytes
-        self.hot_total += now - self._accounted.get(c.session_id, 0)
-        self._accounted[c.session_id] = now
-        if self.hot_total > self.peak_hot_bytes:  # every change is seen, corrections included
-            self.peak_hot_bytes = self.hot_total
-
-    def _pressure(self, extra: int) -> bool:
-        lim = self.limit
-        if lim is None:
-            return False
-        if self._cuda:
-            alloc = torch.cuda.memory_allocated(self.device)
-            reserved = torch.cuda.memory_reserved(self.device)
-            # over the line now, or the step would have to grow the reserved pool past it
-            return alloc + extra > lim or (reserved + extra > lim and reserved - alloc < extra)
-        return self.hot_total + extra > lim
-
-    def _tokens_needed(self, c: TieredCache, extra: int) -> int:
-        """Tokens of ``c`` whose move would bring usage under the line (at least 1)."""
-        lim = self.limit or 0.0
-        used = torch.cuda.memory_allocated(self.device) if self._cuda else self.hot_total
-        over = used + extra - lim
-        return max(1, -(-int(over) // c.geo.session_token_bytes))
-
-    def before_step(self, c: TieredCache, q: int) -> None:
-        """Make room for ``c``'s step of ``q`` tokens (called by the cache's first layer)."""
-        self._sessions.move_to_end(c.session_id)
-        if self.limit is None:
-            return
-        lay = c.layers[0]
-        extra = max(0, lay.held_after(q) - lay.held) * c.geo.session_token_bytes
-        if self._pressure(extra):
-            self._move_out(extra, exclude=c)
-
-    def reserve(self, c: TieredCache, extra: int) -> None:
-        """Make room for ``extra`` bytes ``c`` is about to read back (refill, recall)."""
-        if self.limit is not None and self._pressure(extra):
-            self._move_out(extra, exclude=c)
-
-    def has_room(self, c: TieredCache, extra: int) -> bool:
-        """Whether ``c`` can grow by ``extra`` bytes within the budget (others moved out)."""
-        lim = self.limit
-        return lim is None or c.hot_bytes + extra <= lim
-
-    def after_step(self, c: TieredCache) -> None:
-        """Account ``c``'s step and enforce the budget (called by the cache's last layer)."""
-        self.account(c)
-        if self.limit is not None and self._pressure(0):
-            self._move_out(0, exclude=None)
-        metrics.hot_bytes.set(self.hot_total)
-        metrics.hot_device_usage.set(self.device_usage_ratio())
-
-    def device_usage_ratio(self) -> float:
-        """Device memory reserved (CUDA) or hot bytes (CPU) over the budget; 0 without one."""
-        if not self.budget:
-            return 0.0
-        used = torch.cuda.memory_reserved(self.device) if self._cuda else self.hot_total
-        return used / self.budget
-
-    def _move_out(self, extra: int, exclude: TieredCache | None) -> None:
-        """Move the oldest round of the least recently used sessions out until under the line."""
-        t0 = time.perf_counter()
-        moved = 0
-        progress = True
-        while progress and self._pressure(extra):
-            progress = False
-            for c in list(self._sessions.values()):  # LRU first, round-robin one round each
-                if c is exclude or c.hot_bytes == 0:
-                    continue
-                if c.evict_oldest_round(min_tokens=self._tokens_needed(c, extra)) > 0:
-                    progress = True
-                    moved += 1
-                    self.account(c)
-                    metrics.hot_watermark_moves.inc()
-                if not self._pressure(extra):
-                    break
-        if self._pressure(extra):  # last resort: the sinks of idle sessions (LRU first)
-            for c in list(self._sessions.values()):
-                if c is not exclude and c.evict_sinks() > 0:
-                    moved += 1
-                    self.account(c)
-                    metrics.hot_watermark_moves.inc()
-                    if not self._pressure(extra):
-                        break
-        if moved:
-            ms = (time.perf_counter() - t0) * 1e3
-            self.watermark_moves += moved
-            self.move_ms_total += ms
-            metrics.hot_sessions.set(self.hot_session_count())
-            log.debug("watermark: moved %d rounds out in %.2f ms (hot %d B)", moved, ms, self.hot_total)
-        if self._pressure(extra):
-            log.warning("device budget: nothing left to move out (hot %d B, extra %d B, limit %s)",
-                        self.hot_total, extra, self.limit)
 
     # --- reporting ------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -17,10 +17,11 @@ them), ``owners`` (volume / process / session-lock layout, agents' figures), ``s
 (allocation inside a shard, reservations on tmpfs), ``extent`` (extent checksums),
 ``records`` (in-memory index of a shard), ``shard`` (writing and checking one shard file),
 ``shardload`` (opening, validating and repairing one), ``cold`` (checked file calls on the
-cold tier), ``tier`` (WarmTier: the API, locks, LRU), ``writeback`` (write-behind,
-validation against the mount, eviction of clean sessions), ``migrate`` (group migration,
-promotion, back-off, start-up reconciliation), ``lifecycle`` (sync, release, usage,
-close), ``summary`` (round summaries).
+cold tier), ``tier`` (WarmTier: the API, locks, LRU, writes), ``reads`` (its reads),
+``writeback`` (write-behind passes, eviction of clean sessions), ``validate`` (session
+ownership, validation against the mount), ``migrate`` (group migration, promotion,
+back-off, start-up reconciliation), ``lifecycle`` (sync, release, usage, close),
+``summary`` (round summaries).
 
 Safety: the root is 0700 and ours, files 0600, nothing is followed through a symlink;
 every byte read back is checked against CRC32C checksums (a mismatch is served from the

@@ -10,20 +10,16 @@ dirty ones are written first. ``sync`` does a pass now and raises when the mount
 take it; ``writebehind=False`` leaves only the group migration of ``migrate.py`` (then
 a reboot loses every session not migrated yet).
 
-Deletion wins: each session has an incarnation id (random, 64 bits, made with the
-session), written to ``sessions/<sid>/.incarnation`` with its first bytes. Before a RAM
-copy is used -- the first use in a process, every pass -- it is checked against the
-mount: a copy removed there (while we had written it), made anew (another incarnation),
-cut shorter than what we wrote, or grown by someone else means the RAM copy is dropped
-(one log line) and the mount's copy is the session. Every use of a session checks that its
-directory still exists (one lstat), so ``rm -r`` on the mount is seen at once.
+Deletion wins: each session has an incarnation id (``new_incarnation``), and a RAM copy
+the mount no longer agrees with is dropped, not written; validate.py holds those checks
+and the ownership of sessions.
 
 Locks, in this order only: a pass (``_pass_lock``), the session-ownership lock, a
 session's cold-I/O lock (striped; held from reading a session's tail to recording what
 reached cold, so the extents read cannot be freed by a truncate, delete or drop), its
 shard lock. Cold writes run outside the shard lock: the agent keeps appending meanwhile.
 
-A mixin of WarmTier (tier.py). Never imports torch.
+A mixin of WarmTier (tier.py), like validate.py. Never imports torch.
 """
 
 from __future__ import annotations
@@ -38,9 +34,9 @@ from kvfs.ops import metrics
 
 from .cold import INCARNATION, META, SUMMARIES, layer_name
 from .format import FLAG_CLEAN, FLAG_MIGRATING, FLAG_ON_COLD
-from .ids import WarmCorrupt, WarmError, check_sid
+from .ids import WarmCorrupt, WarmError
 from .owners import write_stats
-from .records import Slot, WarmSession
+from .records import WarmSession
 from .shard import ShardFile
 
 log = logging.getLogger("kvfs.warm")
@@ -50,17 +46,6 @@ STATS_EVERY_S = 1.0
 
 def new_incarnation() -> int:
     return int.from_bytes(os.urandom(8), "little") or 1
-
-
-class _Own:
-    """A session this process holds: its flock'ed lock file. ``temp``: taken by a pass
-    for a session nobody has open here (released after the pass); ``seen``: its cold
-    directory is known to exist (then every use checks that it still does)."""
-
-    __slots__ = ("fd", "temp", "seen")
-
-    def __init__(self, fd: int, temp: bool = False) -> None:
-        self.fd, self.temp, self.seen = fd, temp, False
 
 
 class _Pass:
@@ -80,7 +65,7 @@ class _Pass:
 
 
 class WriteBehind:
-    """Dirty tracking, the writer thread, passes, ownership, validation; see module doc."""
+    """Dirty tracking, the writer thread, passes, eviction; see module doc."""
 
     def _init_writebehind(self, on: bool, every_s: float, max_bytes: int) -> None:
         if every_s <= 0 or max_bytes <= 0:
@@ -89,8 +74,7 @@ class WriteBehind:
         self.wb_s, self.wb_bytes = float(every_s), int(max_bytes)
         self._dirty: dict[str, list] = {}  # sid -> [monotonic time of first change, bytes]
         self._dirty_bytes = 0
-        self._owned: dict[str, _Own] = {}
-        self._own_lock = threading.Lock()
+        self._init_owners()
         self._io = [threading.RLock() for _ in range(IO_STRIPES)]
         self._pass_lock = threading.Lock()
         self._wake = threading.Event()
@@ -130,100 +114,6 @@ class WriteBehind:
                 return None
             self._dirty_bytes -= d[1]
             return d[0]
-
-    # ---- ownership and validation -----------------------------------------------------
-    def _own(self, sid: str) -> None:
-        """Take the session's lock on its first use here (WarmError naming the holder),
-        and check a RAM copy made earlier against the mount before it is used."""
-        own = self._owned.get(check_sid(sid))
-        if own is not None and not own.temp:
-            if own.seen and self.cold is not None:
-                try:
-                    gone = not self.cold.exists(sid)
-                except WarmError:  # the mount is away: the RAM copy serves; checked later
-                    gone = False
-                if gone:
-                    self._forget(sid, "its directory was removed through the mount")
-            return
-        with self._own_lock:
-            with self._lock:
-                if self._closed:
-                    raise WarmError("warm tier is closed")
-                own = self._owned.get(sid)
-                if own is not None:
-                    own.temp = False  # a pass held it: ours now, checked below anyway
-            if own is None:
-                own = _Own(self.locks.take(sid, self.rootdir.path))
-                with self._lock:
-                    self._owned[sid] = own
-            if self.cold is not None and sid in self._lru:
-                try:
-                    self._validate(sid)
-                except WarmError as e:  # the mount is away: the RAM copy serves; checked later
-                    log.warning("warm session %r: cannot check it against the mount: %s", sid, e)
-
-    def _validate(self, sid: str) -> None:
-        with self._io_lock(sid):
-            cs = self.cold.state(sid)
-            with self._locked(sid, own=False) as slot:
-                f, s = self._warm(slot, sid)
-                if s is None:
-                    return
-                reason = self._stale_reason(s, cs)
-                if reason is not None:
-                    self._forget_locked(slot, f, s, reason)
-                elif cs is not None and s.flags & FLAG_ON_COLD:
-                    self._owned[sid].seen = True
-
-    def _stale_reason(self, s: WarmSession, cs: tuple[dict[int, int], int | None] | None) -> str | None:
-        """Why the RAM copy ``s`` is not the mount's session any more (None: it is)."""
-        on_cold = bool(s.flags & FLAG_ON_COLD)
-        if cs is None:
-            return "it was removed through the mount" if on_cold else None
-        sizes, inc = cs
-        if inc is not None and s.inc and inc != s.inc:
-            return f"the mount holds another incarnation ({inc:016x}, ours {s.inc:016x})"
-        if inc is None and on_cold:
-            return "its .incarnation file was removed through the mount"
-        known = s.cold or {}
-        for layer in sorted(set(sizes) | set(known) | set(s.layers)):
-            c = sizes.get(layer, 0)
-            st = s.layers.get(layer)
-            end = self._span(s, layer)[1]
-            floor = max(known.get(layer, 0), end if s.flags & FLAG_CLEAN else 0,
-                        st.base if st is not None and st.segs else 0)
-            if c < floor:
-                return f"layer_{layer} was cut to {c} bytes through the mount (we wrote {floor})"
-            if c > end:
-                return f"layer_{layer} grew to {c} bytes on the mount (ours has {end})"
-        return None
-
-    def _forget(self, sid: str, reason: str) -> None:
-        with self._io_lock(sid), self._locked(sid, own=False) as slot:
-            f, s = self._warm(slot, sid)
-            if s is not None:
-                self._forget_locked(slot, f, s, reason)
-
-    def _forget_locked(self, slot: Slot, f: ShardFile, s: WarmSession, reason: str) -> None:
-        log.warning("warm session %r: %s; its RAM copy is dropped, the mount's copy is the "
-                    "session", s.name, reason)
-        self._drop_session(slot, f, s)
-
-    def _drop_session(self, slot: Slot, f: ShardFile, s: WarmSession) -> int:
-        """Remove a session's RAM copy (shard lock held); returns the bytes freed."""
-        sid = s.name
-        freed = f.drop(s)
-        if not f.sessions:
-            self._remove_file(slot, later=True)
-        self._undirty(sid)
-        with self._lock:
-            self._lru.pop(sid, None)
-            self._bytes -= freed
-            own = self._owned.get(sid)
-            if own is not None:
-                own.seen = False
-        self._gauges()
-        return freed
 
     # ---- passes -----------------------------------------------------------------------
     def _pass(self, sids: list[str] | None, explicit: bool, fsync: bool = True) -> list[str]:
@@ -283,29 +173,6 @@ class WriteBehind:
                 log.info("writing to cold tier %s works again", self.cold.root)
                 self._backoff, self._cold_error = 0.0, None
             return errors
-
-    def _pass_owner(self, sid: str, temps: list[str]) -> bool:
-        """Hold ``sid`` for a pass: ours already, or taken for the pass. A session another
-        process has open now is its business: our RAM copy of it is older, dropped."""
-        with self._own_lock:
-            if sid in self._owned:
-                return True
-            fd = self.locks.try_take(sid)
-            if fd is not None:
-                with self._lock:
-                    self._owned[sid] = _Own(fd, temp=True)
-                temps.append(sid)
-                return True
-        self._forget(sid, f"process {self.locks.holder(sid)} has the session open")
-        return False
-
-    def _release_temp(self, sid: str) -> None:
-        with self._own_lock, self._lock:
-            own = self._owned.get(sid)
-            if own is None or not own.temp:
-                return
-            del self._owned[sid]
-        self.locks.drop(sid, own.fd)
 
     def _stage_tail(self, sid: str) -> _Pass | None:
         """Check one session against the mount and append what cold lacks (no fsync)."""
