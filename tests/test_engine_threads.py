@@ -116,10 +116,12 @@ def test_a_write_that_lands_during_an_fsync_is_synced_by_the_next_sync(tmp_path,
         real(fd)
 
     monkeypatch.setattr("kvfs.engine.volume.os.fsync", fsync_with_a_write_landing)
+    assert s.unsynced() >= 1000  # the append's entry, in the ring's write buffer
     s.sync()
     assert len(fsyncs) == 1 and vol.dirty  # the append that landed meanwhile is not covered
+    assert 1000 <= s.unsynced() < 4096  # its entry: the next fsync waits for it
     s.sync()
-    assert len(fsyncs) == 2 and not vol.dirty
+    assert len(fsyncs) == 2 and not vol.dirty and s.unsynced() == 0
     s.sync()
     assert len(fsyncs) == 2  # nothing new: no fsync
     s.close()
@@ -424,4 +426,26 @@ def test_a_random_read_with_a_jump_on_disk_asks_for_what_follows_it_first(tmp_pa
         assert len(reads) == nreads
         assert adv == reads[1:1 + advised]  # only the read after the jump
         assert all(what == "advise" for what, _, _ in ReadLog.log[:len(adv)])  # first
+    s.close()
+
+
+def test_a_deep_read_in_a_compressed_entry_asks_for_nothing_past_its_end(tmp_path):
+    """Where raw blocks would lie is only a guess for a compressed entry: a range deep in
+    one that compresses well lies, raw, past the entry's end. Nothing is advised there (an
+    advice of a negative length is EINVAL), and the read returns the bytes."""
+    path = str(tmp_path / "v.kvvol")
+    cfg = StoreConfig(compression="zstd", compress_on_copy=False)  # stored small at once
+    s = Store.create(path, 64 * MB, cfg, volume=ReadLog)
+    s.create_session("s")
+    s.create_file("s", "f")
+    data = bytes(range(256)) * (MB // 256)  # about 100x smaller stored
+    s.append("s", "f", 0, data)
+    s.close()
+    s = Store.open(path, cfg, volume=ReadLog)
+    for off in (512 << 10, MB - (96 << 10)):
+        s.drop_caches()
+        ReadLog.log = []
+        assert s.read("s", "f", off, 96 << 10) == data[off: off + (96 << 10)]
+        assert all(k > 0 for what, _, k in ReadLog.log if what == "advise"), ReadLog.log
+    assert not s.needs_fsck
     s.close()

@@ -131,7 +131,7 @@ class ReadPath:
         that follow each other on disk, nor for a sequential reader: the kernel's
         readahead and ``_read_ahead`` serve those, and an advice call costs about as
         much as the read it announces."""
-        if advise and (len(jobs) > 1 or jobs[0][6] is None):
+        if advise and (len(jobs) > 1 or (jobs[0][6] is None and self.ring.second_read(jobs[0][2]))):
             ranges = [r for pos, esize, a, b, hint, src, known, pieces in jobs
                       if pieces is None and src is None
                       for r in self.ring.read_plan(pos, esize, a, b, known, hint)]

@@ -241,6 +241,12 @@ class Ring:
             raise Corrupt(f"payload checksum mismatch in entry at ring position {pos}")
         return h, payload
 
+    @staticmethod
+    def second_read(a: int) -> bool:
+        """Whether raw bytes from ``a`` on, in an entry whose table is not known, are read
+        apart from its header and table (they lie too far into it to read along)."""
+        return a - a % BLOCK > INLINE_SKIP
+
     def _first_read(self, phys: int, esize: int, a: int, b: int, raw_hint: int) -> tuple[int, int, int]:
         """For an entry whose table is not known: the bytes of its first read (header,
         table and, when they lie close, the blocks from the start up to ``b``), and the
@@ -248,7 +254,7 @@ class Ring:
         own (else 0, 0)."""
         end = HDR_SIZE + BLOCK_ENTRY.size * -(-max(b, raw_hint) // BLOCK)
         blocks_end = min(esize, end + -(-b // BLOCK) * BLOCK)
-        rest = (0, 0) if a - a % BLOCK <= INLINE_SKIP else (end + a - a % BLOCK, blocks_end)
+        rest = (end + a - a % BLOCK, blocks_end) if self.second_read(a) else (0, 0)
         if not rest[1]:
             end = blocks_end
         return min(esize, -(-(phys + end) // PAGE_IO) * PAGE_IO - phys), *rest
@@ -262,7 +268,8 @@ class Ring:
             st, r = known[1].st_off, known[1].blocks(a, b)
             return [(phys + st[r[0]], st[r[-1] + 1] - st[r[0]])]
         n, r0, r1 = self._first_read(phys, esize, a, b, raw_hint)
-        return [(phys, n), (phys + r0, r1 - r0)] if r1 else [(phys, n)]
+        # compressed blocks lie nearer than raw ones would: past the entry's end, no guess
+        return [(phys, n), (phys + r0, r1 - r0)] if r1 > r0 else [(phys, n)]
 
     def read_data(self, pos: int, esize: int, a: int, b: int, src: bytes | None,
                   known: tuple[Header, Table] | None, raw_hint: int = 0

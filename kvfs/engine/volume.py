@@ -87,6 +87,8 @@ class VolumeFile:
         # with nothing new to cover skips the fsync (``sync_written``)
         self._writes = 0
         self._synced = 0
+        self._written_bytes = 0  # bytes written, and how many of them the last fsync covers
+        self._synced_bytes = 0
         self._count_lock = threading.Lock()
         self._sync_lock = threading.Lock()
         self._touched: list[tuple[int, int]] = []  # ranges read since the last batch
@@ -205,22 +207,28 @@ class VolumeFile:
             raise OSError(errno.EIO, f"short read at {off}: {len(out)} of {n}")
         return out
 
-    def _wrote(self) -> None:
+    def _wrote(self, n: int) -> None:
         # counted once the write returned (or failed part way): an fsync that began before
         # it must not be taken as covering it
         with self._count_lock:
             self._writes += 1
+            self._written_bytes += n
 
     @property
     def dirty(self) -> bool:
         """Written since the last fsync began."""
         return self._writes != self._synced
 
+    @property
+    def unsynced(self) -> int:
+        """Bytes written since the last fsync began: about what the next one waits for."""
+        return self._written_bytes - self._synced_bytes
+
     def pwrite(self, data: bytes | memoryview, off: int) -> None:
         try:
             pwrite_all(self.fd, data, off)
         finally:
-            self._wrote()
+            self._wrote(len(data))
         self._written(off, len(data))
 
     def pwritev(self, bufs: list[bytes | memoryview], off: int) -> None:
@@ -230,7 +238,7 @@ class VolumeFile:
             if n != total:  # a short gathered write: finish the rest plainly
                 pwrite_all(self.fd, b"".join(bytes(b) for b in bufs)[n:], off + n)
         finally:
-            self._wrote()
+            self._wrote(total)
         self._written(off, total)
 
     def _written(self, off: int, n: int) -> None:
@@ -297,14 +305,19 @@ class VolumeFile:
                     log.debug("%s: DONTNEED [%d, %d): %r", self.path, a, b, e)
 
     def willneed(self, off: int, n: int) -> None:
-        os.posix_fadvise(self.fd, off, n, os.POSIX_FADV_WILLNEED)
+        try:
+            os.posix_fadvise(self.fd, off, n, os.POSIX_FADV_WILLNEED)
+        except OSError as e:  # advice only: a read never fails for it
+            log.debug("%s: WILLNEED [%d, +%d): %r", self.path, off, n, e)
 
     def sync(self) -> None:
         """fsync: every write completed before this call is durable when it returns."""
-        upto = self._writes
+        with self._count_lock:
+            upto, upto_bytes = self._writes, self._written_bytes
         os.fsync(self.fd)
         with self._count_lock:
             self._synced = max(self._synced, upto)
+            self._synced_bytes = max(self._synced_bytes, upto_bytes)
 
     def sync_written(self) -> bool:
         """``sync`` unless every completed write is durable already; returns whether it
