@@ -343,9 +343,9 @@ def test_fsync_stores_every_free_buffer_in_one_job(store) -> None:
         jobs: list[str] = []
         real = ops.worker.call
 
-        async def call(fn, *args, changes=True):
+        async def call(fn, *args, changes=True, here=False):
             jobs.append(getattr(fn, "__name__", "?"))
-            return await real(fn, *args, changes=changes)
+            return await real(fn, *args, changes=changes, here=here)
 
         ops.worker.call = call
         for _, fh in files:
@@ -361,9 +361,8 @@ def test_fsync_stores_every_free_buffer_in_one_job(store) -> None:
     run(main)
 
 
-def test_device_flushes_never_run_on_the_trio_thread(store, monkeypatch) -> None:
-    """Reads may run on the trio thread; an fsync's device flush must not (it would stall
-    every other request while the disk flushes), with or without buffered bytes."""
+def _sync_threads(store, monkeypatch) -> list[str]:
+    """The names of the threads ``store.sync`` runs on, from now on."""
     import threading
 
     threads: list[str] = []
@@ -374,9 +373,18 @@ def test_device_flushes_never_run_on_the_trio_thread(store, monkeypatch) -> None
         return real()
 
     monkeypatch.setattr(store, "sync", sync)
+    return threads
+
+
+def test_offloaded_device_flushes_never_run_on_the_trio_thread(store, monkeypatch) -> None:
+    """With ``inline_syncs`` off (``--offload-syncs``), an fsync's device flush never runs
+    on the trio thread, with or without buffered bytes."""
+    import threading
+
+    threads = _sync_threads(store, monkeypatch)
 
     async def main() -> None:
-        ops = Operations(store)
+        ops = Operations(store, inline_syncs=False)
         _, fh = await _new_file(ops, "s", "f")
         await ops.write(fh, 0, b"x" * 1000)
         await ops.fsync(fh, False)  # its append and the flush in one worker job
@@ -388,6 +396,65 @@ def test_device_flushes_never_run_on_the_trio_thread(store, monkeypatch) -> None
 
     run(main)
     assert len(threads) == 2 and threading.main_thread().name not in threads, threads
+
+
+def test_a_small_fsync_runs_here_a_large_or_blocked_or_slow_one_on_a_worker(store, monkeypatch) -> None:
+    """A small fsync skips both hand-offs: its append and flush run on the trio thread. One
+    that would store more than INLINE_SYNC_BYTES, one that finds a change holding the
+    writer lock (it would wait behind it), and any while the device's flushes are slow go
+    to a worker; each still stores its bytes and flushes once."""
+    import threading
+
+    from kvfs.fuse.worker import INLINE_SYNC_BYTES, INLINE_SYNC_S
+
+    threads = _sync_threads(store, monkeypatch)
+    here = threading.current_thread().name
+
+    async def main() -> None:
+        ops = Operations(store)
+        _, fh = await _new_file(ops, "s", "f")
+        size = 0
+
+        async def write_fsync(n: int) -> None:
+            nonlocal size
+            await ops.write(fh, size, bytes([n % 251]) * n)
+            size += n
+            await ops.fsync(fh, False)
+
+        await write_fsync(1000)
+        assert threads == [here] and ops.worker.syncs == 1
+        await write_fsync(INLINE_SYNC_BYTES + 1)  # too much to flush with the loop waiting
+        assert threads[-1] != here and ops.worker.syncs == 2
+
+        held, release = threading.Event(), threading.Event()
+
+        def long_change() -> None:  # a checkpoint or reclaim holding the writer lock
+            assert store.try_writer()
+            held.set()
+            release.wait(10)
+            store.release_writer()
+
+        t = threading.Thread(target=long_change)
+        t.start()
+        held.wait(10)
+        async with trio.open_nursery() as n:
+            n.start_soon(write_fsync, 1000)
+            await trio.sleep(0.05)  # the loop still answers: the fsync waits on a worker
+            assert ops.worker.syncs == 2
+            release.set()
+        t.join()
+        assert threads[-1] != here and ops.worker.syncs == 3
+
+        ops.worker.flush_s = 2 * INLINE_SYNC_S  # the device's flushes became slow
+        await write_fsync(1000)
+        assert threads[-1] != here and ops.worker.syncs == 4
+        assert ops.worker.flush_s != 2 * INLINE_SYNC_S  # every flush moves the average
+        await ops.release(fh)
+        assert store.read("s", "f", 0, size + 1) == b"".join(
+            bytes([n % 251]) * n for n in (1000, INLINE_SYNC_BYTES + 1, 1000, 1000))
+
+    run(main)
+    assert len(threads) == 4, threads
 
 
 def test_tail_keeps_the_bytes_and_the_mount_wide_count() -> None:

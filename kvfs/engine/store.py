@@ -38,6 +38,8 @@ Contract (the FUSE layer, tools and tests rely on it):
   flush()                                  # write buffered entries to the volume (no fsync)
   sync()                                   # flush + fsync: durability point
   durable() -> bool                        # sync() would do nothing (no lock needed)
+  unsynced() -> int                        # about the bytes sync() would wait for (no lock)
+  try_writer() -> bool, release_writer()   # the writer lock, only if no change holds it
   checkpoint()                             # write the B+ tree checkpoint + superblock
   maybe_checkpoint()                       # checkpoint if interval elapsed or replay is long
   cleanup() -> int                         # drop sessions idle > retention; returns count
@@ -80,8 +82,9 @@ from .reads import ReadPath
 from .reclaim import reclaim
 from .records import FileRec, Session, check_name, fmeta_payload, name_hash, smeta_payload
 from .recovery import recover
+from .reporting import Reporting
 from .ring import Ring, ScanReport
-from .types import FileStat, NullObserver, Observer, SessionStat, StoreConfig, Usage
+from .types import FileStat, NullObserver, Observer, SessionStat, StoreConfig
 from .volume import VolumeFile, geometry
 
 log = logging.getLogger(__name__)
@@ -92,7 +95,7 @@ def _ns(t: float | None) -> int | None:
     return None if t is None else int(t * 1e9)
 
 
-class Store(ReadPath):
+class Store(ReadPath, Reporting):
     def __init__(self, vol: VolumeFile, sb: Superblock, config: StoreConfig,
                  clock: Callable[[], float], observer: Observer | None = None) -> None:
         self.vol, self.sb, self.cfg, self.clock = vol, sb, config, clock
@@ -372,6 +375,20 @@ class Store(ReadPath):
         once its write completed and was counted, and a covered write stays covered."""
         return not self.ring.unwritten and not self.vol.dirty
 
+    def unsynced(self) -> int:
+        """About how many bytes ``sync()`` would write and wait for: the ring's write
+        buffer and the volume's writes since its last fsync (no lock, like ``durable``)."""
+        return self.ring.unwritten + self.vol.unsynced
+
+    def try_writer(self) -> bool:
+        """Take the writer lock if no change holds it now (``release_writer`` gives it back):
+        a caller that must not wait behind a long change runs its own under it, or hands
+        them to a thread that may wait."""
+        return self._wlock.acquire(blocking=False)
+
+    def release_writer(self) -> None:
+        self._wlock.release()
+
     def checkpoint(self, clean: bool = False) -> None:
         """Persist the index (dirty sessions, purges, bitmap) and a superblock pointing at it."""
         if self.readonly:
@@ -448,45 +465,6 @@ class Store(ReadPath):
     def clear_needs_fsck(self) -> None:
         """fsck repaired the volume: the next superblock written goes without the mark."""
         self.fsck_mark.clear()
-
-    # ================================================================ reporting
-    def usage(self) -> Usage:
-        with self._lock:
-            return self._usage()
-
-    def _usage(self) -> Usage:
-        return Usage(self.ring.size, self.ring.used(), self.idx.n_sessions, self.ring.head,
-                     self.ring.tail, self.sb.ckpt_pos, time.monotonic() - self.last_ckpt,
-                     self.counters["raw_written"], self.counters["stored_written"])
-
-    @property
-    def volume_id(self) -> str:
-        """The volume's uuid (hex): stable for its life, distinct between volumes."""
-        return self.sb.uuid.hex()
-
-    def stats(self) -> dict:
-        with self._lock:
-            return self._stats()
-
-    def _stats(self) -> dict:
-        u = self._usage()
-        raw, st = self.counters["raw_written"], self.counters["stored_written"]
-        rep = self.open_report
-        return {
-            "volume": {"path": self.vol.path, "uuid": self.volume_id, "size": self.sb.volume_size,
-                       "capacity": u.capacity,
-                       "used": u.used, "used_ratio": u.used / u.capacity, "sessions": u.sessions,
-                       "head": u.head, "tail": u.tail, "checkpoint_pos": u.checkpoint_pos,
-                       "checkpoint_age_s": round(u.checkpoint_age_s, 3),
-                       "needs_fsck": self.needs_fsck, "needs_fsck_reason": self.fsck_mark.reason},
-            "index": {"hot_sessions": len(self.idx.hot), "pinned_sessions": len(self.idx.pinned),
-                      "tree": self.tree.stats()},
-            "counters": dict(self.counters),
-            "compression_ratio": round(raw / st, 4) if st else 1.0,
-            "recovery": None if rep is None else {
-                "entries_replayed": rep.entries, "corrupt_regions": len(rep.corrupt or []),
-                "torn_tail": rep.torn_tail},
-        }
 
 
 for _mode, _names in (

@@ -277,7 +277,8 @@ class WriteBuffers:
             async with p.lock:
                 await self._flush_locked(p)
 
-    async def flush_for_sync(self, node: Node, sync: Callable[[], bool]) -> bool:
+    async def flush_for_sync(self, node: Node, sync: Callable[[], bool],
+                             here: Callable[[int], bool] | None = None) -> bool:
         """Before a device flush: this file's buffer and every other buffer free right now
         go to the engine in one worker job, which ends with the device flush ``sync`` (a
         worker-side call). So the one flush makes the other files durable too, their own
@@ -288,7 +289,8 @@ class WriteBuffers:
         This file's lock is taken first and the others only when free (never waited for
         while holding one: two fsyncs cannot wait on each other); a busy buffer is being
         written or flushed by its own request and left to it. Another file's failure
-        leaves its bytes buffered for its own flush or fsync to report; this file's rises."""
+        leaves its bytes buffered for its own flush or fsync to report; this file's rises.
+        ``here(nbytes)`` says whether the job may run on the calling thread (``Worker.sync_here``)."""
         p = self._by_ino.get(node.ino)
         if p is None or not p.buf:
             await self._flush_others(p)
@@ -297,8 +299,10 @@ class WriteBuffers:
             if not p.buf:  # flushed while this waited for the lock
                 return False
             held = self._take_free(p)
+            batch = [*held, p]
             try:
-                await self._store([*held, p], then=sync)
+                await self._store(batch, then=sync,
+                                  here=here is not None and here(sum(len(q.buf) for q in batch)))
             finally:
                 for q in held:
                     q.lock.release()
@@ -333,13 +337,13 @@ class WriteBuffers:
             await self._store([p])
 
     async def _store(self, batch: list[Pending], then: Callable[[], Any] | None = None,
-                     own: bool = True) -> None:
+                     own: bool = True, here: bool = False) -> None:
         """Hand the buffers of ``batch`` (their locks held) to the engine in one worker call,
         then ``then`` there (after the last one's complete append). What was stored leaves
         each buffer; the rest stays for a retry. The last buffer's error (or ``then``'s)
         rises when ``own``; the others' are logged."""
         items = [(q.node, q.base, q.buf.data()) for q in batch]
-        results, headroom = await self.call(self._append_batch, items, then)
+        results, headroom = await self.call(self._append_batch, items, then, here=here)
         self._headroom = headroom
         failure: BaseException | None = None
         for k, (q, (node, base, data), (done, err)) in enumerate(zip(batch, items, results, strict=True)):
@@ -362,7 +366,8 @@ class WriteBuffers:
     def _append_batch(self, items: list[tuple[Node, int, bytes]],
                       then: Callable[[], Any] | None = None
                       ) -> tuple[list[tuple[int, BaseException | None]], int | None]:
-        """On the worker: ``_append_pieces`` of each (node, base, data), then ``then`` if
+        """On the worker (or the trio thread, ``Worker.sync_here``): ``_append_pieces`` of each
+        (node, base, data), then ``then`` if
         the last one was stored whole (its error is reported as the last one's); with the
         headroom after."""
         results = [self._append_pieces(*item) for item in items]

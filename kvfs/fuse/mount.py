@@ -76,6 +76,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--offload-reads", action="store_true",
                    help="run engine reads on the engine threads, not on the FUSE loop (for "
                         "many concurrent readers of a slow disk on a machine with spare cores)")
+    p.add_argument("--offload-syncs", action="store_true",
+                   help="run every fsync on the engine threads, small ones too (the FUSE loop "
+                        "never waits for a device flush)")
     p.add_argument("--write-buffer-max", type=profiles.parse_size, metavar="SIZE",
                    help="bound on the mount's unflushed written bytes (default: 256M, at "
                         "most 1/8 of RAM)")
@@ -338,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         ops = Operations(store, direct_io=not args.page_cache, allow_other=args.allow_other,
                          max_pending=args.write_buffer_max or default_max_pending(),
                          alerts_state=alert_engine.state if alert_engine else None,
-                         profile=profile.as_dict(), inline_reads=not args.offload_reads)
+                         profile=profile.as_dict(), inline_reads=not args.offload_reads,
+                         inline_syncs=not args.offload_syncs)
         if tier is not None:
             from kvfs.fuse.remote import Remote
 

@@ -103,7 +103,8 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
     def __init__(self, store: Any, *, direct_io: bool = True, allow_other: bool = False,
                  flush_at: int = FLUSH_AT, entry_max: int = ENTRY_MAX,
                  max_pending: int = MAX_PENDING, alerts_state: Callable[[], Any] | None = None,
-                 profile: dict[str, Any] | None = None, inline_reads: bool = True) -> None:
+                 profile: dict[str, Any] | None = None, inline_reads: bool = True,
+                 inline_syncs: bool = True) -> None:
         super().__init__()
         self.profile = profile  # published in /.kvfs/stats: agents take it from there
         self.store = store
@@ -115,9 +116,9 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         self.inodes = InodeTable()
         # changes run on engine threads, in parallel with each other and with reads (the
         # Store locks its own state; a file's writes are ordered by its buffer's lock);
-        # reads run on the trio thread unless offloaded (worker.py says why)
+        # reads and small fsyncs run on the trio thread unless offloaded (worker.py says why)
         self.worker = Worker(store, threads=ENGINE_THREADS, serialise=False,
-                             inline_reads=inline_reads)
+                             inline_reads=inline_reads, inline_syncs=inline_syncs)
         self._handles: dict[int, Handle] = {}
         self._dirs: dict[int, list[tuple[str, Key | int]]] = {}
         self.buffers = WriteBuffers(store, self.call, self.counters, flush_at, entry_max,
@@ -135,10 +136,11 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         self.shared = self.buffers.shared = shared
 
     # ------------------------------------------------------------------ plumbing
-    async def call(self, fn: Callable[..., T], *args: Any, changes: bool = True) -> T:
+    async def call(self, fn: Callable[..., T], *args: Any, changes: bool = True,
+                   here: bool = False) -> T:
         """Run one blocking ``Store`` call on the engine worker; ``changes=False`` for calls
-        that only look (see ``Worker.call``)."""
-        return await self.worker.call(fn, *args, changes=changes)
+        that only look, ``here`` for a small fsync (see ``Worker.call``)."""
+        return await self.worker.call(fn, *args, changes=changes, here=here)
 
     def _internal_error(self, where: str, e: BaseException) -> None:
         log.error("internal error in %s; answering EIO, volume needs fsck", where,
@@ -440,7 +442,8 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         h = self._handles[fh]
         if h.content is None:
             node = self._file(h.ino)
-            if not await self.buffers.flush_for_sync(node, self.worker.sync_now):
+            if not await self.buffers.flush_for_sync(node, self.worker.sync_now,
+                                                     self.worker.sync_here):
                 await self.worker.sync()  # no device flush when nothing changed since the last
             if h.writable:  # and replicated: pushed, and held by a replica (docs/scale-out.md)
                 await self.shared.fsync(node.key[0])

@@ -21,6 +21,12 @@ while such a call reads the disk.
 counts its completed writes against those its last fsync covered (``VolumeFile``), so N
 files fsync'd after one batch cost one flush; when ``Store.durable`` already says so on the
 trio thread, it skips the hand-off too.
+
+A small fsync runs on the trio thread as well (``inline_syncs``, ``sync_here``): when it
+stores and flushes little and the device's flushes are quick, the two hand-offs cost more
+than the flush keeps the loop waiting (docs/mount.md, Threads). A large one, or any while
+the device's flushes are slow (their moving average), goes to the worker threads, so a
+slow disk never holds up the other requests for long.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -38,16 +45,21 @@ log = logging.getLogger("kvfs.fs")
 
 T = TypeVar("T")
 
+INLINE_SYNC_BYTES = 1 << 20  # an fsync that stores and flushes at most this much ...
+INLINE_SYNC_S = 0.002  # ... while device flushes take less than this may skip the hand-off
+
 
 class Worker:
     """Runs engine calls on ``threads`` persistent threads (see the module docstring)."""
 
     def __init__(self, store: Any, threads: int = 1, serialise: bool = True,
-                 inline_reads: bool = False) -> None:
+                 inline_reads: bool = False, inline_syncs: bool = False) -> None:
         self.store = store
         self.engine_lock = threading.Lock() if serialise else None
         self.inline_reads = inline_reads
+        self.inline_syncs = inline_syncs
         self.syncs = 0  # device flushes done (``sync`` calls that were not skipped)
+        self.flush_s = 0.0  # moving average of a device flush's duration, in seconds
         self._threads = threads
         self._count_lock = threading.Lock()
         self._q: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
@@ -55,13 +67,22 @@ class Worker:
         self._start_lock = threading.Lock()
 
     # ------------------------------------------------------------------ calls
-    async def call(self, fn: Callable[..., T], *args: Any, changes: bool = True) -> T:
+    async def call(self, fn: Callable[..., T], *args: Any, changes: bool = True,
+                   here: bool = False) -> T:
         """``fn(*args)`` on a worker thread; its result or its exception.
 
         ``changes=False`` for calls that only look (reads, stats, listings): a forgotten
-        flag costs a hand-off, never a blocked loop. Not cancellable once queued (like ``trio.to_thread.run_sync``): the engine call
-        runs to its end and its result is delivered. With ``inline_reads``, a call with
-        ``changes=False`` runs here, on the calling (trio) thread."""
+        flag costs a hand-off, never a blocked loop. Not cancellable once queued (like
+        ``trio.to_thread.run_sync``): the engine call runs to its end and its result is
+        delivered. With ``inline_reads``, a call with ``changes=False`` runs here, on the
+        calling (trio) thread; so does one with ``here`` (see ``sync_here``) when no change
+        holds the store's writer lock, under that lock for its whole length: it never waits
+        behind a long change (a checkpoint, a reclaim), it goes to a worker instead."""
+        if here and self.engine_lock is None and self.store.try_writer():
+            try:
+                return fn(*args)
+            finally:
+                self.store.release_writer()
         if self.inline_reads and not changes:
             if self.engine_lock is None:
                 return fn(*args)
@@ -84,11 +105,22 @@ class Worker:
             return False
         return await self.call(self.sync_now)
 
+    def sync_here(self, nbytes: int) -> bool:
+        """Whether a job that stores ``nbytes`` and ends in a device flush may run on the
+        trio thread: with ``inline_syncs``, when it and what the volume has not flushed yet
+        come to at most INLINE_SYNC_BYTES and the device's flushes take under INLINE_SYNC_S."""
+        return (self.inline_syncs and self.flush_s < INLINE_SYNC_S
+                and nbytes + self.store.unsynced() <= INLINE_SYNC_BYTES)
+
     def sync_now(self) -> bool:
-        """``sync`` on the calling thread (a worker: from inside another job)."""
+        """``sync`` on the calling thread (a worker, or the trio thread for ``sync_here``)."""
+        t0 = time.perf_counter()
         flushed = self.store.sync() is not False  # the volume may find all durable already
+        dt = time.perf_counter() - t0
         with self._count_lock:
             self.syncs += flushed
+            if flushed:  # a slow flush counts at once, a fast one brings the average down slowly
+                self.flush_s += (dt - self.flush_s) / 4
         return flushed
 
     # ------------------------------------------------------------------ threads
