@@ -5,8 +5,8 @@ volume (``changes=True``, the default: appends, truncates, creates, deletes, syn
 a queue to persistent worker threads, which run it and wake the waiting trio task directly
 (``TrioToken.run_sync_soon`` + ``reschedule``): no limiter, no per-call thread start, one
 checkpoint less than ``trio.to_thread.run_sync`` and one wake-up of the trio thread for all
-the jobs that finished while it slept. A device flush is such a call: it never runs on
-the trio thread.
+the jobs that finished while it slept. A device flush is such a call, except a small
+one (below).
 
 The ``Store`` is thread-safe (changes take turns under its writer lock; reads run beside
 them and each other), so the mount runs ``Worker(threads=N, serialise=False)``: N engine
