@@ -12,21 +12,18 @@ peer directory are siblings under the work directory):
 - ``mount_time`` (figure 7): mount time, first lookup and the mount process's RSS with
   10k / 100k / 1M sessions (1k / 10k with ``quick``), vs the smallest count.
 - ``random_read`` (figure 1): one 96 KiB round at random, caches dropped before each
-  sample (``posix_fadvise(DONTNEED)`` on the volume, the peer file and the mounted file),
-  from a file appended round by round and from one written in 1 MiB writes; no two
-  samples touch the same ring entry, so the engine's decoded-entry cache never serves
-  one; p50 and p99 (goals <= 1.5x and <= 1.3x).
+  sample (DONTNEED on the volume, the peer and the mounted file), from a file appended
+  round by round and one written in 1 MiB writes, never twice from one ring entry (the
+  engine's decoded-entry cache never serves one); p50 and p99 (goals 1.5x and 1.3x).
 
-Figures 1 and 2 (random, sequential, fsync'd appends) also measure the same work through
-``tools/fuse_floor.py``, a pyfuse3 passthrough over the same ext4 directory, as rows marked
-``[FUSE floor]``: what any pyfuse3 server loses to ext4 on this machine, which bounds what
-kvfs can reach through FUSE.
+Figures 1 and 2 also measure the same work through ``tools/fuse_floor.py``, a pyfuse3
+passthrough over the same ext4 directory (rows marked ``[FUSE floor]``): what any pyfuse3
+server loses to ext4 here, which bounds what kvfs can reach through FUSE.
 
 Each takes ``quick`` and an optional ``workdir`` and returns ``{"results": [...],
-"info": {...}}`` (see ``bench_common``); ``page_cache=True`` mounts with
-``--page-cache`` instead of direct I/O (how docs/mount.md's comparison was made).
-``python tools/bench_mount.py [--quick] [--page-cache] [--offload-reads] [--only append,seq,random,time]``
-prints the figures.
+"info": {...}}`` (see ``bench_common``); ``page_cache=True`` mounts with ``--page-cache``
+(how docs/mount.md's comparison was made). ``python tools/bench_mount.py [--quick]
+[--page-cache] [--offload-reads] [--only append,seq,random,time]`` prints the figures.
 """
 
 from __future__ import annotations
@@ -59,7 +56,6 @@ from bench_common import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-
 log = logging.getLogger("bench.mount")
 
 ROUND = 96 * KiB  # one agent round of one layer
@@ -70,10 +66,8 @@ MOUNT_ARGS: list[str] = []  # more kvfs-mount options for every mount (``--offlo
 @contextmanager
 def mounted(volume: Path, mountpoint: Path, size: int | None,
             page_cache: bool = False) -> Iterator[Path]:
-    """``mount.py VOLUME MOUNTPOINT --foreground`` for the duration; yields the mountpoint.
-
-    ``size`` creates the volume when missing (None: it must exist). RuntimeError when the
-    mount does not come up."""
+    """``mount.py VOLUME MOUNTPOINT --foreground`` for the duration, the volume created at
+    ``size`` when missing (None: it must exist); RuntimeError when it does not come up."""
     with _mount_process(volume, mountpoint, size, page_cache) as (path, _):
         yield path
 
