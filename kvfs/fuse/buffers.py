@@ -367,9 +367,8 @@ class WriteBuffers:
                       then: Callable[[], Any] | None = None
                       ) -> tuple[list[tuple[int, BaseException | None]], int | None]:
         """On the worker (or the trio thread, ``Worker.sync_here``): ``_append_pieces`` of each
-        (node, base, data), then ``then`` if
-        the last one was stored whole (its error is reported as the last one's); with the
-        headroom after."""
+        (node, base, data), then ``then`` if the last one was stored whole (its error is
+        reported as the last one's); with the headroom after."""
         results = [self._append_pieces(*item) for item in items]
         done, err = results[-1]
         if then is not None and err is None:
