@@ -47,7 +47,9 @@ def _torn_last_entry(tmp_path, size: int, cuts, vol_size: int = 4 * MB) -> None:
             r = Store.open(path, readonly=True)
             try:
                 got = snapshot(r)
-                if cut >= complete:
+                # what the disk holds: the cut write over what was there (zeros, on a fresh
+                # volume); when the payload ends in such bytes, a cut among them tears nothing
+                if cut >= complete or data[cut:complete] == pre[cut:complete]:
                     assert got["s"]["layer_0"] == b"a" * 3000 + payload, cut
                 else:
                     assert got == before, cut
