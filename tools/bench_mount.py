@@ -22,8 +22,8 @@ server loses to ext4 here, which bounds what kvfs can reach through FUSE.
 
 Each takes ``quick`` and an optional ``workdir`` and returns ``{"results": [...],
 "info": {...}}`` (see ``bench_common``); ``page_cache=True`` mounts with ``--page-cache``
-(how docs/mount.md's comparison was made). ``python tools/bench_mount.py [--quick]
-[--page-cache] [--offload-reads] [--only append,seq,random,time]`` prints the figures.
+(docs/mount.md's comparison). ``python tools/bench_mount.py [--quick] [--page-cache]
+[--offload-reads] [--offload-syncs] [--only append,seq,random,time]`` prints the figures.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ log = logging.getLogger("bench.mount")
 
 ROUND = 96 * KiB  # one agent round of one layer
 MOUNT_TIMEOUT = 30.0
-MOUNT_ARGS: list[str] = []  # more kvfs-mount options for every mount (``--offload-reads``)
+MOUNT_ARGS: list[str] = []  # more kvfs-mount options for every mount (``--offload-*``)
 
 
 @contextmanager
@@ -479,14 +479,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--page-cache", action="store_true", help="mount without direct_io")
-    ap.add_argument("--offload-reads", action="store_true",
-                    help="mount with --offload-reads (engine reads on the engine threads)")
+    for what in ("reads", "syncs"):
+        ap.add_argument(f"--offload-{what}", action="store_true",
+                        help=f"mount with --offload-{what} (engine {what} on the engine threads)")
     ap.add_argument("--only", default=",".join(FIGURES))
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if a.offload_reads:
-        MOUNT_ARGS.append("--offload-reads")
+    MOUNT_ARGS.extend(f"--offload-{w}" for w in ("reads", "syncs") if getattr(a, f"offload_{w}"))
     for f in a.only.split(","):
         kw = {"page_cache": a.page_cache} if f != "time" else {}
         r = FIGURES[f](quick=a.quick, workdir=a.out, **kw)
