@@ -39,7 +39,7 @@ def test_options_translate_to_mount_py_flags(tmp_path) -> None:
     env, argv_file = _fake_env(tmp_path)
     (tmp_path / "mnt").mkdir()
     r = _helper(["kv.vol", "mnt", "-n", "-o",
-                 "rw,profile=iot,size=64M,allow_other,metrics_port=9100,metrics_addr=::,"
+                 "rw,profile=iot,size=64M,sparse,allow_other,metrics_port=9100,metrics_addr=::,"
                  "config=/etc/kvfs.toml,"
                  "log=/var/log/kvfs.log,hot_sessions=8,_netdev,nofail,noauto,x-systemd.after=a,"
                  "nosuid,nodev,bogus"], env, tmp_path)
@@ -47,7 +47,7 @@ def test_options_translate_to_mount_py_flags(tmp_path) -> None:
     assert "ignoring unknown option 'bogus'" in r.stderr
     assert json.loads(argv_file.read_text()) == [
         str(tmp_path / "kv.vol"), str(tmp_path / "mnt"), "--profile", "iot", "--size", "64M",
-        "--allow-other", "--metrics-port", "9100", "--metrics-addr", "::",
+        "--sparse", "--allow-other", "--metrics-port", "9100", "--metrics-addr", "::",
         "--config", "/etc/kvfs.toml",
         "--log", "/var/log/kvfs.log", "-o", "hot_sessions=8"]
 

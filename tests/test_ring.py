@@ -15,13 +15,14 @@ from kvfs.engine.format import (
     BLOCK,
     BLOCK_ENTRY,
     HDR_SIZE,
+    PAGE,
     T_DATA,
     T_PAD,
     T_TRUNC,
     Header,
     entry_size,
 )
-from kvfs.engine.ring import Ring, RingFull, ScanReport
+from kvfs.engine.ring import DIRECT_WRITE, Ring, RingFull, ScanReport
 
 SIZE = 16 * ALIGN  # a ring of 16 sectors: laps are cheap to reach
 
@@ -286,6 +287,35 @@ def test_sync_skips_the_fsync_when_nothing_was_written():
     put(r, 1, b"y")
     r.sync()
     assert synced == [1, 1]
+
+
+def test_writes_end_on_a_page_with_zeros_only_over_free_space():
+    """A write that ends mid-page carries zeros to the page's end (the kernel then need not
+    read the page first), but never over the space of an entry the durable tail keeps."""
+    big = 128 * PAGE
+    r = Ring(MemVolume(big), 0, big, 0, 0)
+    r.vol.buf[:] = b"\xee" * big  # an older lap's bytes
+    put(r, 0, b"a" * 100)  # 512 bytes, buffered
+    r.flush()
+    assert r.vol.writes == [(0, PAGE)] and r.vol.buf[512:PAGE] == bytes(PAGE - 512)
+    pos, esize, _ = r.append_data(0, 7, 1, 1, 100, encoded(b"b" * (DIRECT_WRITE + 1000)))
+    assert r.vol.writes[-1] == (pos, -(-(pos + esize) // PAGE) * PAGE - pos)  # written directly
+    assert decode_payload(*r.read_entry(pos, esize)) == b"b" * (DIRECT_WRITE + 1000)
+    # One lap on, with the tail kept at a live entry just past the head's page end: the
+    # zeros stop where that entry's space begins.
+    big = 4 * PAGE
+    r = Ring(MemVolume(big), 0, big, big + 512, PAGE + 512)
+    r.vol.buf[:] = b"\xee" * big
+    assert r.room() == PAGE
+    put(r, 0, b"c" * 100)
+    r.flush()
+    assert r.vol.writes == [(512, PAGE - 512)]  # to the page's end: free
+    r = Ring(MemVolume(big), 0, big, big + 512, 1024)
+    r.vol.buf[:] = b"\xee" * big
+    assert r.room() == 512
+    put(r, 0, b"c" * 100)
+    r.flush()
+    assert r.vol.writes == [(512, 512)] and r.vol.buf[1024:] == b"\xee" * (big - 1024)
 
 
 # ---------------------------------------------------------------- blocks inside data entries

@@ -23,7 +23,7 @@ server loses to ext4 here, which bounds what kvfs can reach through FUSE.
 Each takes ``quick`` and an optional ``workdir`` and returns ``{"results": [...],
 "info": {...}}`` (see ``bench_common``); ``page_cache=True`` mounts with ``--page-cache``
 (docs/mount.md's comparison). ``python tools/bench_mount.py [--quick] [--page-cache]
-[--offload-reads] [--offload-syncs] [--only append,seq,random,time]`` prints the figures.
+[--offload-reads|syncs] [--sparse] [--only append,seq,random,time]`` prints the figures.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ log = logging.getLogger("bench.mount")
 
 ROUND = 96 * KiB  # one agent round of one layer
 MOUNT_TIMEOUT = 30.0
-MOUNT_ARGS: list[str] = []  # more kvfs-mount options for every mount (``--offload-*``)
+MOUNT_ARGS: list[str] = []  # more kvfs-mount options for every mount (``--offload-*``, ``--sparse``)
 
 
 @contextmanager
@@ -479,14 +479,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--page-cache", action="store_true", help="mount without direct_io")
-    for what in ("reads", "syncs"):
-        ap.add_argument(f"--offload-{what}", action="store_true",
-                        help=f"mount with --offload-{what} (engine {what} on the engine threads)")
+    for flag in ("--offload-reads", "--offload-syncs", "--sparse"):
+        ap.add_argument(flag, action="store_true", help=f"mount with {flag} (docs/mount.md)")
     ap.add_argument("--only", default=",".join(FIGURES))
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    MOUNT_ARGS.extend(f"--offload-{w}" for w in ("reads", "syncs") if getattr(a, f"offload_{w}"))
+    MOUNT_ARGS.extend(f"--{w.replace('_', '-')}" for w in ("offload_reads", "offload_syncs", "sparse")
+                      if getattr(a, w))
     for f in a.only.split(","):
         kw = {"page_cache": a.page_cache} if f != "time" else {}
         r = FIGURES[f](quick=a.quick, workdir=a.out, **kw)

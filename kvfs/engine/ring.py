@@ -10,6 +10,12 @@ tail recorded in the newest superblock (jbd2's rule). Moving the tail is the eng
 Never fsyncs on its own except through ``sync``; interprets payloads only as far as the
 block table of data entries (``blocks``), to check them and read a range.
 
+Every write that ends inside a page carries zeros on to the page's end, when that space is
+free (behind the durable tail, one lap back): the kernel then takes the page whole instead
+of reading it from the disk first to merge the write in. On the disk that space holds an
+older lap's bytes (or a filled volume's zeros), so without the zeros each write ending
+mid-page would wait for a read; the next write starts in that page, still in the cache.
+
 Threads: the store calls the writing methods and ``locate`` under its lock; ``read_data``
 runs outside it (it only reads the volume), so its caller must check afterwards that the
 tail did not pass the entry while it read (``tail`` only grows, and the head writes over
@@ -34,6 +40,7 @@ from .format import (
     ENTRY_MAGIC,
     HDR_SIZE,
     MAX_ENTRY_RAW,
+    PAGE,
     T_DATA,
     T_PAD,
     Header,
@@ -145,7 +152,8 @@ class Ring:
         if stored >= DIRECT_WRITE:
             # Large payloads skip the buffer: one gathered write instead of a copy.
             self.flush()
-            job = ([h.pack(), *parts, bytes(esize - HDR_SIZE - stored)], self.phys(pos))
+            tail = esize - HDR_SIZE - stored + self._page_rest(pos + esize)
+            job = ([h.pack(), *parts, bytes(tail)], self.phys(pos))
             self.head += esize
             self._buf_pos = self.head
             if defer:
@@ -175,10 +183,21 @@ class Ring:
         self.head = self._buf_pos = pos
         self._buf = bytearray()
 
+    def _page_rest(self, end: int) -> int:
+        """Bytes from ``end`` to its page's end when they are free to write over (see the
+        module's doc), else 0."""
+        n = -self.phys(end) % PAGE
+        return n if n <= self.size - (end - self.durable_tail) else 0
+
     def flush(self) -> None:
         """Write the buffered entries (one pwrite; they never cross the lap end)."""
         if self._buf:
-            self.vol.pwrite(self._buf, self.phys(self._buf_pos))
+            rest = self._page_rest(self.head)
+            off = self.phys(self._buf_pos)
+            if rest:
+                self.vol.pwritev([self._buf, bytes(rest)], off)
+            else:
+                self.vol.pwrite(self._buf, off)
             self._buf = bytearray()
         self._buf_pos = self.head
 

@@ -16,7 +16,7 @@ a prefix of it, never unwritten bytes); sync holds it only to flush, not to fsyn
 (list_*, *_stat, usage, stats, drop_caches) hold the state lock briefly.
 
 Contract (the FUSE layer, tools and tests rely on it):
-  Store.create(path, size, config=None, *, volume=VolumeFile, observer=None) -> Store
+  Store.create(path, size, config=None, *, volume=VolumeFile, observer=None, fill=False) -> Store
                                            # FormatError if too small / exists as other
   Store.open(path, config=None, clock=time.time, readonly=False, *, volume=VolumeFile,
              observer=None, force=False) -> Store   # FormatError / VolumeBusy / NeedsFsck
@@ -127,10 +127,11 @@ class Store(ReadPath, Reporting):
     @classmethod
     def create(cls, path: str, size: int, config: StoreConfig | None = None,
                clock: Callable[[], float] = time.time, *, volume: type[VolumeFile] = VolumeFile,
-               observer: Observer | None = None) -> Store:
-        """Format a new volume at ``path`` (a new file, or a block device) and open it."""
+               observer: Observer | None = None, fill: bool = False) -> Store:
+        """Format a new volume at ``path`` (a new file, or a block device) and open it;
+        ``fill``: write zeros over a new file first (``VolumeFile.create``)."""
         tree_off, tree_pages, ring_off, ring_size = geometry(size)
-        vol = volume.create(path, size)
+        vol = volume.create(path, size, fill)
         now = time.time_ns()
         sb = Superblock(1, SB_CLEAN, vol.size, ring_off, ring_size, tree_off, tree_pages, 0, 0, 0, 1,
                         now, now, TreeRoot.empty().pack(), uuid.uuid4().bytes)

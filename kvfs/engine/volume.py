@@ -15,6 +15,12 @@ the same thread asks the kernel to begin writing them to the disk (``sync_file_r
 with SYNC_FILE_RANGE_WRITE, RocksDB's ``bytes_per_sync``), so the disk works while the
 engine encodes the next entries and an fsync waits only for the last run. It promises
 nothing: durability is still the fsync's alone.
+
+A new volume file can be *filled*: zeros written over all of it once at creation. A
+file's ``posix_fallocate``d space is unwritten (on ext4 and XFS): the first write to each
+part of it makes the filesystem record the part as written, so until the ring's first lap
+ends every fsync also commits that to the filesystem's journal. Filled, an fsync flushes
+only the data, as PostgreSQL's zero-filled WAL segments do.
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ log = logging.getLogger(__name__)
 DROP_BATCH = 64  # ranges read before their advice is given ...
 DROP_BYTES = 32 << 20  # ... or bytes
 SYNC_FILE_RANGE_WRITE = 2  # start write-out of the range's dirty pages, wait for nothing
+SYNC_FILE_RANGE_WAIT = 1 | 2 | 4  # write the range out and wait until it is on the disk
+FILL_CHUNK = 8 << 20  # zeros written per call when a volume is filled
+FILL_REPORT_S = 5.0  # how often a long fill logs its progress
 
 
 def _sync_file_range() -> ctypes._CFuncPtr | None:
@@ -51,6 +60,30 @@ def _sync_file_range() -> ctypes._CFuncPtr | None:
 
 
 _SYNC_FILE_RANGE = _sync_file_range()
+
+
+def fill_zeros(fd: int, size: int, path: str = "") -> None:
+    """Write zeros over ``[0, size)`` of ``fd`` and fsync. Each chunk's write-out starts as
+    it is written; once the one before is on the disk its pages leave the page cache, so a
+    fill of any size holds about two chunks of it."""
+    zeros = memoryview(bytes(FILL_CHUNK))
+    t0 = last = time.monotonic()
+    prev: tuple[int, int] | None = None
+    for off in range(0, size, FILL_CHUNK):
+        n = min(FILL_CHUNK, size - off)
+        pwrite_all(fd, zeros[:n], off)
+        if _SYNC_FILE_RANGE is not None:
+            _SYNC_FILE_RANGE(fd, off, n, SYNC_FILE_RANGE_WRITE)
+            if prev is not None and not _SYNC_FILE_RANGE(fd, *prev, SYNC_FILE_RANGE_WAIT):
+                os.posix_fadvise(fd, *prev, os.POSIX_FADV_DONTNEED)
+        prev = (off, n)
+        if time.monotonic() - last >= FILL_REPORT_S:
+            last = time.monotonic()
+            log.info("%s: filled %d of %d MiB with zeros (%.0f MiB/s)", path, (off + n) >> 20,
+                     size >> 20, (off + n) / (last - t0) / (1 << 20))
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)
+    log.info("%s: %d MiB filled with zeros in %.1f s", path, size >> 20, time.monotonic() - t0)
 
 
 def pwrite_all(fd: int, data: bytes | memoryview, off: int) -> None:
@@ -99,8 +132,10 @@ class VolumeFile:
 
     # ----------------------------------------------------------- open / create
     @classmethod
-    def create(cls, path: str, size: int) -> VolumeFile:
-        """Create (file) or take over (block device) a volume; the caller formats it."""
+    def create(cls, path: str, size: int, fill: bool = False) -> VolumeFile:
+        """Create (file) or take over (block device) a volume; the caller formats it.
+        ``fill`` writes zeros over a new file whose space ``posix_fallocate`` reserved (not
+        a block device, not a filesystem without fallocate: neither has unwritten space)."""
         is_blk = os.path.exists(path) and stat.S_ISBLK(os.stat(path).st_mode)
         if is_blk:
             fd = os.open(path, os.O_RDWR)
@@ -118,6 +153,9 @@ class VolumeFile:
                     if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                         raise
                     os.ftruncate(fd, size)
+                else:
+                    if fill:
+                        fill_zeros(fd, size, path)
         except BaseException:
             os.close(fd)
             if not is_blk:
@@ -244,14 +282,17 @@ class VolumeFile:
     def _written(self, off: int, n: int) -> None:
         """Count ``[off, off + n)`` into the current run of writes; start the run's
         write-out once it holds ``writeback`` bytes. A write elsewhere (a tree page, a
-        superblock) starts a new run: what the old one held the next fsync writes."""
+        superblock) starts a new run: what the old one held the next fsync writes. A write
+        that starts inside the run's last page (the ring's writes overlap by that page's
+        zeros) continues it."""
         if not self.writeback or _SYNC_FILE_RANGE is None:
             return
         with self._count_lock:
             a, b = self._run
-            if off != b:
-                a = off
-            b = off + n
+            if b - PAGE <= off <= b:
+                b = max(b, off + n)
+            else:
+                a, b = off, off + n
             if b - a < self.writeback:
                 self._run = (a, b)
                 return
