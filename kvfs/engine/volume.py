@@ -75,15 +75,22 @@ def fill_zeros(fd: int, size: int, path: str = "") -> None:
         if _SYNC_FILE_RANGE is not None:
             _SYNC_FILE_RANGE(fd, off, n, SYNC_FILE_RANGE_WRITE)
             if prev is not None and not _SYNC_FILE_RANGE(fd, *prev, SYNC_FILE_RANGE_WAIT):
-                os.posix_fadvise(fd, *prev, os.POSIX_FADV_DONTNEED)
+                _drop(fd, *prev)
         prev = (off, n)
         if time.monotonic() - last >= FILL_REPORT_S:
             last = time.monotonic()
             log.info("%s: filled %d of %d MiB with zeros (%.0f MiB/s)", path, (off + n) >> 20,
                      size >> 20, (off + n) / (last - t0) / (1 << 20))
     os.fsync(fd)
-    os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)
+    _drop(fd, 0, size)
     log.info("%s: %d MiB filled with zeros in %.1f s", path, size >> 20, time.monotonic() - t0)
+
+
+def _drop(fd: int, off: int, n: int) -> None:
+    try:
+        os.posix_fadvise(fd, off, n, os.POSIX_FADV_DONTNEED)
+    except OSError as e:  # advice only: the fill is done either way
+        log.debug("DONTNEED [%d, +%d): %r", off, n, e)
 
 
 def pwrite_all(fd: int, data: bytes | memoryview, off: int) -> None:
