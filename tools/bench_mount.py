@@ -418,8 +418,8 @@ def _rss_kib(pid: int) -> int:
 def mount_time(quick: bool = False, workdir: str | None = None) -> dict[str, Any]:
     """Figure 7 (mount part): mount.py start to a live mount, then the first lookup + read
     of one session, and the mount process's RSS, vs the session count (the volumes of
-    ``bench_engine.sessions_volume``; their pages dropped before each sample)."""
-    from bench_engine import sessions_volumes
+    ``bench_sessions.sessions_volume``; their pages dropped before each sample)."""
+    from bench_sessions import sessions_volumes
 
     counts = [1000, 10000] if quick else [10000, 100000, 1000000]
     reps = 2 if quick else 3
