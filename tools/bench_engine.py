@@ -13,7 +13,9 @@ otherwise use, both measured interleaved in the same run on the same disk:
   range of an ext4 file holding the raw bytes (p50 and p99 <= 1.2x); compression
   ``auto`` and ``none``. A floor row does what any store that checks its bytes must: the
   ``pread``, a CRC-32C of each 32 KiB block compared with the stored one, and the copy
-  out of the blocks into one result.
+  out of the blocks into one result. A last pair of rows times the same reads with every
+  page cached (the engine's DONTNEED advice off): the engine's read path against that
+  checked ``pread``, the disk taken out.
 - ``open_sessions`` (from ``bench_sessions``): open time and RSS vs the session count.
 Before timing, the engine's recent-latency windows are filled (2100 appends and reads) as
 in a long-running mount.
@@ -52,6 +54,7 @@ from bench_sessions import open_sessions
 log = logging.getLogger("bench.engine")
 
 ROUND = 96 * KiB  # one agent round of one layer (the unit a recall reads)
+
 
 def _store():
     from kvfs.engine.store import Store
