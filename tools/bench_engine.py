@@ -13,7 +13,9 @@ otherwise use, both measured interleaved in the same run on the same disk:
   range of an ext4 file holding the raw bytes (p50 and p99 <= 1.2x); compression
   ``auto`` and ``none``. A floor row does what any store that checks its bytes must: the
   ``pread``, a CRC-32C of each 32 KiB block compared with the stored one, and the copy
-  out of the blocks into one result. A last pair of rows times the same reads with every
+  out of the blocks into one result. Another reads each round's entry through the ring
+  alone (header, block table, block checks), without the store's index, locks and
+  caches. A last pair of rows times the same reads with every
   page cached (the engine's DONTNEED advice off): the engine's read path against that
   checked ``pread``, the disk taken out.
 - ``open_sessions`` (from ``bench_sessions``): open time and RSS vs the session count.
@@ -218,14 +220,23 @@ def cold_read(quick: bool = False, workdir: str | None = None) -> dict[str, Any]
             raise RuntimeError("peer file changed under the benchmark")
         return b"".join(blocks)
 
+    ring = stores["auto"].ring
+    layer = stores["auto"].idx.find("bench").file("layer_0")
+    entry_of = {r: layer.ext[layer.find(r * ROUND)] for r in order}  # one entry per round
+
+    def entry_alone(r: int) -> bytes:
+        """The ring's read of the round's entry, without the store around it."""
+        pos, _, _, esize = entry_of[r]
+        return b"".join(ring.read_data(pos, esize, 0, ROUND, None, None, ROUND)[0])
+
     fns = [(k, partial(lambda st, r: st.read("bench", "layer_0", r * ROUND, ROUND), stores[k]))
            for k in stores] + [("peer", lambda r: os.pread(peer_fd, ROUND, r * ROUND)),
-                               ("checked", checked)]
+                               ("checked", checked), ("entry", entry_alone)]
     vals: dict[str, list[float]] = {k: [] for k, _ in fns}
     try:
         for r in range(0, rounds, 7):  # warm the engine's index
             stores["auto"].read("bench", "layer_0", r * ROUND, ROUND)
-        for i, r in enumerate(order):  # same round for all three; order alternates
+        for i, r in enumerate(order):  # the same round for every reader; order alternates
             for name, fn in (fns if i % 2 == 0 else fns[::-1]):
                 dt = one(fn, r)
                 if i >= warm:
@@ -234,6 +245,8 @@ def cold_read(quick: bool = False, workdir: str | None = None) -> dict[str, Any]
             r = order[0]
             if stores[comp].read("bench", "layer_0", r * ROUND, ROUND) != data[r * ROUND: (r + 1) * ROUND]:
                 raise RuntimeError(f"kvfs read returned wrong bytes (compression={comp})")
+        if entry_alone(order[0]) != data[order[0] * ROUND: (order[0] + 1) * ROUND]:
+            raise RuntimeError("the ring's read of an entry returned wrong bytes")
         ratio_stored = stores["auto"].stats().get("compression_ratio")
         cpu = _cached_reads(stores["auto"], checked, order[warm:], data)
     finally:
@@ -260,6 +273,15 @@ def cold_read(quick: bool = False, workdir: str | None = None) -> dict[str, Any]
             {"subject": vals["checked"], "peer": vals["peer"]}, better="lower", stat=stat,
             note="what any store that checks the bytes it returns adds to the read: bounds "
                  "the engine's rows from below",
+        ).to_dict())
+    for stat in ("p50", "p99"):
+        results.append(Result(
+            "1", f"random 96 KiB read, page cache dropped, {stat} [entry read alone]",
+            "the ring's read of the round's entry (compression=auto)", "os.pread, ext4 file", "ms",
+            {"subject": vals["entry"], "peer": vals["peer"]}, better="lower", stat=stat,
+            note="pread of the entry, its header, block table and block checks, one copy out: "
+                 "the engine's rows without the store's index lookup, locks, caches and "
+                 "bookkeeping",
         ).to_dict())
     for stat in ("p50", "p99"):
         results.append(Result(
