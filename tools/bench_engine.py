@@ -266,33 +266,26 @@ def cold_read(quick: bool = False, workdir: str | None = None) -> dict[str, Any]
                 note=f"{samples} samples over {size // MiB} MiB; posix_fadvise(DONTNEED) on every "
                      "file before each sample",
             ).to_dict())
-    for stat in ("p50", "p99"):
-        results.append(Result(
-            "1", f"random 96 KiB read, page cache dropped, {stat} [checked-read floor]",
-            "os.pread + CRC-32C of each 32 KiB block + one copy out", "os.pread, ext4 file", "ms",
-            {"subject": vals["checked"], "peer": vals["peer"]}, better="lower", stat=stat,
-            note="what any store that checks the bytes it returns adds to the read: bounds "
-                 "the engine's rows from below",
-        ).to_dict())
-    for stat in ("p50", "p99"):
-        results.append(Result(
-            "1", f"random 96 KiB read, page cache dropped, {stat} [entry read alone]",
-            "the ring's read of the round's entry (compression=auto)", "os.pread, ext4 file", "ms",
-            {"subject": vals["entry"], "peer": vals["peer"]}, better="lower", stat=stat,
-            note="pread of the entry, its header, block table and block checks, one copy out: "
-                 "the engine's rows without the store's index lookup, locks, caches and "
-                 "bookkeeping",
-        ).to_dict())
-    for stat in ("p50", "p99"):
-        results.append(Result(
-            "1", f"random 96 KiB read, pages cached, {stat} [CPU of the read path]",
-            "kvfs engine read (compression=auto), pages cached",
-            "os.pread + CRC-32C of each block + one copy out, pages cached", "µs",
-            cpu, better="lower", stat=stat,
-            note="the disk taken out: what the engine's rows spend above the checked-read floor "
-                 "(index lookup, header and block table, bookkeeping); the volume's DONTNEED "
-                 "advice is off and both files' pages are cached",
-        ).to_dict())
+    pread = "os.pread, ext4 file"
+    bounds = [  # rows that bound the engine's from below: (label, subject, peer, unit, samples, note)
+        ("page cache dropped", "checked-read floor", "os.pread + CRC-32C of each 32 KiB block + one copy out",
+         pread, "ms", {"subject": vals["checked"], "peer": vals["peer"]},
+         "what any store that checks the bytes it returns adds to the read: bounds the engine's "
+         "rows from below"),
+        ("page cache dropped", "entry read alone", "the ring's read of the round's entry (compression=auto)",
+         pread, "ms", {"subject": vals["entry"], "peer": vals["peer"]},
+         "pread of the entry, its header, block table and block checks, one copy out: the engine's "
+         "rows without the store's index lookup, locks, caches and bookkeeping"),
+        ("pages cached", "CPU of the read path", "kvfs engine read (compression=auto), pages cached",
+         "os.pread + CRC-32C of each block + one copy out, pages cached", "µs", cpu,
+         "the disk taken out: what the engine's rows spend above the checked-read floor (index "
+         "lookup, header and block table, bookkeeping); the volume's DONTNEED advice is off and "
+         "both files' pages are cached"),
+    ]
+    for how, label, subject, peer, unit, got, note in bounds:
+        for stat in ("p50", "p99"):
+            results.append(Result("1", f"random 96 KiB read, {how}, {stat} [{label}]", subject, peer,
+                                  unit, got, better="lower", stat=stat, note=note).to_dict())
     return {"results": results, "info": {"bytes": size, "samples": samples,
                                          "compression_ratio_auto": ratio_stored}}
 
