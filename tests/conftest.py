@@ -7,12 +7,14 @@ the fast unit lane. Mount tests are skipped only when /dev/fuse is absent.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from kvfs.engine.volume import VolumeFile
 from kvfs.testing import (  # noqa: F401 - re-exported for the test modules
     HAVE_FUSE,
     Mount,
@@ -104,3 +106,35 @@ def warm(tmp_path: Path) -> Iterator:
     w = WarmTier(cold_root=str(cold), root=str(tmp_path / "warm"), shards=16)
     yield w
     w.close()
+
+
+# ---- B+ tree regions (test_btree, test_btree_corrupt) ----
+
+SMALL = 512  # page size that makes splits, merges and compaction cheap to reach
+OFFSET = 3 * SMALL  # the region does not start at 0 in a volume either
+
+
+def zeroed(path: str, size: int) -> VolumeFile:
+    """A volume object over a zeroed file (the tree reads and writes through it)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, size)
+    return VolumeFile(path, fd, size, False)
+
+
+@pytest.fixture
+def region(tmp_path):
+    """open(region_pages, page_size) -> volume of a zeroed file holding OFFSET + the region."""
+    vols = []
+
+    def open_(pages: int, page_size: int = SMALL) -> VolumeFile:
+        vols.append(zeroed(str(tmp_path / f"vol{len(vols)}"), OFFSET + pages * page_size))
+        return vols[-1]
+
+    yield open_
+    for v in vols:
+        v.close()
+
+
+def key(i: int) -> bytes:
+    # varied lengths up to 64 bytes, ordered by i: long keys make branches split early
+    return b"k%05d" % i + b"." * (i * 7 % 59)
