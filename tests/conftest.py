@@ -1,6 +1,5 @@
-"""Shared fixtures: real kvfs mounts through /dev/fuse (see :mod:`kvfs.testing`), and the
-warm-tier tests' directories and bytes, and the
-B+ tree tests' zeroed regions.
+"""Shared fixtures: real kvfs mounts through /dev/fuse (see :mod:`kvfs.testing`), the
+warm-tier tests' directories and bytes, and the B+ tree tests' zeroed regions.
 
 Every test that uses a mount fixture is marked ``mount``, so ``pytest -m "not mount"`` is
 the fast unit lane. Mount tests are skipped only when /dev/fuse is absent.
