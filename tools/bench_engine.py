@@ -241,12 +241,10 @@ def cold_read(quick: bool = False, workdir: str | None = None) -> dict[str, Any]
                 dt = one(fn, r)
                 if i >= warm:
                     vals[name].append(dt)
-        for comp in stores:  # correctness spot check: a kvfs read returns the peer's bytes
-            r = order[0]
-            if stores[comp].read("bench", "layer_0", r * ROUND, ROUND) != data[r * ROUND: (r + 1) * ROUND]:
-                raise RuntimeError(f"kvfs read returned wrong bytes (compression={comp})")
-        if entry_alone(order[0]) != data[order[0] * ROUND: (order[0] + 1) * ROUND]:
-            raise RuntimeError("the ring's read of an entry returned wrong bytes")
+        r = order[0]
+        for name, fn in fns:  # correctness spot check: every reader returns the written bytes
+            if fn(r) != data[r * ROUND: (r + 1) * ROUND]:
+                raise RuntimeError(f"the {name} read returned wrong bytes")
         ratio_stored = stores["auto"].stats().get("compression_ratio")
         cpu = _cached_reads(stores["auto"], checked, order[warm:], data)
     finally:
