@@ -45,7 +45,7 @@ def cluster() -> Iterator[Cluster]:
 @pytest.fixture
 def node(make_mount: Callable[..., Mount], cluster: Cluster) -> Callable[..., Mount]:
     def make(name: str, lease_s: float) -> Mount:
-        return make_mount(name, extra=("--shared", cluster.urls, "-o", f"shared_lease_s={lease_s}s",
+        return make_mount(name, extra=(*cluster.mount_args(), "-o", f"shared_lease_s={lease_s}s",
                                        "-o", "shared_fsync_wait_s=5s"))
     return make
 

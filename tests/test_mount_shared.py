@@ -20,7 +20,7 @@ import pytest
 from conftest import Mount, run_mount
 
 from kvfs.shared.chunks import SessionKeys
-from kvfs.shared.testing import HAVE_REDIS, Cluster, free_ports
+from kvfs.shared.testing import HAVE_REDIS, Cluster, free_ports, secret_file
 from kvfs.shared.tier import CHUNK_BYTES
 
 # short leases and fsync waits keep the takeover and outage cases quick
@@ -39,7 +39,7 @@ def cluster() -> Iterator[Cluster]:
 @pytest.fixture
 def node(make_mount: Callable[..., Mount], cluster: Cluster) -> Callable[..., Mount]:
     def make(name: str, *extra: str) -> Mount:
-        return make_mount(name, extra=("--shared", cluster.urls, *FAST, *extra))
+        return make_mount(name, extra=(*cluster.mount_args(), *FAST, *extra))
     return make
 
 
@@ -229,12 +229,15 @@ def test_unreachable_cluster_at_mount(tmp_path: Path, make_mount: Callable[..., 
     dead = f"redis://127.0.0.1:{free_ports(1)[0]}"
     vol, mnt = tmp_path / "r.kvfs", tmp_path / "r.mnt"
     mnt.mkdir()
-    r = run_mount(str(vol), str(mnt), "--size", "64M", "--shared", dead)
+    secret = secret_file(tmp_path / "secret")
+    r = run_mount(str(vol), str(mnt), "--size", "64M", "--shared", dead, "-o",
+                  f"shared_secret_file={secret}")
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "unreachable" in lines[0] and "--shared-optional" in lines[0], r.stderr
     assert not os.path.ismount(mnt) and not vol.exists()
-    m = make_mount("opt", extra=("--shared", dead, "--shared-optional"))
+    m = make_mount("opt", extra=("--shared", dead, "--shared-optional", "-o",
+                                 f"shared_secret_file={secret}"))
     (m.sessions / "x").mkdir()
     write(m.sessions / "x" / "f", b"local only")
     assert (m.sessions / "x" / "f").read_bytes() == b"local only"

@@ -33,6 +33,7 @@ from kvfs.shared.chunks import HEADER_SIZE, SessionKeys
 from kvfs.shared.testing import HAVE_REDIS, Cluster, free_ports
 
 C = 4096   # small chunks: many boundaries with little data
+SECRET = b"test cluster secret, 32 bytes or more"
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def cluster() -> Iterator[Cluster]:
 
 @pytest.fixture
 def tier(cluster: Cluster) -> Iterator[SharedTier]:
-    t = SharedTier(cluster.urls, node_id="node-a", chunk_bytes=C, timeout_s=0.5)
+    t = SharedTier(cluster.urls, node_id="node-a", secret=SECRET, chunk_bytes=C, timeout_s=0.5)
     yield t
     t.close()
 
@@ -95,7 +96,7 @@ def test_round_trip_across_chunk_boundaries(cluster: Cluster, tier: SharedTier) 
     keys = r.keys("kvfs:{rt}:*")
     assert len(keys) >= 31 and len({r.execute_command("CLUSTER", "KEYSLOT", k) for k in keys}) == 1
     # the default chunks (about 1 MiB)
-    with SharedTier(cluster.urls, node_id="node-big", timeout_s=2.0) as big:
+    with SharedTier(cluster.urls, node_id="node-big", secret=SECRET, timeout_s=2.0) as big:
         cb = big.chunk_bytes
         blob = os.urandom(5 * cb // 2)
         big.acquire("rt-big")
@@ -212,7 +213,8 @@ def test_meta_is_written_last(cluster: Cluster, tier: SharedTier) -> None:
     data = os.urandom(8 * C)
     seen: list[bytes] = []
     stop = threading.Event()
-    reader = SharedTier(cluster.urls, node_id="reader", chunk_bytes=C, timeout_s=0.5)
+    reader = SharedTier(cluster.urls, node_id="reader", secret=SECRET, chunk_bytes=C,
+                        timeout_s=0.5)
 
     def watch() -> None:
         while not stop.is_set():
@@ -237,8 +239,9 @@ def test_meta_is_written_last(cluster: Cluster, tier: SharedTier) -> None:
 
 
 def test_one_lease_two_nodes(cluster: Cluster) -> None:
-    a = SharedTier(cluster.urls, node_id="node-a", chunk_bytes=C, lease_ms=600, auto_renew=False)
-    b = SharedTier(cluster.urls, node_id="node-b", chunk_bytes=C, lease_ms=600)
+    a = SharedTier(cluster.urls, node_id="node-a", secret=SECRET, chunk_bytes=C, lease_ms=600,
+                   auto_renew=False)
+    b = SharedTier(cluster.urls, node_id="node-b", secret=SECRET, chunk_bytes=C, lease_ms=600)
     try:
         assert a.acquire("ls") is True and a.acquire("ls") is False
         with pytest.raises(SessionBusy, match="node-a") as busy:
@@ -277,10 +280,10 @@ def test_unreachable_cluster(cluster: Cluster, tier: SharedTier) -> None:
     port = free_ports(1)[0]
     t0 = time.monotonic()
     with pytest.raises(SharedUnavailable, match=f"127.0.0.1:{port}"):
-        SharedTier(f"redis://127.0.0.1:{port}", node_id="x", timeout_s=0.5)
+        SharedTier(f"redis://127.0.0.1:{port}", node_id="x", secret=SECRET, timeout_s=0.5)
     assert time.monotonic() - t0 < 3
     with pytest.raises(ValueError, match="address"):
-        SharedTier("redis://nohostport", node_id="x")
+        SharedTier("redis://nohostport", node_id="x", secret=SECRET)
     # every node hangs (paused clients): calls fail within the bound, then fast
     tier.acquire("un")
     tier.append("un", "layer_0", 0, b"12345")
@@ -307,7 +310,8 @@ def test_unreachable_cluster(cluster: Cluster, tier: SharedTier) -> None:
 
 
 def test_failover_keeps_synced_bytes(cluster: Cluster) -> None:
-    with SharedTier(cluster.urls, node_id="node-a", chunk_bytes=C, timeout_s=0.5) as t:
+    with SharedTier(cluster.urls, node_id="node-a", secret=SECRET, chunk_bytes=C,
+                    timeout_s=0.5) as t:
         t.acquire("fo")
         data = os.urandom(40 * C)
         _fill(t, "fo", "layer_0", data[:20 * C], [C + 1] * 19 + [20 * C - 19 * (C + 1)])
@@ -336,7 +340,8 @@ def test_failover_keeps_synced_bytes(cluster: Cluster) -> None:
 def test_lost_unsynced_write_is_reported(cluster: Cluster) -> None:
     """A write the master acknowledged but no replica received is lost when the master
     dies; ``sync`` says so instead of pretending, and the append offset follows the cluster."""
-    with SharedTier(cluster.urls, node_id="node-a", chunk_bytes=C, timeout_s=0.5) as t:
+    with SharedTier(cluster.urls, node_id="node-a", secret=SECRET, chunk_bytes=C,
+                    timeout_s=0.5) as t:
         t.acquire("ls2")
         synced = os.urandom(3 * C)
         t.append("ls2", "layer_0", 0, synced)
@@ -367,7 +372,8 @@ def test_lost_unsynced_write_is_reported(cluster: Cluster) -> None:
 
 
 def test_capacity_and_retention(cluster: Cluster) -> None:
-    with SharedTier(cluster.urls, node_id="cap", chunk_bytes=C, max_bytes=5 * 17 * 1024,
+    with SharedTier(cluster.urls, node_id="cap", secret=SECRET, chunk_bytes=C,
+                    max_bytes=5 * 17 * 1024,
                     retention_s=30) as t:
         for i in range(8):
             s = f"cap-{i}"
@@ -384,7 +390,8 @@ def test_capacity_and_retention(cluster: Cluster) -> None:
         k = SessionKeys("cap-7")
         ttl_index, ttl_chunk, ttl_meta = (r.pttl(k.files), r.pttl(k.chunk("layer_0", 3)), r.pttl(k.meta))
         assert 25_000 < ttl_index <= 30_000 and ttl_chunk >= ttl_index - 5 and ttl_meta <= ttl_index + 5
-    with SharedTier(cluster.urls, node_id="ret", chunk_bytes=C, retention_s=1.0) as t:
+    with SharedTier(cluster.urls, node_id="ret", secret=SECRET, chunk_bytes=C,
+                    retention_s=1.0) as t:
         t.acquire("ret")
         t.append("ret", "layer_0", 0, os.urandom(2 * C))
         t.put_meta("ret", b"{}")

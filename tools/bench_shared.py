@@ -33,6 +33,7 @@ from kvfs.shared import SharedTier
 from kvfs.shared.testing import REDIS_BENCHMARK, Cluster
 
 MIB = 1 << 20
+SECRET = os.urandom(48)  # the cluster secret of this run's own cluster
 log = logging.getLogger("bench_shared")
 
 
@@ -55,7 +56,7 @@ def redis_benchmark_get(urls: str, clients: int, requests: int) -> float:
 
 def shared_read(urls: str, clients: int, requests: int, sessions: int = 8,
                 chunks: int = 16) -> dict[str, float]:
-    with SharedTier(urls, node_id="bench", chunk_bytes=MIB, timeout_s=5.0) as t:
+    with SharedTier(urls, node_id="bench", secret=SECRET, chunk_bytes=MIB, timeout_s=5.0) as t:
         t0 = time.perf_counter()
         for i in range(sessions):
             s = f"bench-{i}"
@@ -95,7 +96,8 @@ def session_footprint(cluster: Cluster, sessions: int = 50, layers: int = 30, ro
     tokens to each of ``layers`` layer files, meta.json after each round), written and then
     released: ``MEMORY USAGE`` summed over every key on the masters, per session, while
     leased and after release (the last partial chunk of each file trimmed)."""
-    with SharedTier(cluster.urls, node_id="footprint", timeout_s=5.0, auto_renew=False) as t:
+    with SharedTier(cluster.urls, node_id="footprint", secret=SECRET, timeout_s=5.0,
+                    auto_renew=False) as t:
         for i in range(sessions):
             s, piece = f"fp-{i}", tokens * layer_token_bytes
             t.acquire(s)
@@ -141,7 +143,7 @@ def resume_figure(cluster: Cluster, tokens: int = 2048, reps: int = 5) -> dict:
                        num_key_value_heads=4, intermediate_size=688, vocab_size=2048)
     ids = torch.randint(0, 2048, (1, tokens), generator=torch.Generator().manual_seed(0))
     work = Path(tempfile.mkdtemp(prefix="bench-resume-"))
-    ext = ("--shared", cluster.urls, "-o", "shared_lease_s=5s")
+    ext = (*cluster.mount_args(), "-o", "shared_lease_s=5s")
     a = Mount(work / "a.kvfs", work / "a.mnt", "512M", ext).start()
     b = Mount(work / "b.kvfs", work / "b.mnt", "512M", ext).start()
     times: dict[str, list[float]] = {"other_node_s": [], "same_node_s": [], "recompute_s": []}

@@ -222,9 +222,18 @@ def negative() -> EntryAttributes:
 
 def stats_body(store_stats: dict, usage: Any, fs: dict, needs_fsck: bool,
                alerts_state: Callable[[], Any] | None, shared: dict | None = None,
-               profile: dict | None = None) -> bytes:
+               profile: dict | None = None, private: bool = True) -> bytes:
     """``/.kvfs/stats``: the engine's stats, its usage, the FUSE layer's counts, alerts,
-    the shared tier's figures (None without ``--shared``) and the mount's profile."""
+    the shared tier's figures (None without ``--shared``) and the mount's profile. Unless
+    ``private`` (the reader is the mount's owner or root), without session names and
+    paths: the volume's path, the reason it needs fsck, the sessions replication gave up."""
+    if not private:
+        store_stats = {**store_stats, "volume": {
+            **store_stats.get("volume", {}), "path": None,
+            "needs_fsck_reason": "(shown to the mount's owner)"
+            if store_stats.get("volume", {}).get("needs_fsck_reason") else None}}
+        if shared is not None:
+            shared = {**shared, "sessions_lost": len(shared.get("sessions_lost") or [])}
     doc = {
         "profile": profile,
         "store": store_stats,

@@ -18,6 +18,15 @@ class Local:
 
     enabled = False
 
+    def check_new_name(self, name: str) -> None:
+        return None
+
+    async def lease_owner(self, session: str) -> str | None:
+        return None
+
+    def owner_changed(self, session: str) -> None:
+        return None
+
     async def import_session(self, name: str, uid: int, gid: int) -> bool:
         return False
 

@@ -39,6 +39,7 @@ class Namespace:
                     ctx: RequestContext) -> EntryAttributes:
         self._only_sessions(parent_inode)
         key = (check_name(name),)
+        self.shared.check_new_name(key[0])  # EINVAL for a name the shared tier cannot hold
 
         def make() -> Any:
             self.store.create_session(key[0], mode & 0o7777 & ~PRIVATE, ctx.uid, ctx.gid)
@@ -96,6 +97,7 @@ class Namespace:
     async def _new_file(self, parent: int, name: bytes, mode: int,
                         ctx: RequestContext) -> tuple[int, EntryAttributes]:
         key = (self._session_of(parent), check_name(name))
+        self.shared.check_new_name(key[1])
 
         def make() -> Any:
             self.store.create_file(*key, mode & 0o7777 & ~PRIVATE, ctx.uid, ctx.gid)

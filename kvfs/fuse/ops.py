@@ -86,6 +86,7 @@ log = logging.getLogger("kvfs.fs")
 
 T = TypeVar("T")
 
+LEASE_XATTR = b"user.kvfs.lease"
 FLUSH_AT = 1 << 20  # a file's write buffer is handed to the engine at this size
 ENTRY_MAX = 256 << 10  # cut into ring entries of at most this size (docs/mount.md)
 
@@ -226,7 +227,9 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         st = await self.call(on_live, node, self._stat_sync, key, changes=False)
         return self._dyn_attr(ino, key, st)
 
-    async def _generate(self, ino: int) -> bytes:
+    async def _generate(self, ino: int, private: bool = False) -> bytes:
+        """The body of a generated file; ``private``: for the mount's owner or root (with
+        session names and paths, see ``stats_body``)."""
         def body() -> bytes:
             if ino != STATS:
                 self.shared.refresh_metrics()
@@ -238,7 +241,7 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
                   "pending_bytes": self.buffers.pending_bytes,
                   "max_pending": self.buffers.max_pending, "device_syncs": self.worker.syncs}
             return stats_body(self.store.stats(), self.store.usage(), fs, self.needs_fsck,
-                              self.alerts_state, self.shared.stats(), self.profile)
+                              self.alerts_state, self.shared.stats(), self.profile, private)
 
         return await self.call(body, changes=False)
 
@@ -337,6 +340,8 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         if any(v is not None for v in changes.values()):
             setter = self.store.set_session_attrs if len(key) == 1 else self.store.set_file_attrs
             await self.call(on_live, node, functools.partial(setter, *key, **changes))
+            if len(key) == 1 and any(changes[k] is not None for k in ("mode", "uid", "gid")):
+                self.shared.owner_changed(key[0])  # the owner record travels with the session
         return await self._attr_of(inode)
 
     # ------------------------------------------------------------------ open files
@@ -370,7 +375,8 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         if inode in GENERATED:
             if _is_write(flags) or flags & os.O_TRUNC:
                 raise FUSEError(errno.EROFS)
-            body = await self._generate(inode)  # made once per open: size and reads agree
+            # made once per open: size and reads agree; names only for the mount's owner
+            body = await self._generate(inode, private=ctx.uid in (0, self._uid))
             return FileInfo(fh=self._new_fh(Handle(inode, content=body)), direct_io=True)
         if inode in FIXED:
             raise FUSEError(errno.EISDIR)
@@ -466,6 +472,25 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
                     log.error("%s (inode %d) closed with %d bytes that could not be stored: "
                               "lost", shown(node.key) if node else "?", h.ino, lost)
             self.inodes.closed(h.ino)
+
+    # ------------------------------------------------------------------ extended attributes
+    @handler
+    async def getxattr(self, inode: int, name: bytes, ctx: RequestContext) -> bytes:
+        """``user.kvfs.lease`` of a session directory: the node that holds the session's
+        lease in the shared tier (what an agent refused with EBUSY names)."""
+        if inode in FIXED or name != LEASE_XATTR:
+            raise FUSEError(errno.ENODATA)
+        key = self._key(inode)
+        owner = await self.shared.lease_owner(key[0]) if len(key) == 1 else None
+        if owner is None:
+            raise FUSEError(errno.ENODATA)
+        return owner.encode()
+
+    @handler
+    async def listxattr(self, inode: int, ctx: RequestContext) -> list[bytes]:
+        if inode in FIXED or not self.shared.enabled or len(self._key(inode)) != 1:
+            return []
+        return [LEASE_XATTR]
 
     # ------------------------------------------------------------------ shutdown
     async def flush_all(self) -> None:

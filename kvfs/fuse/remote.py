@@ -5,9 +5,10 @@ worker thread, never on the loop); ``Local`` is the same interface doing nothing
 mount without ``--shared``. The pushing itself is the ``replica.Replicator``'s.
 
 - **Read-through.** A lookup of ``/sessions/X`` (or of a file in it) that misses the local
-  volume asks the cluster; a session there (``has_session``: its meta.json is stored) is
-  created locally with its files empty and meta.json whole, and the cluster's sizes are
-  remembered (``remote``). Attributes show those sizes; a read past the local bytes
+  volume asks the cluster; a session there (its meta.json is stored) is created locally
+  with its files empty and meta.json whole, owned as on the node that wrote it (the owner
+  record travels with the session: whoever looked it up, the kernel then checks the
+  owner's permissions), and the cluster's sizes are remembered (``remote``). Attributes show those sizes; a read past the local bytes
   fetches the missing chunks (in order, up to the chunk boundary past the read) and
   appends them to the local file, so later reads are local. A session not being written
   here is re-checked on open (at most every ``REFRESH_S``): files the cluster holds longer
@@ -38,7 +39,15 @@ from pyfuse3 import FUSEError
 
 from kvfs.engine import errors
 from kvfs.ops import metrics
-from kvfs.shared import NotFoundShared, SessionBusy, SharedCorrupt, SharedError, SharedUnavailable
+from kvfs.shared import (
+    NotFoundShared,
+    Owner,
+    SessionBusy,
+    SharedCorrupt,
+    SharedError,
+    SharedUnavailable,
+    check_name,
+)
 
 from .buffers import on_live
 from .hooks import Local
@@ -94,33 +103,66 @@ class Remote(Local):
     def _reachable(self, session: str) -> bool:
         return self.repl.down is None and session not in self.deleted
 
+    # ------------------------------------------------------------------ names
+    def check_new_name(self, name: str) -> None:
+        """A session or file name the cluster cannot hold is refused when it is made
+        (EINVAL), never accepted here and then lost."""
+        try:
+            check_name(name)
+        except ValueError as e:
+            log.warning("name %s refused with EINVAL: the shared tier cannot replicate it (%s)",
+                        shown(name), e)
+            raise FUSEError(errno.EINVAL) from None
+
+    async def lease_owner(self, session: str) -> str | None:
+        """The node holding ``session``'s lease (this one included); None if nobody does or
+        the cluster cannot say."""
+        if self.repl.down is not None:
+            return None
+        try:
+            return await self._t(self.tier.lease_owner, session)
+        except (SharedError, ValueError) as e:
+            log.debug("lease owner of %s: %s", shown(session), e)
+            return None
+
+    def owner_changed(self, session: str) -> None:
+        """chmod/chown of a session here: the cluster's owner record follows."""
+        self.repl.meta_changed(session)  # meta.json is pushed with the owner record
+
     # ------------------------------------------------------------------ read-through
     async def import_session(self, name: str, uid: int, gid: int) -> bool:
-        """A session missing locally: made here from the cluster if it holds it."""
+        """A session missing locally: made here from the cluster if it holds it, owned by
+        the owner it had where it was written (``uid``/``gid``, who looked it up, are not
+        used: a lookup never hands a session to whoever made it). A session written before
+        owners were recorded is made root's, 0700."""
         if not self._reachable(name):
             return False
         try:
-            if not await self._t(self.tier.has_session, name):
-                self._miss()
-                return False
-            files = await self._t(self.tier.list_files, name)
-            meta = await self._t(self.tier.get_meta, name)
+            info = await self._t(self.tier.open_session, name)
         except (SharedError, ValueError) as e:
             log.warning("read-through of session %s failed, answering from the volume: %s",
                         shown(name), e)
             return False
+        if info is None:
+            self._miss()
+            return False
+        files, meta, owner = info.files, info.meta, info.owner
+        if owner is None:
+            log.warning("session %s in the shared tier has no owner record: made root's, 0700",
+                        shown(name))
+            owner = Owner(0, 0, 0o700)
 
         def make() -> None:
             try:
-                self.store.create_session(name, 0o700, uid, gid)
+                self.store.create_session(name, owner.mode & 0o7777, owner.uid, owner.gid)
             except errors.Exists:
                 pass
             have = set(self.store.list_files(name))
             for f in files:
                 if f not in have:
-                    self.store.create_file(name, f, 0o600, uid, gid)
+                    self.store.create_file(name, f, 0o600, owner.uid, owner.gid)
             if meta and META not in have:
-                self.store.create_file(name, META, 0o600, uid, gid)
+                self.store.create_file(name, META, 0o600, owner.uid, owner.gid)
                 self._append_local(name, META, 0, meta)
 
         await self.call(make)
@@ -133,7 +175,8 @@ class Remote(Local):
         return True
 
     async def import_file(self, key: Key, uid: int, gid: int) -> bool:
-        """A file missing from a local session: made here if the cluster holds it."""
+        """A file missing from a local session: made here if the cluster holds it, owned by
+        the session's owner (not by ``uid``/``gid``, who looked it up)."""
         session, name = key
         if self.writers.get(session) or not self._reachable(session):
             return False  # being written here: the volume is the truth
@@ -153,8 +196,9 @@ class Remote(Local):
             return False
 
         def make() -> None:
+            st = self.store.session_stat(session)
             try:
-                self.store.create_file(session, name, 0o600, uid, gid)
+                self.store.create_file(session, name, 0o600, st.uid, st.gid)
             except errors.Exists:
                 return
             if name == META and meta:
@@ -190,16 +234,17 @@ class Remote(Local):
             return []
 
         def apply() -> bool:
+            st = self.store.session_stat(session)  # files made here are the session owner's
             for f in ahead:
                 if f not in local:
-                    self.store.create_file(session, f, 0o600, 0, 0)
+                    self.store.create_file(session, f, 0o600, st.uid, st.gid)
             if meta is None:
                 return False
             old = self.store.read(session, META, 0, local[META]) if META in local else None
             if old == meta:
                 return False
             if old is None:
-                self.store.create_file(session, META, 0o600, 0, 0)
+                self.store.create_file(session, META, 0o600, st.uid, st.gid)
             else:
                 self.store.truncate(session, META, 0)
             self._append_local(session, META, 0, meta)

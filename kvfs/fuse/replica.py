@@ -5,7 +5,9 @@ queues them here: ``(session, file, offset, bytes)``, a truncate, a removal, or 
 changed". One daemon thread (``kvfs-shared-repl``) takes each session's queued jobs as a
 batch and applies them to the cluster in order -- the layer files' bytes first, then
 meta.json (``put_meta``, read from the local volume at that moment), then the ``sync``
-calls fsync is waiting for, then the lease's release once the last writer closed. It never
+calls fsync is waiting for, then the lease's release once the last writer closed. meta.json
+goes with the session's owner (uid, gid, mode of its directory here), so another node's
+read-through makes its copy the same owner's. It never
 runs on the trio thread and never holds a FUSE request, except fsync, which waits for its
 ``Sync`` job.
 
@@ -45,6 +47,7 @@ from kvfs.shared import (
     LeaseLost,
     NotAppend,
     NotFoundShared,
+    Owner,
     SessionBusy,
     SharedError,
     SharedLost,
@@ -141,6 +144,14 @@ class Replicator:
                 q.jobs.append(Append(file, offset, data))
                 q.nbytes += len(data)
                 self.queued_bytes += len(data)
+            self._cv.notify()
+
+    def meta_changed(self, session: str) -> None:
+        """meta.json or the session's owner changed here: push them after the queued jobs."""
+        with self._cv:
+            q = self._sq(session)
+            if q.error is None:
+                q.meta = True
             self._cv.notify()
 
     def truncate(self, session: str, file: str, size: int) -> None:
@@ -463,12 +474,13 @@ class Replicator:
 
     def _push_meta(self, session: str) -> None:
         try:
+            st = self._local(self.store.session_stat, session)
             size = self._local(self.store.file_stat, session, META).size
             data = self._local(self.store.read, session, META, 0, size) if size else b""
         except errors.NotFound:
             return
         if data:
-            self.tier.put_meta(session, data)
+            self.tier.put_meta(session, data, Owner(st.uid, st.gid, st.mode & 0o7777))
 
     # ------------------------------------------------------------------ life cycle
     def drain(self, timeout: float) -> bool:

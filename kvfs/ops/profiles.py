@@ -169,6 +169,19 @@ class Profile:
                                   "over this long after its last renewal", min=0.1)
     shared_fsync_wait_s: float = _spec("seconds", "how long fsync waits for an unreachable "
                                        "cluster before acknowledging locally", min=0.0)
+    shared_node_id: str = _spec("str", "this mount's name in the cluster's leases (empty: the "
+                                "host name and a hash of the volume's path; cloned hosts must "
+                                "not share one)")
+    shared_secret_file: str = _spec("file", "the cluster's secret (32+ random bytes, mode 0600, "
+                                    "the same on every node): every value is sealed with it")
+    shared_encrypt: bool = _spec("bool", "also encrypt every value (ChaCha20-Poly1305) so that a "
+                                 "Redis operator reads no conversation")
+    shared_password_file: str = _spec("file", "the Redis user's password (the environment's "
+                                      "KVFS_SHARED_PASSWORD wins; a password in the URL is the "
+                                      "last resort: ps shows it until the mount hides it)")
+    shared_tls_ca: str = _spec("file", "rediss://: the CA that signed the servers' certificates")
+    shared_tls_cert: str = _spec("file", "rediss://: this node's client certificate")
+    shared_tls_key: str = _spec("file", "rediss://: this node's client key")
     # alert rules
     alert_device_pct: float = _spec("fraction", "device_memory_high threshold")
     alert_device_for_s: float = _spec("seconds", "device_memory_high duration", min=0.0)
@@ -232,6 +245,8 @@ def _allowed(f: dataclasses.Field) -> str:
         return f"milliseconds, at least {lo:g}"
     if kind == "path":
         return "an absolute path"
+    if kind == "file":
+        return "an absolute path, or empty for none"
     if kind == "int":
         return f"an integer from {lo}" + (f" to {hi}" if hi is not None else " up")
     if kind == "bool":
@@ -255,6 +270,8 @@ def _check(f: dataclasses.Field, v: Any, origin: str, shown: Any) -> None:
         ok = isinstance(v, str)
     elif kind == "path":
         ok = isinstance(v, str) and v.startswith("/")
+    elif kind == "file":
+        ok = isinstance(v, str) and (not v or v.startswith("/"))
     elif kind == "choice":
         ok = v in md["choices"]
     elif kind == "fraction":
@@ -282,7 +299,7 @@ def _convert(f: dataclasses.Field, raw: Any, origin: str) -> Any:
     if isinstance(raw, bool) or raw is None or isinstance(raw, list | dict):
         raise _fail(f, raw, origin)
     try:
-        if kind in ("name", "str", "choice", "path"):
+        if kind in ("name", "str", "choice", "path", "file"):
             v: Any = raw if isinstance(raw, str) else None
             if v is None:
                 raise ValueError

@@ -3,12 +3,13 @@
 Each host keeps its own hot, warm and cold tiers; this tier holds recent sessions' files
 and meta.json in a Redis Cluster so that any host can continue a session another host
 served. ``SharedTier`` is the API (synchronous, thread-safe, every call bounded by a
-timeout); ``kvfs.shared.testing.Cluster`` starts a real local cluster for tests and
-benchmarks. Never imports pyfuse3, trio or torch; of kvfs it uses only the engine's
+timeout, every value sealed with the cluster's secret); ``kvfs.shared.testing.Cluster``
+starts a real local cluster for tests and benchmarks. Never imports pyfuse3, trio or torch; of kvfs it uses only the engine's
 exception types. Design and guarantees: docs/scale-out.md.
 """
 
-from .client import parse_urls
+from .chunks import Owner, check_name
+from .client import ClusterURL, TLSFiles, parse_urls
 from .errors import (
                      BadName,
                      BadRange,
@@ -21,8 +22,10 @@ from .errors import (
                      SharedLost,
                      SharedUnavailable,
 )
-from .tier import SharedTier
+from .seal import read_secret
+from .tier import SessionInfo, SharedTier
 
-__all__ = ["BadName", "BadRange", "LeaseLost", "NotAppend", "NotFoundShared", "SessionBusy",
-           "SharedCorrupt", "SharedError", "SharedLost", "SharedTier", "SharedUnavailable",
-           "parse_urls"]
+__all__ = ["BadName", "BadRange", "ClusterURL", "LeaseLost", "NotAppend", "NotFoundShared",
+           "Owner", "SessionBusy", "SessionInfo", "SharedCorrupt", "SharedError", "SharedLost",
+           "SharedTier", "SharedUnavailable", "TLSFiles", "check_name", "parse_urls",
+           "read_secret"]

@@ -6,32 +6,40 @@ every key of a session in one slot, so one shard holds the whole session and a L
 can change its keys atomically. A chunk value is a run of *pieces*, one per append that
 touched the chunk (an append only ever adds a piece at the end)::
 
-    piece = header(20 bytes) + payload
-    header = <HHQII: magic, version, file offset of the payload, payload length,
-                      crc32c(header[:16] + payload)>
+    piece  = header(16 bytes) + sealed body
+    header = <HBBQI: magic, version (2), flags (1: encrypted), file offset of the payload,
+                     payload length>
+    body   = MAC(16) + payload                      (seal.Sealer, MAC mode)
+           | nonce(12) + ciphertext + tag(16)       (AEAD mode)
 
-The checksum covers the offset and length too, so a flipped bit anywhere in a piece, a
-piece from another place, or a gap is caught. ``decode_chunk`` checks every piece and that
-they tile the chunk from its first byte with no gap; it returns the chunk's bytes or raises
+The seal covers the session and file names and the header, so a flipped bit anywhere in a
+piece, a piece from another session, file or place, a gap, or a piece made up by someone
+without the cluster's secret is caught. ``Codec.decode`` checks every piece and that they
+tile the chunk from its first byte with no gap; it returns the chunk's bytes or raises
 ``ChunkError``. The per-session keys besides the chunks: ``files`` (hash: file -> size),
-``meta`` (one piece holding meta.json), ``lease`` (owner node id), ``holder`` (last owner,
-to tell a takeover from a first use), ``sync`` (a marker written by ``sync``) and ``tmp``
-(the scratch key of a trim, see ``scripts``).
+``meta`` (one piece holding meta.json), ``owner`` (one piece holding the session's uid, gid
+and mode), ``lease`` (a sealed owner node id), ``holder`` (the last lease value, to tell a
+takeover from a first use), ``sync`` (a marker written by ``sync``) and ``tmp`` (the scratch
+key of a trim, see ``scripts``).
 """
 
 from __future__ import annotations
 
+import json
 import struct
-
-import crc32c
+from dataclasses import dataclass
 
 from .errors import BadName
+from .seal import Sealer, SealError
 
 MAGIC = 0x4B43  # "CK"
-VERSION = 1
-HEADER = struct.Struct("<HHQII")
+VERSION = 2
+ENCRYPTED = 1  # header flag: the body is nonce + ciphertext + tag
+HEADER = struct.Struct("<HBBQI")
 HEADER_SIZE = HEADER.size
-assert HEADER_SIZE == 20
+assert HEADER_SIZE == 16
+META_FILE = "meta.json"
+OWNER_FILE = "\0owner"  # the owner record's place: no file name holds a NUL
 MAX_NAME = 255
 # names may not contain these: "/" and NUL (path components), "{" "}" (the hash tag)
 FORBIDDEN = frozenset("/\0{}")
@@ -65,13 +73,14 @@ def check_name(name: object, what: str = "name") -> str:
 class SessionKeys:
     """The key names of one session (all in the session's hash slot)."""
 
-    __slots__ = ("session", "prefix", "files", "meta", "lease", "holder", "sync")
+    __slots__ = ("session", "prefix", "files", "meta", "owner", "lease", "holder", "sync")
 
     def __init__(self, session: str) -> None:
         self.session = session
         self.prefix = f"kvfs:{{{session}}}:"
         self.files = self.prefix + "files"
         self.meta = self.prefix + "meta"
+        self.owner = self.prefix + "owner"
         self.lease = self.prefix + "lease"
         self.holder = self.prefix + "holder"
         self.sync = self.prefix + "sync"
@@ -80,54 +89,99 @@ class SessionKeys:
         return f"{self.prefix}{file}:{n}"
 
 
-def encode_piece(offset: int, payload: bytes | memoryview) -> bytes:
-    head = HEADER.pack(MAGIC, VERSION, offset, len(payload), 0)[:16]
-    crc = crc32c.crc32c(payload, crc32c.crc32c(head))
-    return head + struct.pack("<I", crc) + bytes(payload)
+@dataclass(frozen=True)
+class Owner:
+    """Who a session belongs to, as its directory on the writing node says."""
+
+    uid: int
+    gid: int
+    mode: int
 
 
-def decode_pieces(value: bytes, start: int) -> tuple[bytes, int]:
-    """Check the pieces of one chunk value whose first byte is file offset ``start``;
-    return (the chunk's bytes, number of pieces)."""
-    parts: list[memoryview] = []
-    pos, have = 0, 0
-    mv = memoryview(value)
-    while pos < len(value):
-        if len(value) - pos < HEADER_SIZE:
-            raise ChunkError(f"torn piece header at byte {pos}")
-        magic, version, off, length, crc = HEADER.unpack_from(value, pos)
-        if magic != MAGIC or version != VERSION:
-            raise ChunkError(f"bad piece magic/version at byte {pos}")
-        end = pos + HEADER_SIZE + length
-        if end > len(value):
-            raise ChunkError(f"piece at byte {pos} runs past the value ({length} bytes)")
-        payload = mv[pos + HEADER_SIZE:end]
-        if crc32c.crc32c(payload, crc32c.crc32c(mv[pos:pos + 16])) != crc:
-            raise ChunkError(f"checksum mismatch in the piece at file offset {off}")
-        if off != start + have:
-            raise ChunkError(f"piece at file offset {off} where {start + have} was expected")
-        parts.append(payload)
-        pos, have = end, have + length
-    return (bytes(parts[0]) if len(parts) == 1 else b"".join(parts)), len(parts)
+@dataclass(frozen=True)
+class Codec:
+    """Encodes and checks the sealed values of the cluster (chunk pieces, meta, owner)."""
 
+    sealer: Sealer
 
-def decode_meta(value: bytes) -> bytes:
-    data, _ = decode_pieces(value, 0)
-    return data
+    @property
+    def overhead(self) -> int:
+        """Bytes one piece adds to its payload."""
+        return HEADER_SIZE + self.sealer.overhead
 
+    def encode_piece(self, session: str, file: str, offset: int,
+                     payload: bytes | memoryview) -> bytes:
+        flags = ENCRYPTED if self.sealer.encrypted else 0
+        head = HEADER.pack(MAGIC, VERSION, flags, offset, len(payload))
+        return head + self.sealer.seal(session, file, head, payload)
 
-def split_append(offset: int, data: bytes | memoryview, chunk_bytes: int) -> list[tuple[int, bytes]]:
-    """Cut an append at chunk boundaries: [(chunk number, encoded piece), ...]."""
-    mv = memoryview(data)
-    out: list[tuple[int, bytes]] = []
-    pos = 0
-    while pos < len(mv):
-        at = offset + pos
-        n = at // chunk_bytes
-        take = min(len(mv) - pos, (n + 1) * chunk_bytes - at)
-        out.append((n, encode_piece(at, mv[pos:pos + take])))
-        pos += take
-    return out
+    def decode_pieces(self, session: str, file: str, value: bytes, start: int) -> tuple[bytes, int]:
+        """Check the pieces of one chunk value whose first byte is file offset ``start``;
+        return (the chunk's bytes, number of pieces)."""
+        parts: list[bytes] = []
+        pos, have = 0, 0
+        mv = memoryview(value)
+        extra = self.sealer.overhead
+        flags = ENCRYPTED if self.sealer.encrypted else 0
+        while pos < len(value):
+            if len(value) - pos < HEADER_SIZE:
+                raise ChunkError(f"torn piece header at byte {pos}")
+            magic, version, fl, off, length = HEADER.unpack_from(value, pos)
+            if magic != MAGIC or version != VERSION:
+                raise ChunkError(f"bad piece magic/version at byte {pos} (a value of another "
+                                 f"format: clear the cluster after an upgrade)")
+            if fl != flags:
+                raise ChunkError(f"piece at byte {pos} is {'' if fl & ENCRYPTED else 'not '}"
+                                 f"encrypted, this node is {'' if flags else 'not '}configured so")
+            end = pos + HEADER_SIZE + extra + length
+            if end > len(value):
+                raise ChunkError(f"piece at byte {pos} runs past the value ({length} bytes)")
+            head = bytes(mv[pos:pos + HEADER_SIZE])
+            try:
+                payload = self.sealer.open(session, file, head, mv[pos + HEADER_SIZE:end])
+            except SealError as e:
+                raise ChunkError(f"piece at file offset {off}: {e}") from None
+            if off != start + have:
+                raise ChunkError(f"piece at file offset {off} where {start + have} was expected")
+            parts.append(payload)
+            pos, have = end, have + length
+        return (parts[0] if len(parts) == 1 else b"".join(parts)), len(parts)
+
+    def split_append(self, session: str, file: str, offset: int, data: bytes | memoryview,
+                     chunk_bytes: int) -> list[tuple[int, bytes]]:
+        """Cut an append at chunk boundaries: [(chunk number, encoded piece), ...]."""
+        mv = memoryview(data)
+        out: list[tuple[int, bytes]] = []
+        pos = 0
+        while pos < len(mv):
+            at = offset + pos
+            n = at // chunk_bytes
+            take = min(len(mv) - pos, (n + 1) * chunk_bytes - at)
+            out.append((n, self.encode_piece(session, file, at, mv[pos:pos + take])))
+            pos += take
+        return out
+
+    def encode_meta(self, session: str, data: bytes | memoryview) -> bytes:
+        return self.encode_piece(session, META_FILE, 0, data)
+
+    def decode_meta(self, session: str, value: bytes) -> bytes:
+        return self.decode_pieces(session, META_FILE, value, 0)[0]
+
+    def encode_owner(self, session: str, owner: Owner) -> bytes:
+        body = json.dumps({"uid": owner.uid, "gid": owner.gid, "mode": owner.mode}).encode()
+        return self.encode_piece(session, OWNER_FILE, 0, body)
+
+    def decode_owner(self, session: str, value: bytes) -> Owner:
+        raw = self.decode_pieces(session, OWNER_FILE, value, 0)[0]
+        try:
+            d = json.loads(raw)
+            owner = Owner(int(d["uid"]), int(d["gid"]), int(d["mode"]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ChunkError(f"owner record does not parse: {e}") from None
+        if not (0 <= owner.uid < 1 << 32 and 0 <= owner.gid < 1 << 32
+                and 0 <= owner.mode <= 0o7777):
+            raise ChunkError(f"owner record out of range: {owner}")
+        return owner
 
 
 def chunks_of(size: int, chunk_bytes: int) -> int:

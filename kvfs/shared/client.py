@@ -20,7 +20,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
+from urllib.parse import unquote
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -45,41 +47,103 @@ UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, TryA
                RedisClusterException, OutOfMemoryError, ReadOnlyError)
 
 
-def parse_urls(urls: str | Sequence[str]) -> list[tuple[str, int]]:
-    """``redis://h:p[,h:p...]`` or a list of ``h:p`` / ``redis://h:p`` -> [(host, port)]."""
+@dataclass(frozen=True)
+class ClusterURL:
+    """Where the cluster is and how to log in: ``redis[s]://[user[:password]@]host:port[,...]``.
+
+    The password never appears in ``str``/``repr`` (``redacted``): it may be in the URL, but
+    the mount takes it from a file or the environment when it can (docs/scale-out.md)."""
+
+    addresses: tuple[tuple[str, int], ...]
+    tls: bool = False
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+
+    def redacted(self) -> str:
+        who = ""
+        if self.username or self.password:
+            who = (self.username or "") + (":***" if self.password else "") + "@"
+        hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.addresses)
+        return f"{'rediss' if self.tls else 'redis'}://{who}{hosts}"
+
+    def __str__(self) -> str:
+        return self.redacted()
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    """Certificates of a TLS cluster: the CA that signed the servers' certificates, and this
+    node's client certificate and key when the servers ask for one."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+
+def parse_urls(urls: str | Sequence[str], password: str | None = None) -> ClusterURL:
+    """``redis[s]://[user[:password]@]h:p[,h:p...]`` (or a list of ``h:p`` / ``redis://h:p``)
+    -> ``ClusterURL``. ``password`` (from a file or the environment) wins over the URL's.
+    ``ValueError`` names the bad part, never the password."""
     parts = urls.split(",") if isinstance(urls, str) else list(urls)
+    tls, user, pw = False, None, None
     out = []
-    for raw in parts:
-        p = raw.strip().removeprefix("redis://").rstrip("/")
+    for i, raw in enumerate(parts):
+        p = raw.strip()
+        scheme, sep, rest = p.partition("://")
+        if sep:
+            if scheme not in ("redis", "rediss"):
+                raise ValueError(f"bad cluster address scheme {scheme!r} (want redis:// or rediss://)")
+            if i and (scheme == "rediss") != tls:
+                raise ValueError("cluster addresses mix redis:// and rediss://")
+            tls = tls or scheme == "rediss"
+            p = rest
+        who, at, p = p.rpartition("@")
+        if at:
+            if i:
+                raise ValueError("give the user and password once, in the first address")
+            u, colon, w = who.partition(":")
+            user, pw = unquote(u) or None, (unquote(w) if colon else None)
+        p = p.rstrip("/")
         host, sep, port = p.rpartition(":")
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"bad cluster address {raw!r} (want redis://host:port[,host:port...])")
+            shown = p if not at else "(address with credentials)"
+            raise ValueError(f"bad cluster address {shown!r} (want redis[s]://[user[:password]@]"
+                             "host:port[,host:port...])")
         out.append((host, int(port)))
     if not out:
         raise ValueError("no cluster address given")
-    return out
+    return ClusterURL(tuple(out), tls, user, password if password is not None else pw)
 
 
 class ClusterClient:
     """One cluster connection: ``call``/``eval`` routed by key, guarded and bounded."""
 
-    def __init__(self, urls: str | Sequence[str], timeout_s: float, retry_after_s: float) -> None:
-        self.addresses = parse_urls(urls)
+    def __init__(self, url: ClusterURL, timeout_s: float, retry_after_s: float,
+                 tls: TLSFiles | None = None) -> None:
+        self.url = url
+        self.addresses = list(url.addresses)
         self.timeout_s, self.retry_after_s = timeout_s, retry_after_s
+        self.waitaof: bool | None = None  # the servers have WAITAOF (Redis 7.2+); None: unknown
         self._lock = threading.Lock()
         self._down: dict[str, tuple[float, str]] = {}          # node -> (until, reason)
         self._refresh: threading.Thread | None = None
         self._refresh_error: BaseException | None = None
         self.unavailable = 0
+        kw: dict[str, Any] = {"username": url.username, "password": url.password}
+        if url.tls:
+            t = tls or TLSFiles()
+            kw.update(ssl=True, ssl_ca_certs=t.ca, ssl_certfile=t.cert, ssl_keyfile=t.key,
+                      ssl_cert_reqs="required")
         try:
             self.rc = RedisCluster(
                 startup_nodes=[ClusterNode(h, p) for h, p in self.addresses],
                 socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                 retry=Retry(ExponentialBackoff(cap=0.05, base=0.01), 1),
-                require_full_coverage=False)
+                require_full_coverage=False, **kw)
         except (redis.RedisError, RedisClusterException) as e:
-            where = ",".join(f"{h}:{p}" for h, p in self.addresses)
-            raise SharedUnavailable(f"cannot reach the Redis Cluster at {where}: {e}") from e
+            raise SharedUnavailable(f"cannot reach the Redis Cluster at {url.redacted()}: "
+                                    f"{type(e).__name__}: {e}") from e
         # redis-py refreshes the topology inline after every connection error; bound it
         self._initialize = self.rc.nodes_manager.initialize
         self.rc.nodes_manager.initialize = self._bounded_initialize  # type: ignore[method-assign]

@@ -27,7 +27,7 @@ local function refresh(prefix, retention, chunk)
     local n = math.ceil(tonumber(all[i + 1]) / chunk)
     for c = 0, n - 1 do redis.call('PEXPIREAT', prefix .. all[i] .. ':' .. c, deadline) end
   end
-  for _, k in ipairs({'files', 'meta', 'holder', 'sync'}) do
+  for _, k in ipairs({'files', 'meta', 'owner', 'holder', 'sync'}) do
     redis.call('PEXPIREAT', prefix .. k, deadline)
   end
 end
@@ -89,22 +89,27 @@ refresh(ARGV[8], retention, tonumber(ARGV[7]))
 return {'OK', tostring(freed)}
 """
 
-# KEYS: files, lease, meta   ARGV: node, value, retention, chunk bytes, prefix
+# KEYS: files, lease, meta, owner   ARGV: node, value, retention, chunk bytes, prefix,
+# owner record ('' leaves it as it is)
 # -> {'OK', bytes added} | {'LEASE', owner}
 PUT_META = _COMMON + """
 local owner = redis.call('GET', KEYS[2])
 if owner ~= ARGV[1] then return {'LEASE', owner or ''} end
 local retention = tonumber(ARGV[3])
-local old = redis.call('STRLEN', KEYS[3])
-redis.call('SET', KEYS[3], ARGV[2])
+local old = redis.call('STRLEN', KEYS[3]) + redis.call('STRLEN', KEYS[4])
 local ttl = redis.call('PTTL', KEYS[1])
-if ttl > 0 then redis.call('PEXPIRE', KEYS[3], ttl)
-elseif retention > 0 then redis.call('PEXPIRE', KEYS[3], retention) end
+local function keep(key, value)
+  redis.call('SET', key, value)
+  if ttl > 0 then redis.call('PEXPIRE', key, ttl)
+  elseif retention > 0 then redis.call('PEXPIRE', key, retention) end
+end
+keep(KEYS[3], ARGV[2])
+if #ARGV[6] > 0 then keep(KEYS[4], ARGV[6]) end
 refresh(ARGV[5], retention, tonumber(ARGV[4]))
-return {'OK', tostring(#ARGV[2] - old)}
+return {'OK', tostring(redis.call('STRLEN', KEYS[3]) + redis.call('STRLEN', KEYS[4]) - old)}
 """
 
-# KEYS: files, lease, meta, holder, sync   ARGV: node, chunk bytes, prefix, mode
+# KEYS: files, lease, meta, holder, sync, owner   ARGV: node, chunk bytes, prefix, mode
 # mode 'delete': refused while another node holds the lease; 'evict': refused while anyone does
 # -> {'OK', bytes freed} | {'BUSY', owner, ms left}
 DELETE = """
@@ -113,7 +118,7 @@ if owner and (ARGV[4] == 'evict' or owner ~= ARGV[1]) then
   return {'BUSY', owner, redis.call('PTTL', KEYS[2])}
 end
 local chunk = tonumber(ARGV[2])
-local freed = redis.call('STRLEN', KEYS[3])
+local freed = redis.call('STRLEN', KEYS[3]) + redis.call('STRLEN', KEYS[6])
 local all = redis.call('HGETALL', KEYS[1])
 for i = 1, #all, 2 do
   for c = 0, math.ceil(tonumber(all[i + 1]) / chunk) - 1 do
@@ -122,7 +127,7 @@ for i = 1, #all, 2 do
     redis.call('DEL', k)
   end
 end
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
 return {'OK', tostring(freed)}
 """
 
@@ -140,7 +145,10 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 local prev = redis.call('GET', KEYS[2])
 redis.call('SET', KEYS[2], ARGV[1])
 if tonumber(ARGV[3]) > 0 then redis.call('PEXPIRE', KEYS[2], ARGV[3]) end
-if prev and prev ~= ARGV[1] then return {'TAKEOVER', prev} end
+-- a lease value is '<node>|<lease ms>|<MAC>': the same node is no takeover
+if prev and string.match(prev, '^[^|]*') ~= string.match(ARGV[1], '^[^|]*') then
+  return {'TAKEOVER', prev}
+end
 return {'NEW', prev or ''}
 """
 
@@ -174,12 +182,24 @@ end
 return 1
 """
 
-# KEYS: files, sync, meta   ARGV: node, retention ms
+# KEYS: files, sync, meta   ARGV: node, retention ms, bytes of the meta's head to return
 # A write (the marker) so that a WAIT on the same connection covers everything before it.
 SYNC = """
 redis.call('SET', KEYS[2], ARGV[1])
 if tonumber(ARGV[2]) > 0 then redis.call('PEXPIRE', KEYS[2], ARGV[2]) end
-return {redis.call('HGETALL', KEYS[1]), redis.call('GETRANGE', KEYS[3], 0, 19)}
+return {redis.call('HGETALL', KEYS[1]), redis.call('GETRANGE', KEYS[3], 0, tonumber(ARGV[3]) - 1)}
+"""
+
+# KEYS: lease, holder   ARGV: the lease value seen, this node's lease value, lease ms,
+# retention ms. A lease value that does not verify was not set by a node (or is this node's
+# own from before a restart with other settings): replace it, unless it changed since it
+# was read.  -> 1 replaced, 0 changed meanwhile
+SEIZE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+redis.call('SET', KEYS[2], ARGV[2])
+if tonumber(ARGV[4]) > 0 then redis.call('PEXPIRE', KEYS[2], ARGV[4]) end
+return 1
 """
 
 # Capacity bookkeeping, one slot for the whole cluster.

@@ -8,7 +8,7 @@ from collections import deque
 
 COUNTERS = ("hits", "misses", "bytes_in", "bytes_out", "appends", "reads", "syncs",
             "sync_unreplicated", "corrupt", "refetches", "unavailable", "lease_takeovers",
-            "lease_lost", "evicted_sessions", "compactions")
+            "lease_lost", "evicted_sessions", "compactions", "forged_leases")
 LATENCIES = ("read", "append", "sync")
 
 

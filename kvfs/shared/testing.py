@@ -6,10 +6,17 @@ in a temporary directory (cluster mode, append-only file), joins them with
 replica is in sync, and always stops and removes everything. It can kill a node (``kill -9``),
 pause one (SIGSTOP, a hung host), wait for a replica to be promoted, and restart a node.
 Every wait is bounded; a failure raises ``ClusterFailed`` with the node logs' tails.
+
+``password=`` runs it with an ACL user (``user``, default ``kvfs``) and the default user
+off; ``tls=True`` serves TLS only (``tls-port``, TLS on the cluster bus and replication)
+with certificates made here (``make_certs``). ``secret_file`` writes a cluster secret for
+``SharedTier`` and the mount.
 """
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
 import logging
 import os
 import shutil
@@ -21,6 +28,8 @@ import time
 from pathlib import Path
 
 import redis
+
+from .client import TLSFiles
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +69,73 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+def secret_file(path: str | Path, secret: bytes | None = None) -> Path:
+    """Write a cluster secret (48 random bytes unless given), mode 0600; returns the path."""
+    p = Path(path)
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secret if secret is not None else os.urandom(48))
+    return p
+
+
+def make_certs(d: str | Path) -> dict[str, Path]:
+    """A self-signed CA and, signed by it, a server and a client certificate for 127.0.0.1
+    and localhost, as PEM files in ``d``: keys ca, server_cert, server_key, client_cert,
+    client_key."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    d = Path(d)
+    d.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.UTC)
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def cert(subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name,
+             signer: ec.EllipticCurvePrivateKey, ca: bool) -> x509.Certificate:
+        b = (x509.CertificateBuilder().subject_name(name(subject)).issuer_name(issuer)
+             .public_key(key.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(now - datetime.timedelta(minutes=5))
+             .not_valid_after(now + datetime.timedelta(days=2))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if not ca:
+            b = b.add_extension(x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address(HOST))]),
+                critical=False)
+        return b.sign(signer, hashes.SHA256())
+
+    def write(fname: str, data: bytes) -> Path:
+        p = d / fname
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return p
+
+    def pem_key(k: ec.EllipticCurvePrivateKey) -> bytes:
+        return k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                               serialization.NoEncryption())
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = cert("kvfs test CA", ca_key, name("kvfs test CA"), ca_key, True)
+    out = {"ca": write("ca.crt", ca.public_bytes(serialization.Encoding.PEM))}
+    for who in ("server", "client"):
+        k = ec.generate_private_key(ec.SECP256R1())
+        c = cert(f"kvfs test {who}", k, ca.subject, ca_key, False)
+        out[f"{who}_cert"] = write(f"{who}.crt", c.public_bytes(serialization.Encoding.PEM))
+        out[f"{who}_key"] = write(f"{who}.key", pem_key(k))
+    return out
+
+
 class Cluster:
     """``masters`` shards with ``replicas`` replicas each, on 127.0.0.1; a context manager."""
 
     def __init__(self, ports: list[int] | None = None, masters: int = 3, replicas: int = 1,
                  appendfsync: str = "everysec", node_timeout_ms: int = 1000,
-                 base_dir: str | Path | None = None, start_timeout: float = 30.0) -> None:
+                 base_dir: str | Path | None = None, start_timeout: float = 30.0,
+                 password: str | None = None, user: str = "kvfs", tls: bool = False) -> None:
         if not HAVE_REDIS:
             raise ClusterFailed("redis-server / redis-cli not found on PATH")
         n = masters * (1 + replicas)
@@ -75,6 +145,9 @@ class Cluster:
         self.masters, self.replicas = masters, replicas
         self.appendfsync, self.node_timeout_ms = appendfsync, node_timeout_ms
         self.start_timeout = start_timeout
+        self.password, self.user, self.tls = password, user, tls
+        self.certs: dict[str, Path] = {}
+        self.secret_path: Path | None = None  # the cluster secret (made at start)
         self._base_dir = base_dir
         self.dir: Path | None = None
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
@@ -83,7 +156,46 @@ class Cluster:
     # -- life cycle --------------------------------------------------------------
     @property
     def urls(self) -> str:
-        return "redis://" + ",".join(f"{HOST}:{p}" for p in self.ports)
+        """The cluster's addresses (no credentials: give the password apart)."""
+        scheme = "rediss" if self.tls else "redis"
+        who = f"{self.user}@" if self.password else ""
+        return f"{scheme}://{who}" + ",".join(f"{HOST}:{p}" for p in self.ports)
+
+    @property
+    def tls_files(self) -> TLSFiles | None:
+        """What a client needs for a TLS cluster (None without TLS)."""
+        if not self.tls:
+            return None
+        return TLSFiles(str(self.certs["ca"]), str(self.certs["client_cert"]),
+                        str(self.certs["client_key"]))
+
+    @property
+    def secret(self) -> bytes:
+        assert self.secret_path is not None, "the cluster is not started"
+        return self.secret_path.read_bytes()
+
+    def mount_args(self, *, url: str | None = None) -> list[str]:
+        """kvfs-mount's arguments for this cluster: ``--shared`` and the secret, password
+        (as files, 0600) and TLS options."""
+        assert self.dir is not None, "the cluster is not started"
+        args = ["--shared", url or self.urls, "-o", f"shared_secret_file={self.secret_path}"]
+        if self.password:
+            pw = secret_file(self.dir / "password", self.password.encode())
+            args += ["-o", f"shared_password_file={pw}"]
+        if self.tls:
+            c = self.certs
+            args += ["-o", f"shared_tls_ca={c['ca']}", "-o", f"shared_tls_cert={c['client_cert']}",
+                     "-o", f"shared_tls_key={c['client_key']}"]
+        return args
+
+    def _cli_args(self) -> list[str]:
+        args = []
+        if self.password:
+            args += ["--user", self.user, "--pass", self.password, "--no-auth-warning"]
+        if self.tls:
+            args += ["--tls", "--cacert", str(self.certs["ca"]), "--cert",
+                     str(self.certs["client_cert"]), "--key", str(self.certs["client_key"])]
+        return args
 
     def __enter__(self) -> Cluster:
         return self.start()
@@ -94,11 +206,15 @@ class Cluster:
     def start(self) -> Cluster:
         self.dir = Path(tempfile.mkdtemp(prefix="kvfs-redis-", dir=self._base_dir))
         try:
+            self.secret_path = secret_file(self.dir / "secret")
+            if self.tls:
+                self.certs = make_certs(self.dir / "tls")
             for p in self.ports:
                 self._spawn(p)
             for p in self.ports:
                 self._wait_ping(p)
-            cmd = [REDIS_CLI, "--cluster", "create", *(f"{HOST}:{p}" for p in self.ports),
+            cmd = [REDIS_CLI, *self._cli_args(), "--cluster", "create",
+                   *(f"{HOST}:{p}" for p in self.ports),
                    "--cluster-replicas", str(self.replicas), "--cluster-yes"]
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=self.start_timeout)
             if r.returncode != 0:
@@ -115,8 +231,20 @@ class Cluster:
         d = self.dir / str(port)
         d.mkdir(exist_ok=True)
         conf = d / "redis.conf"
+        lines = []
+        if self.tls:
+            c = self.certs
+            lines += ["port 0", f"tls-port {port}", f"tls-cert-file {c['server_cert']}",
+                      f"tls-key-file {c['server_key']}", f"tls-ca-cert-file {c['ca']}",
+                      "tls-cluster yes", "tls-replication yes", "tls-auth-clients optional"]
+        else:
+            lines.append(f"port {port}")
+        if self.password:
+            pw = self.password.replace("\\", "\\\\").replace('"', '\\"')
+            lines += ["user default off", f'user {self.user} on ">{pw}" ~* &* +@all',
+                      f"masteruser {self.user}", f'masterauth "{pw}"']
         conf.write_text("\n".join([
-            f"port {port}", f"bind {HOST}", "protected-mode yes", f"dir {d}",
+            *lines, f"bind {HOST}", "protected-mode yes", f"dir {d}",
             "daemonize no", "logfile redis.log", 'save ""',
             "cluster-enabled yes", "cluster-config-file nodes.conf",
             f"cluster-node-timeout {self.node_timeout_ms}",
@@ -153,8 +281,15 @@ class Cluster:
 
     # -- inspection --------------------------------------------------------------
     def client(self, port: int, timeout: float = 2.0) -> redis.Redis:
+        kw: dict = {}
+        if self.password:
+            kw.update(username=self.user, password=self.password)
+        if self.tls:
+            kw.update(ssl=True, ssl_ca_certs=str(self.certs["ca"]),
+                      ssl_certfile=str(self.certs["client_cert"]),
+                      ssl_keyfile=str(self.certs["client_key"]))
         return redis.Redis(host=HOST, port=port, socket_timeout=timeout,
-                           socket_connect_timeout=timeout)
+                           socket_connect_timeout=timeout, **kw)
 
     def alive(self) -> list[int]:
         return [p for p, proc in self.procs.items() if proc.poll() is None and p not in self.paused]

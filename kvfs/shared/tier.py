@@ -4,8 +4,9 @@ Synchronous and thread-safe (one cluster client with a connection pool per node,
 around this object's own state); every call is bounded (``client``: ``timeout_s`` per
 attempt, a failed shard not retried for ``retry_after_s``), so a caller gets
 ``SharedUnavailable`` quickly and keeps serving from its local tiers. Never imports pyfuse3,
-trio or torch. The format is in ``chunks``, the scripts in ``scripts``, the leases in
-``lease``; the guarantees are in docs/scale-out.md.
+trio or torch. The format is in ``chunks``, the seals (MACs, encryption, lease values) in
+``seal``, the scripts in ``scripts``, the leases in ``lease``; the guarantees are in
+docs/scale-out.md.
 """
 
 from __future__ import annotations
@@ -14,21 +15,19 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .chunks import (
     CAP_TAG,
-    HEADER_SIZE,
     ChunkError,
+    Codec,
+    Owner,
     SessionKeys,
     check_name,
     chunks_of,
-    decode_meta,
-    decode_pieces,
-    encode_piece,
-    split_append,
 )
-from .client import ClusterClient
+from .client import ClusterClient, ClusterURL, TLSFiles, parse_urls
 from .errors import (
     BadRange,
     LeaseLost,
@@ -51,8 +50,10 @@ from .scripts import (
     RELEASE,
     RENEW,
     REWRITE,
+    SEIZE,
     SYNC,
 )
+from .seal import Sealer, SealError
 from .stats import Stats
 
 log = logging.getLogger(__name__)
@@ -75,24 +76,51 @@ def _status(res: list[Any]) -> str:
     return s.decode() if isinstance(s, bytes) else str(s)
 
 
-class SharedTier:
-    """Session files and meta.json of many hosts in one Redis Cluster (see module doc)."""
+def _text(v: Any) -> str:
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
 
-    def __init__(self, urls: str | Sequence[str], *, node_id: str, chunk_bytes: int = CHUNK_BYTES,
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """A session as the cluster holds it at one instant (``SharedTier.open_session``)."""
+
+    files: dict[str, int]          # file -> size (meta.json aside)
+    meta: bytes | None             # meta.json, checked; None: the session is not visible
+    owner: Owner | None            # uid, gid and mode of the writing node's copy; None: not recorded
+
+
+class SharedTier:
+    """Session files and meta.json of many hosts in one Redis Cluster (see module doc).
+
+    ``secret`` is the cluster's shared secret (``seal.read_secret``): every value is sealed
+    with it, and one that does not verify is never served. ``encrypt`` also encrypts them.
+    ``urls`` may carry a user and password (``redis://user:pw@h:p,...``; ``password`` wins)
+    and ``rediss://`` for TLS (``tls``: the CA and client certificate files)."""
+
+    def __init__(self, urls: str | Sequence[str] | ClusterURL, *, node_id: str, secret: bytes,
+                 encrypt: bool = False, password: str | None = None, tls: TLSFiles | None = None,
+                 chunk_bytes: int = CHUNK_BYTES,
                  lease_ms: int = 15_000, retention_s: float = 48 * 3600,
                  max_bytes: int | None = None, replicas_ack: int = 1, timeout_s: float = 1.0,
                  retry_after_s: float = 1.0, auto_renew: bool = True) -> None:
         self.node_id = check_name(node_id, "node id")
+        if "|" in self.node_id:
+            raise ValueError(f"node id {node_id!r} may not contain '|'")
         if chunk_bytes < 4096 or lease_ms < 100 or timeout_s <= 0 or replicas_ack < 0:
             raise ValueError("chunk_bytes >= 4096, lease_ms >= 100, timeout_s > 0, replicas_ack >= 0")
+        self.codec = Codec(Sealer.from_secret(secret, encrypt))
         self.chunk_bytes, self.lease_ms = chunk_bytes, lease_ms
         self.retention_ms = int(retention_s * 1000) if retention_s else 0
         self.max_bytes, self.replicas_ack, self.timeout_s = max_bytes, replicas_ack, timeout_s
         self.stats_ = Stats()
         self._lock = threading.Lock()
         self._written: dict[str, dict[str, int]] = {}          # session -> file -> size
-        self._meta_head: dict[str, bytes] = {}                 # session -> header of our meta
-        self._c = ClusterClient(urls, timeout_s, retry_after_s)
+        self._meta_head: dict[str, bytes] = {}                 # session -> head of our meta
+        url = urls if isinstance(urls, ClusterURL) else parse_urls(urls, password)
+        if password is not None and url.password != password:
+            url = ClusterURL(url.addresses, url.tls, url.username, password)
+        self.url = url
+        self._c = ClusterClient(url, timeout_s, retry_after_s, tls)
         self.addresses = self._c.addresses
         self._leases = Leases(self.renew, lease_ms, auto_renew)
 
@@ -107,47 +135,123 @@ class SharedTier:
         return SessionKeys(check_name(session, "session"))
 
     # -- leases ------------------------------------------------------------------
+    def _lease(self, session: str) -> str:
+        """This node's lease value for ``session`` (what the scripts compare)."""
+        return self.codec.sealer.lease(session, self.node_id, self.lease_ms)
+
+    def _holder(self, session: str, value: Any, pttl: int | None = None) -> str | None:
+        """The node named by a lease value found in the cluster; None when the value was not
+        set by a node of this cluster (no seal, or a time to live beyond the lease it names),
+        or is this node's own from an earlier mount with other settings: either may be
+        replaced (``_seize``)."""
+        try:
+            node, ms = self.codec.sealer.check_lease(session, _text(value))
+        except SealError as e:
+            self.stats_.add("forged_leases")
+            log.error("session %s: the lease in the shared tier was not set by a kvfs node "
+                      "(%s); replacing it", session, e)
+            return None
+        if pttl is not None and pttl > ms + 1000:
+            self.stats_.add("forged_leases")
+            log.error("session %s: the lease of node %r has %d ms to live, more than its own "
+                      "%d ms: a replayed value, replacing it", session, node, pttl, ms)
+            return None
+        if node == self.node_id:
+            return None
+        return node
+
+    def _seize(self, k: SessionKeys, seen: Any) -> bool:
+        """Replace the lease value ``seen`` by this node's, unless it changed meanwhile."""
+        res = self._eval(k, "seize", SEIZE, [k.lease, k.holder],
+                         [seen, self._lease(k.session), self.lease_ms, self.retention_ms])
+        if int(res):
+            self._leases.add(k.session)
+            return True
+        return False
+
     def acquire(self, session: str, wait_s: float = 0.0) -> bool:
         """Take the session's lease: True when newly taken (a dead owner's expired lease is
-        a takeover, counted), False when this node held it already (renewed). Raises
-        ``SessionBusy`` naming the owner if another node still holds it after ``wait_s``."""
+        a takeover, counted and logged), False when this node held it already (renewed).
+        Raises ``SessionBusy`` naming the owner if another node still holds it after
+        ``wait_s``. A lease value no node of this cluster set is reported and replaced."""
         k = self._keys(session)
         deadline = time.monotonic() + wait_s
         while True:
             res = self._eval(k, "acquire", ACQUIRE, [k.lease, k.holder],
-                             [self.node_id, self.lease_ms, self.retention_ms])
+                             [self._lease(session), self.lease_ms, self.retention_ms])
             st = _status(res)
             if st != "BUSY":
                 self._leases.add(session)
                 if st == "TAKEOVER":
                     self.stats_.add("lease_takeovers")
-                    log.warning("session %s: took over the lease of node %s", session, res[1].decode())
+                    prev = _text(res[1]).partition("|")[0]
+                    log.warning("session %s: took over the lease of node %r (it expired: that "
+                                "node stopped renewing it)", session, prev)
                 return st != "RENEWED"
+            owner = self._holder(session, res[1], int(res[2]))
+            if owner is None:
+                if self._seize(k, res[1]):
+                    return True
+                continue
             left = deadline - time.monotonic()
             if left <= 0:
-                raise SessionBusy(session, res[1].decode(), int(res[2]))
+                raise SessionBusy(session, owner, int(res[2]))
             time.sleep(min(left, 0.05, max(int(res[2]), 1) / 1000))
 
-    def renew(self, session: str) -> None:
-        """Extend this node's lease; ``LeaseLost`` if another node holds it now."""
+    def lease_owner(self, session: str) -> str | None:
+        """The node that holds the session's lease now (None: nobody, or a value no node
+        set)."""
         k = self._keys(session)
-        res = self._eval(k, "renew", RENEW, [k.lease, k.holder], [self.node_id, self.lease_ms])
+        value, pttl = self._c.on_master(k.lease, f"lease_owner {session}",
+                                        [("GET", k.lease), ("PTTL", k.lease)], transaction=True)
+        if value is None:
+            return None
+        try:
+            node, ms = self.codec.sealer.check_lease(session, _text(value))
+        except SealError:
+            return None
+        return node if int(pttl) <= ms + 1000 else None
+
+    def renew(self, session: str) -> None:
+        """Extend this node's lease; ``LeaseLost`` if another node holds it now (a value no
+        node set is replaced instead)."""
+        k = self._keys(session)
+        res = self._eval(k, "renew", RENEW, [k.lease, k.holder], [self._lease(session), self.lease_ms])
         if _status(res) == "LOST":
+            if res[1] and self._holder(session, res[1]) is None and self._seize(k, res[1]):
+                return
             self._leases.discard(session)
             self.stats_.add("lease_lost")
-            raise LeaseLost(session, res[1].decode() or None)
+            raise LeaseLost(session, _text(res[1]).partition("|")[0] or None)
 
     def release(self, session: str) -> bool:
         """Give the lease up (a clean hand-over: the next owner's acquire is no takeover)."""
         k = self._keys(session)
         self._leases.discard(session)
         return bool(self._eval(k, "release", RELEASE, [k.lease, k.holder, k.files],
-                               [self.node_id, self.chunk_bytes, k.prefix]))
+                               [self._lease(session), self.chunk_bytes, k.prefix]))
 
-    def _lease_refused(self, session: str, res: list[Any]) -> LeaseLost:
+    def _lease_refused(self, session: str, res: list[Any]) -> LeaseLost | None:
+        """A script found another lease value: ``LeaseLost``, or None when the value was no
+        node's and is now replaced by ours (the caller tries again)."""
+        if res[1] and self._holder(session, res[1]) is None \
+                and self._seize(self._keys(session), res[1]):
+            return None
         self._leases.discard(session)
         self.stats_.add("lease_lost")
-        return LeaseLost(session, res[1].decode() or None)
+        return LeaseLost(session, _text(res[1]).partition("|")[0] or None)
+
+    def _scripted(self, k: SessionKeys, what: str, script: str, keys: list[str],
+                  args: list[Any]) -> list[Any]:
+        """A writing script, run again once if a forged lease stood in its way."""
+        for _ in (0, 1):
+            res = self._eval(k, what, script, keys, args)
+            if _status(res) != "LEASE":
+                return res
+            err = self._lease_refused(k.session, res)
+            if err is not None:
+                raise err
+        return res
 
     # -- writes ------------------------------------------------------------------
     def append(self, session: str, file: str, offset: int, data: bytes | bytearray | memoryview) -> int:
@@ -163,18 +267,18 @@ class SharedTier:
         if not len(data):
             return pos
         t0 = time.perf_counter()
-        pieces = split_append(pos, data, self.chunk_bytes)
+        pieces = self.codec.split_append(session, file, pos, data, self.chunk_bytes)
+        over = self.codec.overhead
         added, last_len = 0, 0
         for i in range(0, len(pieces), BATCH_CHUNKS):
             batch = pieces[i:i + BATCH_CHUNKS]
-            end = pos + sum(len(p) - HEADER_SIZE for _, p in batch)
+            end = pos + sum(len(p) - over for _, p in batch)
             keys = [k.files, k.lease, *(k.chunk(file, n) for n, _ in batch)]
-            args = [self.node_id, file, pos, end, self.retention_ms, self.chunk_bytes, k.prefix,
-                    self.lease_ms, "A" if pos % self.chunk_bytes else "S", *(p for _, p in batch)]
-            res = self._eval(k, "append", APPEND, keys, args)
+            args = [self._lease(session), file, pos, end, self.retention_ms, self.chunk_bytes,
+                    k.prefix, self.lease_ms, "A" if pos % self.chunk_bytes else "S",
+                    *(p for _, p in batch)]
+            res = self._scripted(k, "append", APPEND, keys, args)
             st = _status(res)
-            if st == "LEASE":
-                raise self._lease_refused(session, res)
             if st == "SIZE":
                 raise NotAppend(session, file, pos, int(res[1]))
             last_len = int(res[1])
@@ -188,8 +292,8 @@ class SharedTier:
         self._note_write(session, added)
         last = (pos - 1) // self.chunk_bytes
         data_in_last = pos - last * self.chunk_bytes
-        pieces_in_last = (last_len - data_in_last) // HEADER_SIZE
-        if pieces_in_last > COMPACT_PIECES and pieces_in_last * HEADER_SIZE * 4 > data_in_last:
+        pieces_in_last = (last_len - data_in_last) // over
+        if pieces_in_last > COMPACT_PIECES and pieces_in_last * over * 4 > data_in_last:
             self._compact(k, file, last, pos)
         return pos
 
@@ -197,10 +301,10 @@ class SharedTier:
         """Rewrite chunk ``n`` (the last) as one piece: many tiny appends cost a header each."""
         start = n * self.chunk_bytes
         data = self._chunk(k, file, n, size, None)
-        value = encode_piece(start, data)
+        value = self.codec.encode_piece(k.session, file, start, data)
         keys = [k.files, k.lease, k.chunk(file, n)]
         res = self._eval(k, "compact", REWRITE, keys,
-                         [self.node_id, file, size, size, value, self.retention_ms,
+                         [self._lease(k.session), file, size, size, value, self.retention_ms,
                           self.chunk_bytes, k.prefix])
         if _status(res) == "OK":
             self.stats_.add("compactions")
@@ -226,14 +330,13 @@ class SharedTier:
         n, cut = divmod(keep, self.chunk_bytes)
         value = b""
         if cut:
-            value = encode_piece(n * self.chunk_bytes, self._chunk(k, file, n, cur, None)[:cut])
+            value = self.codec.encode_piece(session, file, n * self.chunk_bytes,
+                                            self._chunk(k, file, n, cur, None)[:cut])
         keys = [k.files, k.lease, *(k.chunk(file, c) for c in range(n, max(n + 1, chunks_of(cur, self.chunk_bytes))))]
-        res = self._eval(k, "truncate", REWRITE, keys,
-                         [self.node_id, file, cur, size, value, self.retention_ms,
-                          self.chunk_bytes, k.prefix])
+        res = self._scripted(k, "truncate", REWRITE, keys,
+                             [self._lease(session), file, cur, size, value, self.retention_ms,
+                              self.chunk_bytes, k.prefix])
         st = _status(res)
-        if st == "LEASE":
-            raise self._lease_refused(session, res)
         if st == "SIZE":
             raise NotAppend(session, file, cur, int(res[1]))
         with self._lock:
@@ -244,19 +347,20 @@ class SharedTier:
                 files[file] = size
         self._note_write(session, -int(res[1]))
 
-    def put_meta(self, session: str, data: bytes) -> None:
-        """Store meta.json (replacing it). Write it after the files it describes: a session
-        becomes visible to readers (``has_session``) only once its meta is there."""
+    def put_meta(self, session: str, data: bytes, owner: Owner | None = None) -> None:
+        """Store meta.json (replacing it), and the session's owner when given. Write it after
+        the files it describes: a session becomes visible to readers (``has_session``) only
+        once its meta is there."""
         k = self._keys(session)
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise BadRange(f"meta must be bytes-like, not {type(data).__name__}")
-        value = encode_piece(0, data)
-        res = self._eval(k, "put_meta", PUT_META, [k.files, k.lease, k.meta],
-                         [self.node_id, value, self.retention_ms, self.chunk_bytes, k.prefix])
-        if _status(res) == "LEASE":
-            raise self._lease_refused(session, res)
+        value = self.codec.encode_meta(session, data)
+        rec = self.codec.encode_owner(session, owner) if owner is not None else b""
+        res = self._scripted(k, "put_meta", PUT_META, [k.files, k.lease, k.meta, k.owner],
+                             [self._lease(session), value, self.retention_ms, self.chunk_bytes,
+                              k.prefix, rec])
         with self._lock:
-            self._meta_head[session] = value[:HEADER_SIZE]
+            self._meta_head[session] = value[:self.codec.overhead]
         self.stats_.add("bytes_in", len(data))
         self._note_write(session, int(res[1]))
 
@@ -264,10 +368,15 @@ class SharedTier:
         """Remove the session from the cluster (never from any volume). Refused with
         ``SessionBusy`` while another node holds its lease. True if anything was there."""
         k = self._keys(session)
-        res = self._eval(k, "delete", DELETE, [k.files, k.lease, k.meta, k.holder, k.sync],
-                         [self.node_id, self.chunk_bytes, k.prefix, "delete"])
-        if _status(res) == "BUSY":
-            raise SessionBusy(session, res[1].decode(), int(res[2]))
+        for _ in (0, 1):
+            res = self._eval(k, "delete", DELETE,
+                             [k.files, k.lease, k.meta, k.holder, k.sync, k.owner],
+                             [self._lease(session), self.chunk_bytes, k.prefix, "delete"])
+            if _status(res) != "BUSY":
+                break
+            owner = self._holder(session, res[1], int(res[2]))
+            if owner is not None or not self._seize(k, res[1]):
+                raise SessionBusy(session, owner or "?", int(res[2]))
         self._leases.discard(session)
         with self._lock:
             self._written.pop(session, None)
@@ -289,7 +398,7 @@ class SharedTier:
                 self.stats_.add("misses")
                 return None
             try:
-                data = decode_meta(value)
+                data = self.codec.decode_meta(session, value)
             except ChunkError as e:
                 self.stats_.add("refetches" if attempt == 0 else "corrupt")
                 if attempt:
@@ -298,6 +407,33 @@ class SharedTier:
             self.stats_.add("hits")
             self.stats_.add("bytes_out", len(data))
             return data
+        raise AssertionError("unreachable")
+
+    def open_session(self, session: str) -> SessionInfo | None:
+        """Files, meta.json and owner of a session as of one instant (one ``MULTI``); None
+        when the cluster does not hold it (no meta.json: not visible yet). A meta or owner
+        record that does not verify is fetched once more, then ``SharedCorrupt``."""
+        k = self._keys(session)
+        for attempt in (0, 1):
+            index, meta, owner = self._c.on_master(
+                k.files, f"open_session {session}",
+                [("HGETALL", k.files), ("GET", k.meta), ("GET", k.owner)], transaction=True)
+            if meta is None:
+                self.stats_.add("misses")
+                return None
+            try:
+                data = self.codec.decode_meta(session, meta)
+                who = self.codec.decode_owner(session, owner) if owner is not None else None
+            except ChunkError as e:
+                self.stats_.add("refetches" if attempt == 0 else "corrupt")
+                if attempt:
+                    raise SharedCorrupt(f"{session}: meta.json or owner record: {e}") from e
+                continue
+            self.stats_.add("hits")
+            self.stats_.add("bytes_out", len(data))
+            files = {_text(f): int(n) for f, n in zip(index[::2], index[1::2], strict=True)} \
+                if isinstance(index, list) else {_text(f): int(n) for f, n in index.items()}
+            return SessionInfo(files, data, who)
         raise AssertionError("unreachable")
 
     def list_files(self, session: str) -> dict[str, int]:
@@ -366,7 +502,7 @@ class SharedTier:
             try:
                 if value is None:
                     raise ChunkError("chunk missing")
-                data, _ = decode_pieces(value, n * c)
+                data, _ = self.codec.decode_pieces(k.session, file, value, n * c)
                 if len(data) < want:
                     raise ChunkError(f"{len(data)} bytes where {want} were expected")
                 return data if len(data) == want else data[:want]
@@ -382,17 +518,16 @@ class SharedTier:
     def sync(self, session: str) -> None:
         """Return once every byte this node appended to the session (and its meta) is held
         by the shard's master and acknowledged by ``replicas_ack`` replica(s) when the shard
-        has any (``WAIT``). ``SharedLost`` if a failover lost acknowledged writes,
+        has any (``WAITAOF``: in their fsynced AOF, on Redis 7.2+; ``WAIT``: in their
+        memory, before). ``SharedLost`` if a failover lost acknowledged writes,
         ``SharedUnavailable`` if the replicas do not acknowledge within ``timeout_s``."""
         k = self._keys(session)
         t0 = time.perf_counter()
         wait_ms = max(1, int(self.timeout_s * 800))
-        cmds: list[tuple[Any, ...]] = [("EVAL", SYNC, 3, k.files, k.sync, k.meta,
-                                        self.node_id, self.retention_ms)]
+        out = self._sync_cmds(k, session, wait_ms)
+        (index, meta_head), acked = out[0], 0
         if self.replicas_ack:
-            cmds.append(("WAIT", self.replicas_ack, wait_ms))
-        out = self._c.on_master(k.files, f"sync {session}", cmds, transaction=False)
-        (index, meta_head), acked = out[0], int(out[1]) if self.replicas_ack else 0
+            acked = int(out[1][1]) if isinstance(out[1], list) else int(out[1])
         have = {f.decode(): int(s) for f, s in zip(index[::2], index[1::2], strict=True)}
         with self._lock:
             mine = dict(self._written.get(session, {}))
@@ -414,6 +549,30 @@ class SharedTier:
             self.stats_.add("sync_unreplicated")   # a shard without replicas: master only
         self.stats_.add("syncs")
         self.stats_.time("sync", (time.perf_counter() - t0) * 1000)
+
+    def _sync_cmds(self, k: SessionKeys, session: str, wait_ms: int) -> list[Any]:
+        """The marker write, then ``WAITAOF 1 n`` where the servers have it (Redis 7.2+: the
+        write is in the master's and ``n`` replicas' fsynced AOF), else ``WAIT n`` (in their
+        memory), on one connection."""
+        cmds: list[tuple[Any, ...]] = [("EVAL", SYNC, 3, k.files, k.sync, k.meta,
+                                        self.node_id, self.retention_ms, self.codec.overhead)]
+        if self.replicas_ack:
+            if self._c.waitaof is not False:
+                cmds.append(("WAITAOF", 1, self.replicas_ack, wait_ms))
+            else:
+                cmds.append(("WAIT", self.replicas_ack, wait_ms))
+        try:
+            out = self._c.on_master(k.files, f"sync {session}", cmds, transaction=False)
+        except SharedError as e:
+            if self._c.waitaof is not None or "WAITAOF" not in cmds[-1] \
+                    or "unknown command" not in str(e).lower():
+                raise
+            self._c.waitaof = False  # Redis before 7.2: replicas acknowledge what is in memory
+            log.info("the cluster has no WAITAOF (Redis < 7.2): sync waits for replicas' memory")
+            return self._sync_cmds(k, session, wait_ms)
+        if self.replicas_ack and self._c.waitaof is None:
+            self._c.waitaof = True
+        return out
 
     # -- capacity ----------------------------------------------------------------
     def _cap(self, script: str, args: list[Any]) -> int | None:
@@ -444,8 +603,9 @@ class SharedTier:
             if s == protect or s in self._leases:
                 continue
             k = SessionKeys(s)
-            res = self._eval(k, "evict", DELETE, [k.files, k.lease, k.meta, k.holder, k.sync],
-                             [self.node_id, self.chunk_bytes, k.prefix, "evict"])
+            res = self._eval(k, "evict", DELETE,
+                             [k.files, k.lease, k.meta, k.holder, k.sync, k.owner],
+                             [self._lease(s), self.chunk_bytes, k.prefix, "evict"])
             if _status(res) != "OK":
                 continue
             self.stats_.add("evicted_sessions")
