@@ -306,6 +306,11 @@ class Remote(Local):
         holds it). With the cluster away the write goes on locally and the replicator
         takes the lease when it is back."""
         if self.writers.get(session):
+            if self.repl.taken(session) or self.tier.taken(session):
+                # its writers must let go; the next first writer adopts the other node's copy
+                log.warning("write to session %s refused with EBUSY: another node took its "
+                            "lease while it was open for writing here", shown(session))
+                raise FUSEError(errno.EBUSY)
             self.writers[session] += 1
             return
         # the last writer's release of the lease, pending or in flight, must not come after

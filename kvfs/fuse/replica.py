@@ -229,6 +229,12 @@ class Replicator:
                 q.meta = q.repush = q.release = False
                 q.error = None
 
+    def taken(self, session: str) -> bool:
+        """Another node took the session's lease while this node wrote it."""
+        with self._cv:
+            q = self._q.get(session)
+            return q is not None and q.error is not None and q.error.startswith("lease")
+
     def overflowed(self, session: str) -> bool:
         """Bytes of ``session`` are not queued (bound passed, or a loss): fsync may not
         acknowledge them while the cluster is down."""

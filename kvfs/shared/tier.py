@@ -123,6 +123,7 @@ class SharedTier:
         self._c = ClusterClient(url, timeout_s, retry_after_s, tls)
         self.addresses = self._c.addresses
         self._leases = Leases(self.renew, lease_ms, auto_renew)
+        self._taken: set[str] = set()  # sessions whose lease another node took from this one
 
     # -- plumbing ----------------------------------------------------------------
     def _eval(self, k: SessionKeys, what: str, script: str, keys: list[str], args: list[Any]) -> Any:
@@ -182,6 +183,7 @@ class SharedTier:
             st = _status(res)
             if st != "BUSY":
                 self._leases.add(session)
+                self._taken.discard(session)
                 if st == "TAKEOVER":
                     self.stats_.add("lease_takeovers")
                     prev = _text(res[1]).partition("|")[0]
@@ -221,8 +223,14 @@ class SharedTier:
             if res[1] and self._holder(session, res[1]) is None and self._seize(k, res[1]):
                 return
             self._leases.discard(session)
+            self._taken.add(session)
             self.stats_.add("lease_lost")
             raise LeaseLost(session, _text(res[1]).partition("|")[0] or None)
+
+    def taken(self, session: str) -> bool:
+        """Another node took this node's lease of ``session`` (seen by a renewal or a
+        write), and this node has not acquired it again since."""
+        return session in self._taken
 
     def release(self, session: str) -> bool:
         """Give the lease up (a clean hand-over: the next owner's acquire is no takeover)."""
@@ -238,6 +246,7 @@ class SharedTier:
                 and self._seize(self._keys(session), res[1]):
             return None
         self._leases.discard(session)
+        self._taken.add(session)
         self.stats_.add("lease_lost")
         return LeaseLost(session, _text(res[1]).partition("|")[0] or None)
 
@@ -564,11 +573,12 @@ class SharedTier:
         try:
             out = self._c.on_master(k.files, f"sync {session}", cmds, transaction=False)
         except SharedError as e:
-            if self._c.waitaof is not None or "WAITAOF" not in cmds[-1] \
-                    or "unknown command" not in str(e).lower():
+            if "WAITAOF" not in cmds[-1] or "unknown command" not in str(e).lower():
                 raise
-            self._c.waitaof = False  # Redis before 7.2: replicas acknowledge what is in memory
-            log.info("the cluster has no WAITAOF (Redis < 7.2): sync waits for replicas' memory")
+            if self._c.waitaof is not False:  # Redis before 7.2: replicas' memory, not AOF
+                self._c.waitaof = False
+                log.info("the cluster has no WAITAOF (Redis < 7.2): sync waits for replicas' "
+                         "memory (WAIT)")
             return self._sync_cmds(k, session, wait_ms)
         if self.replicas_ack and self._c.waitaof is None:
             self._c.waitaof = True

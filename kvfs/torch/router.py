@@ -188,6 +188,7 @@ class KVRouter(BudgetMixin):
         c = self._new_cache(session_id, model)
         dev = device if device is not None else _model_device(model, self.device)
         self.spiller.wait()
+        self.warm.clear_lost(session_id)  # continues from the mount's copy
         meta = self.warm.get_meta(session_id)
         if meta is None and self.warm.where(session_id) is not None:
             raise KVCorrupt(f"session {session_id!r} is stored but its meta.json is missing or "
@@ -238,6 +239,8 @@ class KVRouter(BudgetMixin):
         The released cache object must not be used again; ``cache()``/``resume()`` rebuild it.
         """
         c = self._sessions.pop(session_id, None)
+        if not flush:  # a session whose RAM copy was lost is let go too (WarmLost)
+            self.warm.clear_lost(session_id)
         if c is None:
             return
         if flush:

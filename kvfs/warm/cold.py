@@ -7,6 +7,13 @@ kept everywhere: layer files and summaries.f32 are only appended to (a write at 
 other than the current size fails with EPERM on the mount) or cut shorter; meta.json is
 replaced by truncate(0) + one write.
 
+On a mount with a shared tier (``--shared``) a session is served by one node at a time: the
+mount holds the session's lease in the cluster while any of its files is open for writing.
+``hold`` keeps one such descriptor (meta.json, opened for writing, never written through)
+for as long as this process serves the session, so the lease stays with this node between
+turns, and another node's agent is refused (``WarmBusy`` naming the owner, which the mount
+tells through the session directory's ``user.kvfs.lease`` attribute).
+
 A shared mount (``--allow-other``) has a world-writable, sticky ``sessions/``: anyone may
 make a session directory there, also under a name this process will use. So a session
 directory is made with ``mkdir`` 0700 and checked, and every access goes through its
@@ -24,11 +31,12 @@ import logging
 import os
 import re
 import stat
+import time
 from collections.abc import Iterable
 
 import numpy as np
 
-from .ids import WarmError
+from .ids import WarmBusy, WarmError
 
 log = logging.getLogger("kvfs.warm")
 
@@ -41,6 +49,8 @@ META = "meta.json"
 INCARNATION = ".incarnation"
 _CHUNK = 8 << 20  # bytes per os.write: bounded kernel/FUSE requests, no big copies
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
+LEASE_XATTR = "user.kvfs.lease"
+HOLD_WAIT_S = 1.0  # a hold refused with EBUSY is retried this long: a clean hand-over ends in it
 
 
 def _errors(fn):
@@ -51,11 +61,23 @@ def _errors(fn):
         try:
             return fn(self, *args, **kw)
         except OSError as e:
+            if e.errno == errno.EBUSY and args and isinstance(args[0], str):
+                raise WarmBusy(args[0], self.lease_owner(args[0])) from e  # another node's now
             where = self.dir
             if args and isinstance(args[0], str):
                 where = self.path(args[0], args[1] if len(args) > 1 and isinstance(args[1], str) else None)
             raise WarmError(f"cold {where!r}: {e.strerror or e}") from e
     return run
+
+
+def _replicated(root: str) -> bool:
+    """Whether ``root`` is a kvfs mount with a shared tier (its /.kvfs/stats says so)."""
+    try:
+        with open(os.path.join(root, ".kvfs", "stats"), "rb") as f:
+            stats = json.loads(f.read())
+    except (OSError, ValueError):
+        return False
+    return isinstance(stats, dict) and stats.get("shared") is not None
 
 
 def layer_name(layer: int) -> str:
@@ -81,6 +103,45 @@ class ColdStore:
         self.uid = os.geteuid()
         if not os.path.isdir(self.dir):
             raise WarmError(f"cold tier {root!r} has no sessions/ directory: is the volume mounted?")
+        self.shared = _replicated(root)
+
+    # ---- the session's lease (a mount with a shared tier) ---------------------------
+    def hold(self, sid: str, wait_s: float = HOLD_WAIT_S) -> int | None:
+        """Keep the session's lease for this process (see the module docstring): a
+        descriptor to give to ``unhold``. None without a shared tier, or when the session
+        has no directory yet (then ``hold`` once it is made). ``WarmBusy`` when another
+        node holds the lease after ``wait_s`` (a node that just let it go hands it over
+        within moments)."""
+        if not self.shared:
+            return None
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return self._open(sid, META, os.O_WRONLY, create=True)
+            except (FileNotFoundError, NotADirectoryError):
+                return None
+            except OSError as e:
+                if e.errno != errno.EBUSY:
+                    raise WarmError(f"cold {self.path(sid)!r}: cannot hold the session: "
+                                    f"{e.strerror or e}") from e
+                if time.monotonic() >= deadline:
+                    raise WarmBusy(sid, self.lease_owner(sid)) from None
+                time.sleep(0.05)
+
+    @staticmethod
+    def unhold(fd: int | None) -> None:
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError as e:  # the mount went away: its lease ends with it
+                log.warning("closing a session hold: %s", e)
+
+    def lease_owner(self, sid: str) -> str | None:
+        """The node the mount says holds the session's lease (None: it cannot say)."""
+        try:
+            return os.getxattr(self.path(sid), LEASE_XATTR).decode(errors="replace")
+        except OSError:
+            return None
 
     def path(self, sid: str, name: str | None = None) -> str:
         d = os.path.join(self.dir, sid)
@@ -326,7 +387,8 @@ class ColdStore:
         try:
             pos = os.lseek(fd, 0, os.SEEK_END)
             if pos != expect:
-                raise WarmError(f"cold {sid}/{name}: size {pos}, expected {expect}")
+                raise WarmError(f"cold {sid}/{name}: size {pos}, expected {expect} (written "
+                                "meanwhile by another process or node)")
             for piece in pieces:
                 view = memoryview(piece).cast("B")
                 done = 0

@@ -16,6 +16,25 @@ class WarmError(Exception):
     the reason."""
 
 
+class WarmBusy(WarmError):
+    """Another node serves the session: its mount holds the session's lease in the shared
+    tier (``owner``: that node's id, or None when the mount cannot say)."""
+
+    def __init__(self, sid: str, owner: str | None) -> None:
+        who = f"node {owner!r}" if owner else "another node"
+        super().__init__(f"session {sid!r} is served by {who}, which holds its lease in the "
+                         "shared tier: continue it there, or here once that node releases it "
+                         "or stops (its lease then expires and this node takes it over)")
+        self.sid, self.owner = sid, owner
+
+
+class WarmLost(WarmError):
+    """The RAM copy of a session this process serves was dropped because the mount's copy
+    changed under it (another node or process wrote it, or it was cut or removed): what this
+    process wrote since is not on the mount. Writes and syncs of the session fail until the
+    agent lets it go (``release``) or resumes it from the mount's copy."""
+
+
 class WarmFull(WarmError):
     """The RAM filesystem under the warm root has no room left for a write (nothing was
     changed: the tier evicts to the cold tier and retries, or reports the WarmError)."""

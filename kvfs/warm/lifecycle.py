@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from typing import Any
 
 from .ids import WarmError, check_sid
 
@@ -50,6 +51,7 @@ class Lifecycle:
                 self._drop_session(slot, f, s)
             if self.cold is not None:
                 self.cold.delete(sid)
+        self.clear_lost(sid)
 
     # ---- housekeeping ---------------------------------------------------------------
 
@@ -60,25 +62,38 @@ class Lifecycle:
             raise WarmError("no cold tier to sync to")
         if sid is not None:
             self._own(sid)
+        self._raise_lost(sid)
         self.cold.reachable()
         errors = self._pass([sid] if sid is not None else None, explicit=True)
+        self._raise_lost(sid)  # the pass found the mount's copy changed under ours
         if errors:
             raise WarmError(f"sync to cold tier {self.cold.root!r} failed: {errors[0]}"
                             + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""))
 
+    def _raise_lost(self, sid: str | None) -> None:
+        for lost in [sid] if sid is not None else list(self._lost):
+            self._check_lost(lost)
+
     def release(self, sid: str) -> None:
-        """Sync ``sid`` (when there is a cold tier) and give up its lock, so that another
-        process may open it. The RAM copy stays, checked against the mount on next use."""
+        """Sync ``sid`` (when there is a cold tier) and give up its lock and hold, so that
+        another process or node may open it. The RAM copy stays, checked against the mount
+        on next use. A lost session (``WarmLost``) is let go without a sync."""
         with self._lock:
             own = self._owned.get(sid)
+            lost = self._lost.pop(sid, None)
         if own is None:
             return
-        if self.cold is not None:
+        if self.cold is not None and lost is None:
             self.sync(sid)
         with self._own_lock, self._lock:
             own = self._owned.pop(sid, None)
         if own is not None:
-            self.locks.drop(sid, own.fd)
+            self._let_go(sid, own)
+
+    def _let_go(self, sid: str, own: Any) -> None:
+        if self.cold is not None:
+            self.cold.unhold(own.hold)  # the mount hands the lease back once it pushed all
+        self.locks.drop(sid, own.fd)
 
     def owned(self) -> list[str]:
         """The sessions this tier holds open (their locks)."""
@@ -89,7 +104,7 @@ class Lifecycle:
         with self._own_lock, self._lock:
             owned, self._owned = self._owned, {}
         for sid, own in owned.items():
-            self.locks.drop(sid, own.fd)
+            self._let_go(sid, own)
 
     def _stop_writer(self) -> None:
         self._stop = True

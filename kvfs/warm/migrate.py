@@ -357,6 +357,7 @@ class Mover:
             st = _Staged(sid, s)
             try:
                 st.made_dir = self.cold.ensure_dir(sid)
+                self._hold_made(sid)
                 if self.cold.read_incarnation(sid) is None:  # deletion wins: writeback.py
                     self.cold.write_incarnation(sid, s.inc or 1, sync=False)
                     st.jobs.append((self.cold.fsync_file, (sid, INCARNATION)))

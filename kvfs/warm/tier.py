@@ -269,6 +269,7 @@ class WarmTier(Reads, Mover, WriteBehind, Validator, Lifecycle):
         """Append token-major bytes to a layer; returns its new size. May then migrate the
         least recently used group to cold if usage passed the threshold."""
         layer, buf = check_layer(layer), as_u8(data)
+        self._check_lost(sid)
         self._admit(len(buf))
 
         def write() -> int:
@@ -309,6 +310,7 @@ class WarmTier(Reads, Mover, WriteBehind, Validator, Lifecycle):
         cold stays a prefix of the content whatever the moment of a crash."""
         layer = check_layer(layer)
         self._own(sid)
+        self._check_lost(sid)
         with self._io_lock(sid), self._locked(sid, own=False) as slot:
             f, s = self._warm(slot, sid)
             if s is not None:
@@ -332,6 +334,7 @@ class WarmTier(Reads, Mover, WriteBehind, Validator, Lifecycle):
         if not isinstance(meta, dict):
             raise TypeError("meta must be a dict")
         raw = json.dumps(meta, separators=(",", ":")).encode()
+        self._check_lost(sid)
         self._admit(len(raw))
 
         def write() -> None:
@@ -360,6 +363,7 @@ class WarmTier(Reads, Mover, WriteBehind, Validator, Lifecycle):
             raise ValueError(f"summary must have {self.dim} floats, got {v.size}")
         if isinstance(round_idx, bool) or not isinstance(round_idx, (int, np.integer)) or round_idx < 0:
             raise ValueError(f"bad round index {round_idx!r}")
+        self._check_lost(sid)
         self._admit(self._row)
 
         def write() -> None:

@@ -183,9 +183,9 @@ class WriteBehind:
                 if s is None:
                     self._undirty(sid)
                     return None
-                reason = self._stale_reason(s, cs)
-                if reason is not None:
-                    self._forget_locked(slot, f, s, reason)
+                stale = self._stale_reason(s, cs)
+                if stale is not None:
+                    self._forget_locked(slot, f, s, *stale)
                     return None
                 if s.flags & FLAG_MIGRATING:
                     f.set_flags(s, s.flags & ~FLAG_MIGRATING)
@@ -207,6 +207,7 @@ class WriteBehind:
             try:
                 if cs is None:
                     st.made_dir = self.cold.ensure_dir(sid)
+                    self._hold_made(sid)
                 if cs is None or cs[1] is None:
                     self.cold.write_incarnation(sid, s.inc, sync=False)
                     written.add(INCARNATION)
