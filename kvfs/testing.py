@@ -2,7 +2,8 @@
 
 ``Mount`` runs ``kvfs-mount VOLUME MOUNTPOINT --foreground`` in a subprocess, waits for
 the kernel mount with a timeout (raising ``MountFailed`` with the process's stderr and
-log if it died), and unmounts with ``fusermount3 -u``, checking the exit code.
+log if it died), and unmounts with ``fusermount3 -u``, checking the exit code. ``As`` runs
+expressions as another uid (permission tests on ``--allow-other`` mounts).
 """
 
 from __future__ import annotations
@@ -114,3 +115,36 @@ class Mount:
     def remount(self) -> Mount:
         assert self.stop() == 0, self.log_text()
         return self.start()
+
+
+_AS_AGENT = r"""
+import os, sys
+fds = {}
+for line in sys.stdin:
+    try:
+        out = repr(eval(line, {"os": os, "fds": fds}))
+    except OSError as e:
+        out = f"errno {e.errno}"
+    print(out, flush=True)
+"""
+
+
+class As:
+    """A python process running as another uid that evaluates one expression per line."""
+
+    def __init__(self, uid: int) -> None:
+        self.p = subprocess.Popen(
+            ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
+             sys.executable, "-c", _AS_AGENT],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
+
+    def __call__(self, expr: str) -> str:
+        assert self.p.stdin is not None and self.p.stdout is not None
+        self.p.stdin.write(expr + "\n")
+        self.p.stdin.flush()
+        return self.p.stdout.readline().strip()
+
+    def close(self) -> None:
+        assert self.p.stdin is not None
+        self.p.stdin.close()
+        self.p.wait(timeout=10)

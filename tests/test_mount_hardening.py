@@ -8,8 +8,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -17,6 +15,8 @@ from pathlib import Path
 
 import pytest
 from conftest import HAVE_FUSE, Mount
+
+from kvfs.testing import As
 
 
 def expect_errno(code: int, fn, *args, **kw) -> None:
@@ -92,39 +92,6 @@ def test_rm_r_and_mkdir_leave_old_fds_stale(kvfs: Mount) -> None:
             os.close(fd)
     assert (d / "layer_0").read_bytes() == b"B" * 10
     assert os.listdir(d) == ["layer_0"]
-
-
-AGENT = r"""
-import os, sys
-fds = {}
-for line in sys.stdin:
-    try:
-        out = repr(eval(line, {"os": os, "fds": fds}))
-    except OSError as e:
-        out = f"errno {e.errno}"
-    print(out, flush=True)
-"""
-
-
-class As:
-    """A python process running as another uid that evaluates one expression per line."""
-
-    def __init__(self, uid: int) -> None:
-        self.p = subprocess.Popen(
-            ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
-             sys.executable, "-c", AGENT],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
-
-    def __call__(self, expr: str) -> str:
-        assert self.p.stdin is not None and self.p.stdout is not None
-        self.p.stdin.write(expr + "\n")
-        self.p.stdin.flush()
-        return self.p.stdout.readline().strip()
-
-    def close(self) -> None:
-        assert self.p.stdin is not None
-        self.p.stdin.close()
-        self.p.wait(timeout=10)
 
 
 @pytest.fixture
