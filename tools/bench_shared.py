@@ -14,7 +14,12 @@ agent-shaped sessions (docs/scale-out.md sizes the fleet from it).
 a random Llama written through mount A (``--shared``) and flushed, then ``KVRouter.resume``
 on node B (every byte fetched from the cluster through mount B), on node A (its own volume)
 and recomputing the prefill with the model, each with a fresh RAM tier.
-``python tools/bench_shared.py [-c 8] [-n 2000] [--footprint] [--resume [--reps 5]]``.
+``--flush-cost`` counts what an agent's flush costs the cluster: an agent of SmolLM2-135M's KV
+shape (30 layers x 768 bytes a token) on the gov profile, 13 rounds of 8 tokens, one
+``router.flush()`` a round, through a ``--shared`` mount; the Redis commands (by kind) and the
+bytes the masters received, per flush, from their ``INFO`` counters.
+``python tools/bench_shared.py [-c 8] [-n 2000] [--footprint] [--resume [--reps 5]]
+[--flush-cost]``.
 """
 
 from __future__ import annotations
@@ -177,6 +182,70 @@ def resume_figure(cluster: Cluster, tokens: int = 2048, reps: int = 5) -> dict:
             "recompute_vs_other": round(med["recompute_s"] / med["other_node_s"], 2)}
 
 
+def _masters_counters(cluster: Cluster) -> dict[str, int]:
+    """Command calls (by name) and input bytes summed over the cluster's masters."""
+    out: dict[str, int] = {}
+    for p in cluster.alive():
+        with cluster.client(p) as r:
+            if r.info("replication")["role"] != "master":
+                continue
+            for name, st in r.info("commandstats").items():
+                key = name.removeprefix("cmdstat_")
+                out[key] = out.get(key, 0) + int(st["calls"])
+            out["_bytes_in"] = out.get("_bytes_in", 0) + int(r.info("stats")["total_net_input_bytes"])
+    return out
+
+
+def flush_cost(cluster: Cluster, rounds: int = 13, tokens: int = 8) -> dict:
+    """What one agent flush costs the cluster (see the module docstring)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from kvfs.testing import Mount
+    from kvfs.torch import KVRouter
+    from kvfs.torch.testing import tiny_llama
+
+    model = tiny_llama(seed=0, dtype=torch.bfloat16, hidden_size=576, num_attention_heads=9,
+                       num_key_value_heads=3, num_hidden_layers=30, intermediate_size=64,
+                       vocab_size=256)
+    work = Path(tempfile.mkdtemp(prefix="bench-flush-"))
+    m = Mount(work / "a.kvfs", work / "a.mnt", "256M", tuple(cluster.mount_args())).start()
+    gen = torch.Generator().manual_seed(1)
+    try:
+        with KVRouter(mount=str(m.root), warm_root=str(work / "warm"), profile="gov") as r:
+            c = r.cache("agent-1", model)
+            before = _masters_counters(cluster)
+            for _ in range(rounds):
+                with torch.no_grad():
+                    model(input_ids=torch.randint(0, 256, (1, tokens), generator=gen), cache=c,
+                          use_cache=True)
+                c.end_round()
+                r.flush()
+            after = _masters_counters(cluster)
+            r.release("agent-1")
+            released = _masters_counters(cluster)
+    finally:
+        m.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    scripts = sum(v for k, v in delta.items() if k.startswith(("eval", "fcall")))
+    commands = sum(v for k, v in delta.items() if not k.startswith("_"))
+    trims = delta.get("copy", 0) + delta.get("rename", 0)
+    kv = rounds * tokens * 30 * 768
+    return {"rounds": rounds, "tokens_per_round": tokens, "kv_bytes": kv,
+            "commands_per_flush": round(commands / rounds, 1),
+            "scripts_per_flush": round(scripts / rounds, 1),
+            "copy_rename_per_flush": round(trims / rounds, 2),
+            "bytes_in_per_flush": round(delta.get("_bytes_in", 0) / rounds),
+            "bytes_in_per_kv_byte": round(delta.get("_bytes_in", 0) / kv, 3),
+            "commands_by_kind": {k: v for k, v in sorted(delta.items()) if v and not k.startswith("_")},
+            "release_commands": sum(v - after.get(k, 0) for k, v in released.items()
+                                    if not k.startswith("_"))}
+
+
 def run(urls: str, clients: int, requests: int) -> dict:
     ours = shared_read(urls, clients, requests)
     theirs = redis_benchmark_get(urls, clients, requests)
@@ -201,9 +270,14 @@ def main() -> None:
                     help="only time resuming a 2k-token session on another node, on the same "
                          "node and by recomputing its prefill")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--flush-cost", action="store_true",
+                    help="only count the Redis commands and bytes of an agent's flushes")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if a.resume:
+    if a.flush_cost:
+        with Cluster(masters=3, replicas=1) as c:
+            out = flush_cost(c)
+    elif a.resume:
         with Cluster(masters=3, replicas=1) as c:
             out = resume_figure(c, reps=a.reps)
     elif a.urls:

@@ -16,6 +16,7 @@ connection (a dead process) fails in milliseconds.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -30,6 +31,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import (
     ClusterDownError,
     MovedError,
+    NoScriptError,
     OutOfMemoryError,
     ReadOnlyError,
     RedisClusterException,
@@ -125,6 +127,7 @@ class ClusterClient:
         self.addresses = list(url.addresses)
         self.timeout_s, self.retry_after_s = timeout_s, retry_after_s
         self.waitaof: bool | None = None  # the servers have WAITAOF (Redis 7.2+); None: unknown
+        self._shas: dict[str, str] = {}  # script -> its SHA1
         self._lock = threading.Lock()
         self._down: dict[str, tuple[float, str]] = {}          # node -> (until, reason)
         self._refresh: threading.Thread | None = None
@@ -207,7 +210,18 @@ class ClusterClient:
         return out
 
     def eval(self, what: str, script: str, keys: list[str], args: list[Any]) -> Any:
-        return self.guard(keys[0], what, lambda: self.rc.eval(script, len(keys), *keys, *args))
+        """Run a Lua script by its SHA1 (``EVALSHA``: the script's text is sent only the
+        first time a node sees it, ``EVAL`` then loads it there)."""
+        sha = self._shas.get(script)
+        if sha is None:
+            sha = self._shas[script] = hashlib.sha1(script.encode()).hexdigest()
+
+        def run() -> Any:
+            try:
+                return self.rc.evalsha(sha, len(keys), *keys, *args)
+            except NoScriptError:
+                return self.rc.eval(script, len(keys), *keys, *args)
+        return self.guard(keys[0], what, run)
 
     def on_master(self, key: str, what: str, commands: list[tuple[Any, ...]],
                   transaction: bool) -> list[Any]:

@@ -135,7 +135,8 @@ class Cluster:
     def __init__(self, ports: list[int] | None = None, masters: int = 3, replicas: int = 1,
                  appendfsync: str = "everysec", node_timeout_ms: int = 1000,
                  base_dir: str | Path | None = None, start_timeout: float = 30.0,
-                 password: str | None = None, user: str = "kvfs", tls: bool = False) -> None:
+                 password: str | None = None, user: str = "kvfs", tls: bool = False,
+                 include: str | Path | None = None) -> None:
         if not HAVE_REDIS:
             raise ClusterFailed("redis-server / redis-cli not found on PATH")
         n = masters * (1 + replicas)
@@ -146,6 +147,7 @@ class Cluster:
         self.appendfsync, self.node_timeout_ms = appendfsync, node_timeout_ms
         self.start_timeout = start_timeout
         self.password, self.user, self.tls = password, user, tls
+        self.include = include  # a config each node's own includes first (deploy/'s)
         self.certs: dict[str, Path] = {}
         self.secret_path: Path | None = None  # the cluster secret (made at start)
         self._base_dir = base_dir
@@ -231,7 +233,7 @@ class Cluster:
         d = self.dir / str(port)
         d.mkdir(exist_ok=True)
         conf = d / "redis.conf"
-        lines = []
+        lines = [f"include {os.path.abspath(self.include)}"] if self.include else []
         if self.tls:
             c = self.certs
             lines += ["port 0", f"tls-port {port}", f"tls-cert-file {c['server_cert']}",
@@ -241,7 +243,7 @@ class Cluster:
             lines.append(f"port {port}")
         if self.password:
             pw = self.password.replace("\\", "\\\\").replace('"', '\\"')
-            lines += ["user default off", f'user {self.user} on ">{pw}" ~* &* +@all',
+            lines += ["user default off", f'user {self.user} on ">{pw}" ~kvfs:* +@all',
                       f"masteruser {self.user}", f'masterauth "{pw}"']
         conf.write_text("\n".join([
             *lines, f"bind {HOST}", "protected-mode yes", f"dir {d}",
