@@ -7,9 +7,9 @@ batch and applies them to the cluster in order -- the layer files' bytes first, 
 meta.json (``put_meta``, read from the local volume at that moment), then the ``sync``
 calls fsync is waiting for, then the lease's release once the last writer closed. meta.json
 goes with the session's owner (uid, gid, mode of its directory here), so another node's
-read-through makes its copy the same owner's. It never
-runs on the trio thread and never holds a FUSE request, except fsync, which waits for its
-``Sync`` job.
+read-through makes its copy the same owner's. It never runs on the trio thread and never
+holds a FUSE request, except fsync, which waits for its ``Sync`` job. What is pushed and
+how (reading the local volume) is ``push.Pusher``'s.
 
 Bounds and faults:
 
@@ -25,9 +25,6 @@ Bounds and faults:
   (``remote.Remote`` then replaces its local copy with the cluster's: ``keep``).
 - A session that keeps failing (``MAX_FAILURES`` reconciles in a row) is given up the same
   way, with a log line: a loop of retries would only hide it.
-
-Local bytes are read with the engine worker's lock held (``engine_lock``): the ``Store``
-is not thread-safe, and this thread is the only one besides the worker that calls it.
 """
 
 from __future__ import annotations
@@ -35,50 +32,28 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvfs.engine import errors
-from kvfs.ops import metrics
 from kvfs.shared import (
     BadRange,
     LeaseLost,
     NotAppend,
     NotFoundShared,
-    Owner,
     SessionBusy,
     SharedError,
     SharedLost,
     SharedUnavailable,
 )
 
+from .push import META, Append, Pusher, Remove, Truncate
+
 log = logging.getLogger("kvfs.shared.mount")
 
-META = "meta.json"
 RETRY_S = 1.0  # while the cluster is down, how often it is asked whether it is back
-PUSH_MAX = 8 << 20  # contiguous queued appends are joined into pushes of at most this
-READ_STEP = 4 << 20  # a reconcile reads the local volume this much at a time
 MAX_FAILURES = 3
-
-
-@dataclass
-class Append:
-    file: str
-    offset: int
-    data: bytes
-
-
-@dataclass
-class Truncate:
-    file: str
-    size: int
-
-
-@dataclass
-class Remove:
-    file: str
 
 
 @dataclass
@@ -103,14 +78,12 @@ class Replicator:
     def __init__(self, tier: Any, store: Any, engine_lock: threading.Lock | None,
                  queue_max: int) -> None:
         self.tier, self.store, self.queue_max = tier, store, queue_max
-        self._engine_lock = engine_lock or threading.Lock()
-        self._progress = 0  # jobs of the current batch applied (the thread's own)
+        self.pusher = Pusher(tier, store, engine_lock or threading.Lock())
         self._next_probe = 0.0
         self._cv = threading.Condition()
         self._q: dict[str, SessionQueue] = {}
         self.queued_bytes = 0
         self.down: str | None = None  # why the cluster is taken as unreachable, or None
-        self.pushed_bytes = 0
         self.repushes = 0
         self.overflows = 0
         self._stop = False
@@ -300,17 +273,17 @@ class Replicator:
     def _batch(self, session: str) -> None:
         q, jobs, meta, repush, syncs = self._take(session)
         nbytes = sum(len(j.data) for j in jobs if isinstance(j, Append))
-        self._progress = 0
+        self.pusher.progress = 0
         try:
             if jobs or meta or repush:  # ours already: one renewal; another node's: busy
                 self.tier.acquire(session)
             if repush:
-                self._reconcile(session)
+                self.pusher.reconcile(session)
                 meta = True
             else:
-                self._apply(session, jobs)
+                self.pusher.apply(session, jobs)
             if meta:
-                self._push_meta(session)
+                self.pusher.push_meta(session)
             for attempt in (0, 1):
                 if not syncs:
                     break
@@ -322,8 +295,8 @@ class Replicator:
                         raise
                     log.warning("%s; re-pushing from the local volume", e)
                     self.repushes += 1
-                    self._reconcile(session)
-                    self._push_meta(session)
+                    self.pusher.reconcile(session)
+                    self.pusher.push_meta(session)
             for f in syncs:
                 f.set_result(None)
             syncs = []
@@ -340,7 +313,7 @@ class Replicator:
                         q.releasing = False
                         self._cv.notify_all()
         except SharedUnavailable as e:
-            self._put_back(q, jobs[self._progress:], meta, repush, syncs, e)
+            self._put_back(q, jobs[self.pusher.progress:], meta, repush, syncs, e)
             with self._cv:
                 if self.down is None:
                     log.warning("shared tier unavailable, replication paused (local reads "
@@ -405,89 +378,6 @@ class Replicator:
             for f in syncs:
                 f.set_exception(err)
 
-    def _apply(self, session: str, jobs: list[Any]) -> None:
-        """Apply ``jobs`` in order; ``_progress`` counts those done (if one raises, the
-        caller puts the rest back)."""
-        i = 0
-        while i < len(jobs):
-            j = jobs[i]
-            if isinstance(j, Append):
-                n = i + 1  # join contiguous appends to the same file
-                parts, end = [j.data], j.offset + len(j.data)
-                while (n < len(jobs) and isinstance(jobs[n], Append) and jobs[n].file == j.file
-                       and jobs[n].offset == end and end - j.offset < PUSH_MAX):
-                    parts.append(jobs[n].data)
-                    end += len(jobs[n].data)
-                    n += 1
-                self._push(session, j.file, j.offset,
-                           b"".join(parts) if len(parts) > 1 else parts[0])
-                i = self._progress = n
-                continue
-            if isinstance(j, Truncate):
-                self.tier.truncate(session, j.file, j.size)
-            else:
-                try:
-                    self.tier.remove_file(session, j.file)
-                except NotFoundShared:
-                    pass
-            i = self._progress = i + 1
-
-    def _push(self, session: str, file: str, offset: int, data: bytes) -> None:
-        try:
-            self.tier.append(session, file, offset, data)
-        except NotAppend as e:
-            if e.size >= offset + len(data):
-                return  # already there (a reconcile sent it)
-            if e.size < offset:
-                raise  # a gap: the caller reconciles
-            self.tier.append(session, file, e.size, data[e.size - offset:])
-        self.pushed_bytes += len(data)
-        metrics.shared_pushed.inc(len(data))
-
-    # ------------------------------------------------------------------ from the volume
-    def _local(self, fn: Callable[..., Any], *args: Any) -> Any:
-        with self._engine_lock:
-            return fn(*args)
-
-    def _reconcile(self, session: str) -> None:
-        """Make the cluster's files of ``session`` what the local volume holds: bytes past
-        the cluster's size appended, longer files cut, files gone removed."""
-        try:
-            names = self._local(self.store.list_files, session)
-        except errors.NotFound:
-            return
-        remote = self.tier.list_files(session)
-        for name in names:
-            if name == META:
-                continue
-            try:
-                size = self._local(self.store.file_stat, session, name).size
-            except errors.NotFound:
-                continue
-            have = remote.get(name, 0)
-            if have > size:
-                self.tier.truncate(session, name, size)
-                have = size
-            while have < size:
-                data = self._local(self.store.read, session, name, have, min(READ_STEP, size - have))
-                if not data:
-                    break
-                self._push(session, name, have, data)
-                have += len(data)
-        for name in set(remote) - set(names):
-            self.tier.remove_file(session, name)
-        log.info("session %r reconciled with the shared tier", session)
-
-    def _push_meta(self, session: str) -> None:
-        try:
-            st = self._local(self.store.session_stat, session)
-            size = self._local(self.store.file_stat, session, META).size
-            data = self._local(self.store.read, session, META, 0, size) if size else b""
-        except errors.NotFound:
-            return
-        if data:
-            self.tier.put_meta(session, data, Owner(st.uid, st.gid, st.mode & 0o7777))
-
     # ------------------------------------------------------------------ life cycle
     def drain(self, timeout: float) -> bool:
         """Wait until nothing is queued (or ``timeout``); True when all was pushed."""
@@ -509,7 +399,7 @@ class Replicator:
     def stats(self) -> dict[str, Any]:
         with self._cv:
             return {"queued_bytes": self.queued_bytes, "queued_sessions": len(self._q),
-                    "queue_max": self.queue_max, "pushed_bytes": self.pushed_bytes,
+                    "queue_max": self.queue_max, "pushed_bytes": self.pusher.pushed_bytes,
                     "repushes": self.repushes, "overflows": self.overflows,
                     "down": self.down,
                     "sessions_lost": sorted(s for s, q in self._q.items() if q.error)}

@@ -8,7 +8,7 @@ starts a real local cluster for tests and benchmarks. Never imports pyfuse3, tri
 exception types. Design and guarantees: docs/scale-out.md.
 """
 
-from .chunks import Owner, check_name
+from .chunks import Owner, SessionInfo, check_name
 from .client import ClusterURL, TLSFiles, parse_urls
 from .errors import (
                      BadName,
@@ -23,7 +23,7 @@ from .errors import (
                      SharedUnavailable,
 )
 from .seal import read_secret
-from .tier import SessionInfo, SharedTier
+from .tier import SharedTier
 
 __all__ = ["BadName", "BadRange", "ClusterURL", "LeaseLost", "NotAppend", "NotFoundShared",
            "Owner", "SessionBusy", "SessionInfo", "SharedCorrupt", "SharedError", "SharedLost",

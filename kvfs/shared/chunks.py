@@ -99,6 +99,15 @@ class Owner:
 
 
 @dataclass(frozen=True)
+class SessionInfo:
+    """A session as the cluster holds it at one instant (``SharedTier.open_session``)."""
+
+    files: dict[str, int]          # file -> size (meta.json aside)
+    meta: bytes | None             # meta.json, checked; None: the session is not visible
+    owner: Owner | None            # uid, gid and mode of the writing node's copy; None: not recorded
+
+
+@dataclass(frozen=True)
 class Codec:
     """Encodes and checks the sealed values of the cluster (chunk pieces, meta, owner)."""
 

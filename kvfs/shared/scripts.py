@@ -7,9 +7,25 @@ for all of them at once when the index's TTL has fallen below 90 % of the retent
 written in between gets a full retention of its own. So no chunk ever expires before the
 index that points at it, and the refresh walks the session's keys only about once per
 tenth of the retention.
+
+Wherever a script takes a ``node`` argument it is this node's sealed lease value
+(``seal.Sealer.lease``), compared byte for byte with the one stored.
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+
+def status(res: list[Any]) -> str:
+    """The status word of a script's reply (``OK``, ``LEASE``, ``BUSY``...)."""
+    s = res[0]
+    return s.decode() if isinstance(s, bytes) else str(s)
+
+
+def text(v: Any) -> str:
+    """A reply field as text (lease values, owners)."""
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
 
 _COMMON = """
 local function now_ms()

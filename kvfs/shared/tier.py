@@ -15,22 +15,13 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from .chunks import (
-    CAP_TAG,
-    ChunkError,
-    Codec,
-    Owner,
-    SessionKeys,
-    check_name,
-    chunks_of,
-)
+from .capacity import Capacity
+from .chunks import ChunkError, Codec, Owner, SessionInfo, SessionKeys, check_name, chunks_of
 from .client import ClusterClient, ClusterURL, TLSFiles, parse_urls
 from .errors import (
     BadRange,
-    LeaseLost,
     NotAppend,
     NotFoundShared,
     SessionBusy,
@@ -40,20 +31,8 @@ from .errors import (
     SharedUnavailable,
 )
 from .lease import Leases
-from .scripts import (
-    ACQUIRE,
-    APPEND,
-    DELETE,
-    FORGET,
-    NOTE_WRITE,
-    PUT_META,
-    RELEASE,
-    RENEW,
-    REWRITE,
-    SEIZE,
-    SYNC,
-)
-from .seal import Sealer, SealError
+from .scripts import APPEND, DELETE, PUT_META, REWRITE, SYNC, status, text
+from .seal import Sealer
 from .stats import Stats
 
 log = logging.getLogger(__name__)
@@ -69,24 +48,6 @@ def _offset(v: object, what: str) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         raise BadRange(f"{what} must be a non-negative int, not {v!r}")
     return v
-
-
-def _status(res: list[Any]) -> str:
-    s = res[0]
-    return s.decode() if isinstance(s, bytes) else str(s)
-
-
-def _text(v: Any) -> str:
-    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
-
-
-@dataclass(frozen=True)
-class SessionInfo:
-    """A session as the cluster holds it at one instant (``SharedTier.open_session``)."""
-
-    files: dict[str, int]          # file -> size (meta.json aside)
-    meta: bytes | None             # meta.json, checked; None: the session is not visible
-    owner: Owner | None            # uid, gid and mode of the writing node's copy; None: not recorded
 
 
 class SharedTier:
@@ -122,8 +83,10 @@ class SharedTier:
         self.url = url
         self._c = ClusterClient(url, timeout_s, retry_after_s, tls)
         self.addresses = self._c.addresses
-        self._leases = Leases(self.renew, lease_ms, auto_renew)
-        self._taken: set[str] = set()  # sessions whose lease another node took from this one
+        self._leases = Leases(self._c, self.codec.sealer, self.node_id, lease_ms,
+                              self.retention_ms, self.stats_, auto_renew)
+        self._capacity = Capacity(self._c, self._leases, max_bytes, self.retention_ms,
+                                  chunk_bytes, self.stats_)
 
     # -- plumbing ----------------------------------------------------------------
     def _eval(self, k: SessionKeys, what: str, script: str, keys: list[str], args: list[Any]) -> Any:
@@ -135,129 +98,43 @@ class SharedTier:
     def _keys(self, session: str) -> SessionKeys:
         return SessionKeys(check_name(session, "session"))
 
-    # -- leases ------------------------------------------------------------------
+    # -- leases (lease.Leases) ---------------------------------------------------
     def _lease(self, session: str) -> str:
-        """This node's lease value for ``session`` (what the scripts compare)."""
-        return self.codec.sealer.lease(session, self.node_id, self.lease_ms)
-
-    def _holder(self, session: str, value: Any, pttl: int | None = None) -> str | None:
-        """The node named by a lease value found in the cluster; None when the value was not
-        set by a node of this cluster (no seal, or a time to live beyond the lease it names),
-        or is this node's own from an earlier mount with other settings: either may be
-        replaced (``_seize``)."""
-        try:
-            node, ms = self.codec.sealer.check_lease(session, _text(value))
-        except SealError as e:
-            self.stats_.add("forged_leases")
-            log.error("session %s: the lease in the shared tier was not set by a kvfs node "
-                      "(%s); replacing it", session, e)
-            return None
-        if pttl is not None and pttl > ms + 1000:
-            self.stats_.add("forged_leases")
-            log.error("session %s: the lease of node %r has %d ms to live, more than its own "
-                      "%d ms: a replayed value, replacing it", session, node, pttl, ms)
-            return None
-        if node == self.node_id:
-            return None
-        return node
-
-    def _seize(self, k: SessionKeys, seen: Any) -> bool:
-        """Replace the lease value ``seen`` by this node's, unless it changed meanwhile."""
-        res = self._eval(k, "seize", SEIZE, [k.lease, k.holder],
-                         [seen, self._lease(k.session), self.lease_ms, self.retention_ms])
-        if int(res):
-            self._leases.add(k.session)
-            return True
-        return False
+        return self._leases.value(session)
 
     def acquire(self, session: str, wait_s: float = 0.0) -> bool:
         """Take the session's lease: True when newly taken (a dead owner's expired lease is
         a takeover, counted and logged), False when this node held it already (renewed).
         Raises ``SessionBusy`` naming the owner if another node still holds it after
         ``wait_s``. A lease value no node of this cluster set is reported and replaced."""
-        k = self._keys(session)
-        deadline = time.monotonic() + wait_s
-        while True:
-            res = self._eval(k, "acquire", ACQUIRE, [k.lease, k.holder],
-                             [self._lease(session), self.lease_ms, self.retention_ms])
-            st = _status(res)
-            if st != "BUSY":
-                self._leases.add(session)
-                self._taken.discard(session)
-                if st == "TAKEOVER":
-                    self.stats_.add("lease_takeovers")
-                    prev = _text(res[1]).partition("|")[0]
-                    log.warning("session %s: took over the lease of node %r (it expired: that "
-                                "node stopped renewing it)", session, prev)
-                return st != "RENEWED"
-            owner = self._holder(session, res[1], int(res[2]))
-            if owner is None:
-                if self._seize(k, res[1]):
-                    return True
-                continue
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise SessionBusy(session, owner, int(res[2]))
-            time.sleep(min(left, 0.05, max(int(res[2]), 1) / 1000))
+        return self._leases.acquire(self._keys(session), wait_s)
+
+    def renew(self, session: str) -> None:
+        """Extend this node's lease; ``LeaseLost`` if another node holds it now."""
+        self._leases.renew(self._keys(session))
+
+    def release(self, session: str) -> bool:
+        """Give the lease up (a clean hand-over: the next owner's acquire is no takeover)."""
+        return self._leases.release(self._keys(session), self.chunk_bytes)
 
     def lease_owner(self, session: str) -> str | None:
         """The node that holds the session's lease now (None: nobody, or a value no node
         set)."""
-        k = self._keys(session)
-        value, pttl = self._c.on_master(k.lease, f"lease_owner {session}",
-                                        [("GET", k.lease), ("PTTL", k.lease)], transaction=True)
-        if value is None:
-            return None
-        try:
-            node, ms = self.codec.sealer.check_lease(session, _text(value))
-        except SealError:
-            return None
-        return node if int(pttl) <= ms + 1000 else None
-
-    def renew(self, session: str) -> None:
-        """Extend this node's lease; ``LeaseLost`` if another node holds it now (a value no
-        node set is replaced instead)."""
-        k = self._keys(session)
-        res = self._eval(k, "renew", RENEW, [k.lease, k.holder], [self._lease(session), self.lease_ms])
-        if _status(res) == "LOST":
-            if res[1] and self._holder(session, res[1]) is None and self._seize(k, res[1]):
-                return
-            self._leases.discard(session)
-            self._taken.add(session)
-            self.stats_.add("lease_lost")
-            raise LeaseLost(session, _text(res[1]).partition("|")[0] or None)
+        return self._leases.owner(self._keys(session))
 
     def taken(self, session: str) -> bool:
-        """Another node took this node's lease of ``session`` (seen by a renewal or a
-        write), and this node has not acquired it again since."""
-        return session in self._taken
-
-    def release(self, session: str) -> bool:
-        """Give the lease up (a clean hand-over: the next owner's acquire is no takeover)."""
-        k = self._keys(session)
-        self._leases.discard(session)
-        return bool(self._eval(k, "release", RELEASE, [k.lease, k.holder, k.files],
-                               [self._lease(session), self.chunk_bytes, k.prefix]))
-
-    def _lease_refused(self, session: str, res: list[Any]) -> LeaseLost | None:
-        """A script found another lease value: ``LeaseLost``, or None when the value was no
-        node's and is now replaced by ours (the caller tries again)."""
-        if res[1] and self._holder(session, res[1]) is None \
-                and self._seize(self._keys(session), res[1]):
-            return None
-        self._leases.discard(session)
-        self._taken.add(session)
-        self.stats_.add("lease_lost")
-        return LeaseLost(session, _text(res[1]).partition("|")[0] or None)
+        """Another node took this node's lease of ``session`` and this node has not
+        acquired it again since."""
+        return self._leases.taken(session)
 
     def _scripted(self, k: SessionKeys, what: str, script: str, keys: list[str],
                   args: list[Any]) -> list[Any]:
         """A writing script, run again once if a forged lease stood in its way."""
         for _ in (0, 1):
             res = self._eval(k, what, script, keys, args)
-            if _status(res) != "LEASE":
+            if status(res) != "LEASE":
                 return res
-            err = self._lease_refused(k.session, res)
+            err = self._leases.refused(k, res)
             if err is not None:
                 raise err
         return res
@@ -287,7 +164,7 @@ class SharedTier:
                     k.prefix, self.lease_ms, "A" if pos % self.chunk_bytes else "S",
                     *(p for _, p in batch)]
             res = self._scripted(k, "append", APPEND, keys, args)
-            st = _status(res)
+            st = status(res)
             if st == "SIZE":
                 raise NotAppend(session, file, pos, int(res[1]))
             last_len = int(res[1])
@@ -298,7 +175,7 @@ class SharedTier:
         self.stats_.add("appends")
         self.stats_.add("bytes_in", len(data))
         self.stats_.time("append", (time.perf_counter() - t0) * 1000)
-        self._note_write(session, added)
+        self._capacity.wrote(session, added)
         last = (pos - 1) // self.chunk_bytes
         data_in_last = pos - last * self.chunk_bytes
         pieces_in_last = (last_len - data_in_last) // over
@@ -315,9 +192,9 @@ class SharedTier:
         res = self._eval(k, "compact", REWRITE, keys,
                          [self._lease(k.session), file, size, size, value, self.retention_ms,
                           self.chunk_bytes, k.prefix])
-        if _status(res) == "OK":
+        if status(res) == "OK":
             self.stats_.add("compactions")
-            self._note_write(k.session, -int(res[1]))
+            self._capacity.wrote(k.session, -int(res[1]))
 
     def truncate(self, session: str, file: str, size: int) -> None:
         """Cut ``file`` to ``size`` bytes (<= its size; an agent retrying a turn). Needs the lease."""
@@ -345,7 +222,7 @@ class SharedTier:
         res = self._scripted(k, "truncate", REWRITE, keys,
                              [self._lease(session), file, cur, size, value, self.retention_ms,
                               self.chunk_bytes, k.prefix])
-        st = _status(res)
+        st = status(res)
         if st == "SIZE":
             raise NotAppend(session, file, cur, int(res[1]))
         with self._lock:
@@ -354,7 +231,7 @@ class SharedTier:
                 files.pop(file, None)
             else:
                 files[file] = size
-        self._note_write(session, -int(res[1]))
+        self._capacity.wrote(session, -int(res[1]))
 
     def put_meta(self, session: str, data: bytes, owner: Owner | None = None) -> None:
         """Store meta.json (replacing it), and the session's owner when given. Write it after
@@ -371,26 +248,26 @@ class SharedTier:
         with self._lock:
             self._meta_head[session] = value[:self.codec.overhead]
         self.stats_.add("bytes_in", len(data))
-        self._note_write(session, int(res[1]))
+        self._capacity.wrote(session, int(res[1]))
 
     def delete_session(self, session: str) -> bool:
         """Remove the session from the cluster (never from any volume). Refused with
         ``SessionBusy`` while another node holds its lease. True if anything was there."""
         k = self._keys(session)
-        for _ in (0, 1):
+        for attempt in (0, 1, 2):
             res = self._eval(k, "delete", DELETE,
                              [k.files, k.lease, k.meta, k.holder, k.sync, k.owner],
                              [self._lease(session), self.chunk_bytes, k.prefix, "delete"])
-            if _status(res) != "BUSY":
+            if status(res) != "BUSY":
                 break
-            owner = self._holder(session, res[1], int(res[2]))
-            if owner is not None or not self._seize(k, res[1]):
+            owner, _ = self._leases.contend(k, res[1], int(res[2]))
+            if owner is not None or attempt == 2:
                 raise SessionBusy(session, owner or "?", int(res[2]))
         self._leases.discard(session)
         with self._lock:
             self._written.pop(session, None)
             self._meta_head.pop(session, None)
-        self._forget(session)
+        self._capacity.forget(session)
         return int(res[1]) > 0
 
     # -- reads -------------------------------------------------------------------
@@ -440,8 +317,8 @@ class SharedTier:
                 continue
             self.stats_.add("hits")
             self.stats_.add("bytes_out", len(data))
-            files = {_text(f): int(n) for f, n in zip(index[::2], index[1::2], strict=True)} \
-                if isinstance(index, list) else {_text(f): int(n) for f, n in index.items()}
+            files = {text(f): int(n) for f, n in zip(index[::2], index[1::2], strict=True)} \
+                if isinstance(index, list) else {text(f): int(n) for f, n in index.items()}
             return SessionInfo(files, data, who)
         raise AssertionError("unreachable")
 
@@ -584,50 +461,6 @@ class SharedTier:
             self._c.waitaof = True
         return out
 
-    # -- capacity ----------------------------------------------------------------
-    def _cap(self, script: str, args: list[Any]) -> int | None:
-        keys = [CAP_TAG + "lru", CAP_TAG + "bytes", CAP_TAG + "total"]
-        try:
-            return int(self._c.eval("capacity", script, keys, args))
-        except SharedUnavailable as e:     # bookkeeping only: the write itself succeeded
-            log.warning("capacity bookkeeping skipped: %s", e)
-            return None
-
-    def _note_write(self, session: str, delta: int) -> None:
-        if self.max_bytes is None:
-            return
-        total = self._cap(NOTE_WRITE, [session, delta, self.retention_ms])
-        if total is not None and total > self.max_bytes:
-            self._evict(total, protect=session)
-
-    def _forget(self, session: str) -> None:
-        if self.max_bytes is not None:
-            self._cap(FORGET, [session])
-
-    def _evict(self, total: int, protect: str) -> None:
-        """Drop least recently written sessions (none leased) until under ``max_bytes``."""
-        lru = CAP_TAG + "lru"
-        names = self._get(lru, "evict", lambda: self._c.rc.zrange(lru, 0, 31))
-        for raw in names:
-            s = raw.decode()
-            if s == protect or s in self._leases:
-                continue
-            k = SessionKeys(s)
-            res = self._eval(k, "evict", DELETE,
-                             [k.files, k.lease, k.meta, k.holder, k.sync, k.owner],
-                             [self._lease(s), self.chunk_bytes, k.prefix, "evict"])
-            if _status(res) != "OK":
-                continue
-            self.stats_.add("evicted_sessions")
-            log.info("shared tier over %d bytes: dropped session %s (least recently written)",
-                     self.max_bytes, s)
-            t = self._cap(FORGET, [s])
-            total = total if t is None else t
-            if total <= (self.max_bytes or 0):
-                return
-        log.warning("shared tier holds %d bytes over its bound of %d: every old session is leased",
-                    total, self.max_bytes)
-
     # -- health and life cycle ---------------------------------------------------
     def healthy(self) -> bool:
         """True when every shard's master answers PING within ``timeout_s`` (the topology is
@@ -636,7 +469,6 @@ class SharedTier:
 
     def stats(self) -> dict[str, float]:
         out = self.stats_.snapshot()
-        out["lease_lost"] += self._leases.lost
         out["unavailable"] += self._c.unavailable
         out["leases_held"] = len(self._leases.held())
         return out
