@@ -21,6 +21,8 @@ import json
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -170,6 +172,9 @@ def test_forged_chunk_and_lease_are_detected(node: Callable[..., Mount], cluster
     write(a.sessions / "fl" / "meta.json", b"{}")
     assert stats(a)["shared"]["tier_forged_leases"] >= 1
     assert "not set by a kvfs node" in a.log_text()
+    out = subprocess.run([sys.executable, "-m", "kvfs.cli.stat", str(a.root)],
+                         capture_output=True, text=True, check=True).stdout
+    assert "forged leases 1" in out, out
     # a genuine lease value replayed with a long life: the same
     with cluster.client(cluster.master_of_key(lk)) as r:
         deadline = time.monotonic() + 10

@@ -110,6 +110,8 @@ def _shared(stats: dict[str, Any], m: dict[str, float]) -> dict[str, Any] | None
                    for op in ("read", "append", "sync")},
         "local_only_fsyncs": _num(sh.get("local_only_fsyncs")),
         "fsync_errors": _num(sh.get("fsync_errors")),
+        "leases": _num(sh.get("tier_leases_held")),
+        "forged_leases": _num(sh.get("tier_forged_leases")),
     }
 
 
@@ -261,7 +263,8 @@ def render(s: dict[str, Any]) -> str:
             f"queued {size(sh['queued'])} of {size(sh['queue_max'])}   p99 read "
             f"{_ms(p99['read'])} append {_ms(p99['append'])} sync {_ms(p99['sync'])}",
             f"              fsync local-only {_n(sh['local_only_fsyncs'])}   fsync errors "
-            f"{_n(sh['fsync_errors'])}",
+            f"{_n(sh['fsync_errors'])}   leases held {_n(sh['leases'])}   forged leases "
+            f"{_n(sh['forged_leases'])}",
         ]
     for label, key in (("volume", "counters"), ("fuse", "fs")):
         if s.get(key):
