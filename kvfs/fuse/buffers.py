@@ -136,6 +136,7 @@ class Pending:
     base: int
     buf: Tail
     lock: trio.Lock = field(default_factory=trio.Lock)
+    quota: int | None = None  # bytes its session's owner may still add (None: no quota)
 
     @property
     def size(self) -> int:
@@ -234,10 +235,11 @@ class WriteBuffers:
         n = len(buf)
         p = self._by_ino.get(node.ino)
         if p is None:
-            st = await self.call(on_live, node, self.store.file_stat, *node.key, changes=False)
+            st, room = await self.call(on_live, node, self._stat_and_room, node.key,
+                                       changes=False)
             p = self._by_ino.get(node.ino)  # another write may have made it meanwhile
             if p is None:
-                p = self._by_ino[node.ino] = Pending(node, st.size, Tail(self._total))
+                p = self._by_ino[node.ino] = Pending(node, st.size, Tail(self._total), quota=room)
         if not self._fits(n):
             if trio.current_time() < self._full_until:
                 raise errors.NoSpace("volume full")
@@ -254,7 +256,9 @@ class WriteBuffers:
                 raise FUSEError(errno.EPERM)
             if p.buf and (len(p.buf) + n > self.flush_at or not self._fits(n)):
                 await self._flush_locked(p)
-            through = not self._fits(n)  # no room to promise: store it before saying yes
+            # no room to promise (the volume's, or the owner's quota): store it before
+            # saying yes, so EDQUOT/ENOSPC is this write's answer, not a later close's
+            through = not self._fits(n) or (p.quota is not None and len(p.buf) + n > p.quota)
             p.buf.add(buf)
             accepted = n
             if through or len(p.buf) >= self.flush_at:
@@ -345,6 +349,8 @@ class WriteBuffers:
         items = [(q.node, q.base, q.buf.data()) for q in batch]
         results, headroom = await self.call(self._append_batch, items, then, here=here)
         self._headroom = headroom
+        if batch[-1].quota is not None:  # the owner's room after this store
+            batch[-1].quota = await self.call(self._room, batch[-1].node, changes=False)
         failure: BaseException | None = None
         for k, (q, (node, base, data), (done, err)) in enumerate(zip(batch, items, results, strict=True)):
             q.buf.drop_front(done)
@@ -381,6 +387,17 @@ class WriteBuffers:
         except Exception:  # the next write looks again
             headroom = None
         return results, headroom
+
+    def _stat_and_room(self, key: tuple[str, str]) -> tuple[Any, int | None]:
+        """A file's stat and its session owner's byte quota room (on the worker)."""
+        room = getattr(self.store, "quota_room", None)
+        return self.store.file_stat(*key), room(key[0]) if room is not None else None
+
+    def _room(self, node: Node) -> int | None:
+        try:
+            return self.store.quota_room(node.key[0])
+        except errors.KVFSError:
+            return None
 
     def _append_pieces(self, node: Node, base: int, data: bytes) -> tuple[int, BaseException | None]:
         """(bytes stored, error) of appending ``data`` as entries of at most ``entry_max``
