@@ -302,9 +302,9 @@ def test_ring_only_superblock_torn_and_truncated(vol, monkeypatch) -> None:
 
 
 def test_usage_record_flipped_or_crafted_falls_back_to_the_ring(vol) -> None:
-    from kvfs.engine.btree_page import CRC, CRC_OFF, HDR
-
     import crc32c
+
+    from kvfs.engine.btree_page import CRC, CRC_OFF, HDR
 
     s = Store.create(vol, 16 * MB)
     s.create_session("a", uid=1000)

@@ -38,6 +38,7 @@ class CheckResult:
     sessions: int = 0
     files: int = 0
     bytes_checked: int = 0
+    in_use: bool = False  # a mount holds the volume: nothing was checked
 
     def problem(self, msg: str) -> None:
         self.problems.append(msg)
@@ -72,7 +73,8 @@ def _check_volume(path: str, res: CheckResult, repair: bool,
         if not repair:
             return _check(path, res, slots, repair, progress)
     except VolumeBusy:
-        return _unusable(res, f"{path} is in use (mounted): unmount first")
+        res.in_use = True
+        return _unusable(res, f"{path} is in use (mounted): unmount it first")
     finally:
         probe.close()
     return _check(path, res, slots, repair, progress)
@@ -93,7 +95,8 @@ def _check(path: str, res: CheckResult, slots: list, repair: bool,
     try:
         store = Store.open(path, readonly=not repair, force=True)
     except VolumeBusy:
-        return _unusable(res, f"{path} is in use (mounted): unmount first")
+        res.in_use = True
+        return _unusable(res, f"{path} is in use (mounted): unmount it first")
     except FormatError as e:
         return _unusable(res, str(e))
     except KVFSError as e:
@@ -122,6 +125,7 @@ def _check(path: str, res: CheckResult, slots: list, repair: bool,
 def _check_store(store: Store, res: CheckResult, repair: bool,
                  progress: Callable[[int, int], None] | None) -> None:
     rep = store.open_report
+    scans = store.counters["full_scans"]
     if store.ring_only:
         res.problem("the index did not fit the tree region: it is kept in the ring only "
                     "(each mount scans the whole ring); delete sessions to bring the "
@@ -166,6 +170,8 @@ def _check_store(store: Store, res: CheckResult, repair: bool,
         counted.add(s.uid, session_use(s))  # after any cut of its files
         if progress:
             progress(i + 1, len(names))
+    if store.counters["full_scans"] > scans:  # a record the open did not read was bad
+        res.problem(f"the index was rebuilt by a full ring scan ({store.full_scan_why})")
     _check_usage(store, res, counted, repair)
 
 

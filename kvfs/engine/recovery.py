@@ -151,6 +151,9 @@ def _named(it: ScanItem, fmt: struct.Struct, what: str, report: ScanReport
         name = loaded_name(p[fmt.size:], what)
         if what == "session" and name_hash(name) != h.name_hash:
             raise Corrupt(f"session entry name {name!r} does not hash to its header's")
+        fields = fmt.unpack_from(p)
+        if max(fields[-2:]) >= 1 << 63:  # ctime, mtime: signed 64-bit in the index
+            raise Corrupt(f"{what} entry times {fields[-2:]} out of range")
     except Corrupt as e:
         log.error("ring entry at %d: %s; skipped", h.pos, e)
         assert report.corrupt is not None
@@ -161,12 +164,18 @@ def _named(it: ScanItem, fmt: struct.Struct, what: str, report: ScanReport
 
 def _apply(store: Store, items: list[ScanItem], full: bool, report: ScanReport) -> None:
     base_next = store.sb.next_sno
+    ok = []
     for it in items:
-        if it.hdr.sno >= MAX_SNO:  # no session could have this number: a crafted entry
-            log.error("ring entry at %d: session number %d; skipped", it.hdr.pos, it.hdr.sno)
-            assert report.corrupt is not None
-            report.corrupt.append((it.hdr.pos, it.hdr.size))
-    items = [it for it in items if it.hdr.sno < MAX_SNO]
+        h = it.hdr
+        # fields the index keeps must fit its records: a session number below MAX_SNO, a
+        # time that is a signed 64-bit nanosecond count
+        if h.sno < MAX_SNO and h.ts_ns < 1 << 63:
+            ok.append(it)
+            continue
+        log.error("ring entry at %d: session number %d, time %d; skipped", h.pos, h.sno, h.ts_ns)
+        assert report.corrupt is not None
+        report.corrupt.append((h.pos, h.size))
+    items = ok
     dels = {it.hdr.sno for it in items if it.hdr.type == T_DELS}
     delf = {(it.hdr.sno, it.hdr.fno) for it in items if it.hdr.type == T_DELF}
     max_sno = base_next - 1

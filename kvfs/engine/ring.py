@@ -342,7 +342,7 @@ class Ring:
             if h is not None and h.type == T_PAD:
                 pos += self.lap_left(pos)
                 continue
-            if h is not None and pos + h.size <= limit:
+            if h is not None and pos + h.size <= limit and h.size <= MAX_ENTRY:
                 payload = reader.read(pos + HDR_SIZE, h.stored_len)
                 ok = check_payload(h, payload)
                 if ok or self._resync(reader, pos + h.size, limit) is not None:

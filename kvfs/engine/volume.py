@@ -225,7 +225,6 @@ class VolumeFile:
                 sb.check_layout(self.size)
                 out.append(sb)
             except BadSuperblock as e:
-                log.warning("%s: superblock slot %d: %s", self.path, slot, e)
                 out.append(e)
         return out
 
@@ -234,6 +233,9 @@ class VolumeFile:
         slots = self.read_slots()
         good = [s for s in slots if isinstance(s, Superblock)]
         if good:
+            for i, e in enumerate(slots):  # the other slot is used: say why (no volume
+                if isinstance(e, BadSuperblock):  # at all says it in its one line)
+                    log.warning("%s: superblock slot %d: %s", self.path, i, e)
             return max(good, key=lambda s: s.seq)
         bad = [e for e in slots if isinstance(e, BadSuperblock)]
         version = [e for e in bad if e.kind == "version"]

@@ -177,8 +177,13 @@ def fill_bar() -> Any:
         return None
     from tqdm import tqdm
 
+    try:  # a terminal that does not say its size (0 x 0) still gets a bar
+        size = os.get_terminal_size(sys.stderr.fileno())
+        cols, rows = size.columns or 80, size.lines or 24
+    except OSError:
+        cols, rows = 80, 24
     return tqdm(desc="creating volume", unit="B", unit_scale=True, unit_divisor=1024,
-                file=sys.stderr, leave=False)
+                file=sys.stderr, ncols=cols, nrows=rows)
 
 
 def open_store(args: argparse.Namespace, size: int | None, profile: profiles.Profile) -> Any:
@@ -203,7 +208,7 @@ def open_store(args: argparse.Namespace, size: int | None, profile: profiles.Pro
 
         try:
             return Store.create(args.volume, size, config, observer=observer,
-                                fill=not args.sparse, progress=progress if bar else None)
+                                fill=not args.sparse, progress=None if bar is None else progress)
         finally:
             if bar is not None:
                 bar.close()
