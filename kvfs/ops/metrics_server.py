@@ -3,8 +3,9 @@
 One thread runs one ``selectors`` loop over the listening socket and at most ``max_conns``
 connections, whatever arrives: no thread per connection, no work queued behind a slow
 client. A connection must send its whole request (at most ``max_request`` bytes) and take
-the whole answer within ``timeout_s`` of being accepted, else it is closed; past the cap the
-oldest connection that has not finished its request is closed to make room, so idle
+the whole answer within ``timeout_s`` of being accepted, else it is closed; at the cap the
+held connections are read first (closed ones leave, complete requests are answered) and
+then the oldest connection still sending its request is closed to make room, so idle
 connections cost whoever opened them, and a scraper still gets through a flood. The body is
 made at most once per ``cache_s`` (scrapes in between get the same bytes), so scrapes never
 add up to work for the process that serves them (in the mount: the FUSE loop's GIL).
@@ -135,6 +136,8 @@ class MetricsServer:
                 log.warning("metrics port: accept failed: %s", e)
                 return
             self.stats["accepted"] += 1
+            if len(self._conns) >= self.max_conns:
+                self._reap()
             if len(self._conns) >= self.max_conns and not self._evict():
                 self.stats["refused"] += 1
                 sock.close()
@@ -143,6 +146,14 @@ class MetricsServer:
             c = _Conn(sock, time.monotonic() + self.timeout_s)
             self._conns[sock.fileno()] = c
             self._sel.register(sock, selectors.EVENT_READ, c)
+
+    def _reap(self) -> None:
+        """At the cap: read what the held connections sent meanwhile, so those that closed
+        are dropped and those whose request is complete are answered before any is
+        evicted (a scraper is never taken for a flooder because the loop was busy)."""
+        for c in list(self._conns.values()):
+            if c.out is None and c.sock.fileno() >= 0:
+                self._read(c)
 
     def _evict(self) -> bool:
         """Close the oldest connection still sending its request; False if none is."""
