@@ -235,7 +235,7 @@ class WriteBuffers:
         n = len(buf)
         p = self._by_ino.get(node.ino)
         if p is None:
-            st, room = await self.call(on_live, node, self._stat_and_room, node.key,
+            st, room = await self.call(on_live, node, self._stat_and_room, node,
                                        changes=False)
             p = self._by_ino.get(node.ino)  # another write may have made it meanwhile
             if p is None:
@@ -347,10 +347,10 @@ class WriteBuffers:
         each buffer; the rest stays for a retry. The last buffer's error (or ``then``'s)
         rises when ``own``; the others' are logged."""
         items = [(q.node, q.base, q.buf.data()) for q in batch]
-        results, headroom = await self.call(self._append_batch, items, then, here=here)
+        results, headroom, room = await self.call(self._append_batch, items, then, here=here)
         self._headroom = headroom
         if batch[-1].quota is not None:  # the owner's room after this store
-            batch[-1].quota = await self.call(self._room, batch[-1].node, changes=False)
+            batch[-1].quota = room
         failure: BaseException | None = None
         for k, (q, (node, base, data), (done, err)) in enumerate(zip(batch, items, results, strict=True)):
             q.buf.drop_front(done)
@@ -371,10 +371,11 @@ class WriteBuffers:
 
     def _append_batch(self, items: list[tuple[Node, int, bytes]],
                       then: Callable[[], Any] | None = None
-                      ) -> tuple[list[tuple[int, BaseException | None]], int | None]:
+                      ) -> tuple[list[tuple[int, BaseException | None]], int | None, int | None]:
         """On the worker (or the trio thread, ``Worker.sync_here``): ``_append_pieces`` of each
         (node, base, data), then ``then`` if the last one was stored whole (its error is
-        reported as the last one's); with the headroom after."""
+        reported as the last one's); with the headroom after, and the last file's owner's
+        quota room."""
         results = [self._append_pieces(*item) for item in items]
         done, err = results[-1]
         if then is not None and err is None:
@@ -386,16 +387,16 @@ class WriteBuffers:
             headroom: int | None = self._headroom_now()
         except Exception:  # the next write looks again
             headroom = None
-        return results, headroom
+        return results, headroom, self._room(items[-1][0])
 
-    def _stat_and_room(self, key: tuple[str, str]) -> tuple[Any, int | None]:
+    def _stat_and_room(self, node: Node) -> tuple[Any, int | None]:
         """A file's stat and its session owner's byte quota room (on the worker)."""
-        room = getattr(self.store, "quota_room", None)
-        return self.store.file_stat(*key), room(key[0]) if room is not None else None
+        return self.store.file_stat(*node.key), self._room(node)
 
     def _room(self, node: Node) -> int | None:
+        room = getattr(self.store, "quota_room", None)
         try:
-            return self.store.quota_room(node.key[0])
+            return room(node.key[0]) if room is not None else None
         except errors.KVFSError:
             return None
 
