@@ -155,10 +155,12 @@ def run(seconds: float, seed: int, work: Path, case_timeout: float) -> dict:
             signal.setitimer(signal.ITIMER_REAL, 0)
         results["cases"] += 1
         results["slowest_s"] = max(results.get("slowest_s", 0.0), round(time.monotonic() - t0, 3))
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+        if peak > results.get("max_rss_mb", 0):  # which case raised the peak, to look at
+            results["max_rss_mb"], results["max_rss_case"] = peak, case_seed
         if bad:
             results["failures"].append({"case_seed": case_seed, "base": base.name,
                                         "changes": changes, "problems": bad})
-    results["max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
     return results
 
 
@@ -188,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         _limit_memory(a.memory_mb)
         res = run(a.seconds, a.seed, work, a.case_timeout)
     print(f"{res['cases']} cases, {len(res['failures'])} failures, slowest "
-          f"{res.get('slowest_s', 0)} s, max RSS {res['max_rss_mb']} MiB; changes: {res['kinds']}")
+          f"{res.get('slowest_s', 0)} s, max RSS {res.get('max_rss_mb')} MiB (case "
+          f"{res.get('max_rss_case')}); changes: {res['kinds']}")
     for f in res["failures"][:20]:
         print(f"FAIL case_seed={f['case_seed']} base={f['base']} changes={f['changes']}")
         for p in f["problems"]:

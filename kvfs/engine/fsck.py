@@ -164,8 +164,13 @@ def _check_store(store: Store, res: CheckResult, repair: bool,
                     res.problem(f"session {name!r} file {f.name!r}: bytes {f.off[k]}..{f.off[k] + n}: {e}")
                     if repair:
                         cut = f.off[k]
-                        store.truncate(name, f.name, cut)
-                        res.repaired.append(f"session {name!r} file {f.name!r} cut to {cut} bytes")
+                        try:
+                            store.truncate(name, f.name, cut)
+                        except KVFSError as e:  # e.g. no ring room for the record
+                            res.problem(f"session {name!r} file {f.name!r}: not cut: {e}")
+                        else:
+                            res.repaired.append(f"session {name!r} file {f.name!r} cut to "
+                                                f"{cut} bytes")
                     break
         counted.add(s.uid, session_use(s))  # after any cut of its files
         if progress:
