@@ -19,6 +19,7 @@ from .format import ALIGN, FMETA_FMT, MAX_ENTRY_RAW, SMETA_FMT
 
 CHUNK = 1000  # bytes of a record per B+ tree value
 MAX_NAME = 255
+MAX_FNO = 0xFFFFFFFF  # file numbers stay below it: a session's next one is a u32
 
 _SESS = struct.Struct("<QQIIIIqqqqI")  # sno, name_hash, mode, uid, gid, next_fno, c/m/atime ns, meta_pos, nfiles
 _FILE = struct.Struct("<IIIIqqqqI")  # fno, mode, uid, gid, c/m/atime ns, meta_pos, nextents
@@ -207,7 +208,7 @@ class Session:
                 p += 2
                 f = FileRec(fv[0], loaded_name(raw[p: p + fl], "file"), fv[1], fv[2],
                             fv[3], fv[4], fv[5], fv[6], fv[7])
-                if f.fno in s.files or f.name in s.by_name:
+                if f.fno in s.files or f.name in s.by_name or f.fno >= MAX_FNO:
                     raise Corrupt(f"session record {name!r}: file {f.name!r} ({f.fno}) twice")
                 p += fl
                 for _ in range(fv[8]):

@@ -30,7 +30,7 @@ from .format import (
     T_TRUNC,
 )
 from .quota import session_use
-from .records import FileRec, Session, loaded_name, name_hash
+from .records import MAX_FNO, FileRec, Session, loaded_name, name_hash
 from .ring import ScanItem, ScanReport
 
 if TYPE_CHECKING:
@@ -168,11 +168,13 @@ def _apply(store: Store, items: list[ScanItem], full: bool, report: ScanReport) 
     for it in items:
         h = it.hdr
         # fields the index keeps must fit its records: a session number below MAX_SNO, a
-        # time that is a signed 64-bit nanosecond count
-        if h.sno < MAX_SNO and h.ts_ns < 1 << 63:
+        # file number below MAX_FNO (the next one is a u32), a time that is a signed 64-bit
+        # nanosecond count
+        if h.sno < MAX_SNO and h.ts_ns < 1 << 63 and h.fno < MAX_FNO:
             ok.append(it)
             continue
-        log.error("ring entry at %d: session number %d, time %d; skipped", h.pos, h.sno, h.ts_ns)
+        log.error("ring entry at %d: session %d, file %d, time %d; skipped", h.pos, h.sno,
+                  h.fno, h.ts_ns)
         assert report.corrupt is not None
         report.corrupt.append((h.pos, h.size))
     items = ok

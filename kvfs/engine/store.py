@@ -83,7 +83,15 @@ from .index import Index
 from .quota import EXTENT_BYTES, Ledger, Limits, file_base, file_use, session_base, session_use
 from .reads import ReadPath
 from .reclaim import reclaim
-from .records import FileRec, Session, check_name, fmeta_payload, name_hash, smeta_payload
+from .records import (
+    MAX_FNO,
+    FileRec,
+    Session,
+    check_name,
+    fmeta_payload,
+    name_hash,
+    smeta_payload,
+)
 from .recovery import recover
 from .reporting import Reporting
 from .ring import Ring, ScanReport
@@ -295,6 +303,8 @@ class Store(ReadPath, Reporting):
         if s.file(name) is not None:
             raise Exists(f"file {name!r} exists in session {session!r}")
         self._admit(s.uid, files=1, index=file_base(name))
+        if s.next_fno >= MAX_FNO:  # numbers are never reused: 2^32 - 1 files made in it
+            raise NoSpace(f"session {session!r} has used every file number")
         now = time.time_ns()
         f = FileRec(s.next_fno, name, mode & 0o7777, uid, gid, now, now, now, -1)
         s.add_file(f)
