@@ -52,7 +52,6 @@ volume class (``faults.FaultyVolume`` in tests); ``observer`` gets latencies and
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -60,7 +59,8 @@ import uuid
 from collections.abc import Callable
 
 from .blocks import Encoded, encode_entries
-from .btree import BTree, TreeFull, TreeRoot
+from .btree import BTree, TreeRoot
+from .checkpoint import write_checkpoint
 from .codec import Codec
 from .errors import BadRange, Exists, FormatError, NeedsFsck, NoSpace, NotAppend, NotFound
 from .failsafe import FsckMark, guarded
@@ -118,7 +118,7 @@ class Store(ReadPath, Reporting):
         self.quota = Ledger(Limits.resolve(config.quota_sessions, config.quota_bytes,
                                            config.quota_index_share, config.shared,
                                            config.index_fill, sb.tree_pages // 2, sb.ring_size))
-        self._full_at: int | None = None  # index estimate when the tree last could not take it
+        self.full_at: int | None = None  # index estimate when the tree last could not take it
         self.codec = Codec(config.compression, config.zstd_level, config.min_ratio, config.plane_split)
         self.append_codec = Codec("none") if config.compress_on_copy else self.codec
         self.next_sno = sb.next_sno
@@ -435,60 +435,10 @@ class Store(ReadPath, Reporting):
 
     def checkpoint(self, clean: bool = False) -> None:
         """Persist the index (dirty sessions, purges, bitmap, usage) and a superblock
-        pointing at it.
-
-        An index that does not fit the tree region (a volume filled before the index had
-        a budget) is kept in the ring only: the superblock then says ``NO_CKPT`` (every
-        open scans the whole ring, which holds every session), the changes stay in memory,
-        and the next checkpoint tries the tree again once the index shrank. The volume
-        stays mountable, readable and deletable; nothing is lost."""
-        if self.readonly:
-            return
-        self.ring.sync()  # everything the checkpoint references is durable first
-        old_root = self.tree.root
-        self.quota.bitmap_chunks = len(self.idx.chunks)
-        est = self.quota.estimate()
-        root: TreeRoot | None = None
-        if self._full_at is None or est < self._full_at:
-            changes = self.idx.changes()
-            changes.update(self.quota.changes())
-            try:
-                root = self.tree.commit(changes)
-            except TreeFull as e:
-                self._full_at = est
-                log.error("%s: the index (about %d bytes) does not fit the tree region (%s); "
-                          "it is kept in the ring only, and every mount scans the whole ring, "
-                          "until sessions are deleted", self.vol.path, est, e)
-        # Once both slots say NO_CKPT no durable superblock needs the tree's previous half:
-        # the next commit may compact into it (a commit refused only for that protection
-        # would otherwise keep the index in the ring for good).
-        lift = root is None and self.ring_only and self.tree.root.prev_half >= 0
-        sb, mark = self.sb, self.fsck_mark.mark  # the mark before its flag: see FsckMark.set
-        new = Superblock(sb.seq + 1, self.fsck_mark.flags(clean), sb.volume_size, sb.ring_offset,
-                         sb.ring_size, sb.tree_offset, sb.tree_pages, self.ring.head,
-                         self.ring.tail, self.ring.head if root is not None else NO_CKPT,
-                         self.next_sno, time.time_ns(), sb.created_ns,
-                         (root or old_root).pack(), sb.uuid)
-        try:
-            self.vol.sync()
-            self.vol.write_superblock(new)
-        except BaseException:
-            # The durable superblock still names the old root: keep committing on top of it.
-            self.idx.tree = BTree(self.vol, sb.tree_offset, sb.tree_pages, old_root)
-            raise
-        self.sb, self.fsck_mark.written = new, mark
-        self.ring.durable_tail = self.ring.tail
-        if root is not None:
-            if self._full_at is not None:
-                log.warning("%s: the index fits the tree region again", self.vol.path)
-            self._full_at = None
-            self.idx.committed()
-            self.quota.committed()
-        elif lift:
-            self.idx.tree.root = dataclasses.replace(self.tree.root, prev_half=-1)
-            self._full_at = None
-        self.last_ckpt = time.monotonic()
-        self.counters["checkpoints"] += 1
+        pointing at it; an index too large for the tree region stays in the ring
+        (``checkpoint.write_checkpoint``)."""
+        if not self.readonly:
+            write_checkpoint(self, clean)
 
     @property
     def ring_only(self) -> bool:
