@@ -105,8 +105,7 @@ def test_five_thousand_idle_connections_cost_the_flooder_not_fuse(make_mount) ->
         for s in socks:
             s.close()
     after = fuse_ops(m.sessions, "after", 150)  # before: stalls of up to 34 s here
-    limit = max(10 * p99(base), p99(base) + 0.25)
-    print(f"p99 base {p99(base):.4f} during {p99(during):.4f} after {p99(after):.4f} s; threads {threads0}->{threads1}; rss +{(rss1 - rss0) >> 20} MiB")
+    limit = max(10 * p99(base), p99(base) + 1.0)  # one slow fsync on a shared disk is a p99
     assert threads1 <= threads0 + 2, (threads0, threads1)  # before: one thread per connection
     assert rss1 - rss0 < 48 << 20, (rss0, rss1)
     assert p99(during) < limit and p99(after) < limit, (p99(base), p99(during), p99(after))

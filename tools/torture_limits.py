@@ -11,7 +11,9 @@ fsynced, deletes the flood, and fsck of the unmounted volume is clean.
 requests (``n`` of them), byte-at-a-time requests, and connect/close churn, each phase
 while the mount serves small create/write/fsync/read cycles. FUSE p99 must stay within a
 generous bound of its own baseline, the mount's threads and memory must not grow with the
-connections, and a real scrape must be answered during every phase.
+connections, and a real scrape must be answered during every phase. The latency bound is
+generous (10 times the baseline p99, or the baseline + 1 s): the cycles fsync on a shared
+disk; the flood this guards against stalled FUSE requests for up to 34 s.
 """
 
 from __future__ import annotations
@@ -260,7 +262,9 @@ def flood(work: Path, n: int, deadline: float, rng: random.Random) -> Result:
         _cycles(m, "warmup", 20)
         base = _cycles(m, "base", 200)
         res.counts["fuse_p99_base_ms"] = round(_p99(base) * 1e3, 2)
-        limit = max(10 * _p99(base), _p99(base) + 0.25)
+        # generous: the cycles fsync, and the disk is shared (one slow fsync is a p99 of
+        # 200); the flood this guards against stalled FUSE for up to 34 s
+        limit = max(10 * _p99(base), _p99(base) + 1.0)
         threads0, rss0 = _threads(m.proc.pid), rss_kib(m.proc.pid)
         phases = {
             "idle": lambda: _idle(port, n),
@@ -285,7 +289,7 @@ def flood(work: Path, n: int, deadline: float, rng: random.Random) -> Result:
             else:
                 for s in held:
                     s.close()
-            after = _cycles(m, f"after-{name}", 100)
+            after = _cycles(m, f"after-{name}", 200)
             res.counts[f"fuse_p99_{name}_ms"] = round(_p99(during) * 1e3, 2)
             res.counts[f"fuse_p99_after_{name}_ms"] = round(_p99(after) * 1e3, 2)
             res.peak("mount_threads_max", threads)
