@@ -36,7 +36,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from .ids import WarmBusy, WarmError
+from .ids import WarmBusy, WarmCorrupt, WarmError
 
 log = logging.getLogger("kvfs.warm")
 
@@ -47,6 +47,7 @@ META = "meta.json"
 # the first bytes of a session: a copy removed (or made anew) through the mount has none
 # (or another one), so a RAM copy of the old session is never written back over it
 INCARNATION = ".incarnation"
+MAX_SMALL = 1 << 20  # meta.json and the like: far more than 100,000 rounds take
 _CHUNK = 8 << 20  # bytes per os.write: bounded kernel/FUSE requests, no big copies
 _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 LEASE_XATTR = "user.kvfs.lease"
@@ -312,14 +313,22 @@ class ColdStore:
 
     @_errors
     def read_small(self, sid: str, name: str) -> bytes | None:
+        """A small file's bytes; meta.json (and the other small files but summaries.f32)
+        only up to ``MAX_SMALL``: a larger one is none kvfs wrote (WarmCorrupt), and is
+        never read whole into memory."""
         try:
             fd = self._open(sid, name, os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError):
             return None
+        limit = None if name == SUMMARIES else MAX_SMALL
         try:
-            parts = []
+            parts, n = [], 0
             while chunk := os.read(fd, 1 << 20):
                 parts.append(chunk)
+                n += len(chunk)
+                if limit is not None and n > limit:
+                    raise WarmCorrupt(f"cold {sid}/{name} is over {limit} bytes: not one kvfs "
+                                      "writes; refused")
             return b"".join(parts)
         finally:
             os.close(fd)
@@ -330,7 +339,7 @@ class ColdStore:
             return None
         try:
             meta = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             log.warning("cold %s/meta.json is not JSON; ignored", sid)
             return None
         return meta if isinstance(meta, dict) else None

@@ -56,7 +56,7 @@ from .migrate import Mover
 from .owners import SessionLocks, adopt_dead, check_volume_id, claim_dir
 from .reads import Reads
 from .records import Slot, WarmSession
-from .rootdir import RootDir
+from .rootdir import DEFAULT_ROOT, RootDir
 from .shard import ShardFile
 from .space import PAGE
 from .validate import Validator
@@ -69,7 +69,7 @@ MARGIN_MAX = 8 << 20  # room left free on the RAM filesystem: at most 8 MiB, at 
 class WarmTier(Reads, Mover, WriteBehind, Validator, Lifecycle):
     """The warm tier. See ``docs/contracts/warm-api.md`` and the package docstring."""
 
-    def __init__(self, cold_root: str | None, root: str = "/dev/shm/kvfs-warm", *,
+    def __init__(self, cold_root: str | None, root: str = DEFAULT_ROOT, *,
                  cap_bytes: int = 16 << 30, migrate_at: float = 0.85, group: int = 10,
                  shards: int = 65536, shard_key: str = "session", summary_dim: int = 128,
                  clock: Callable[[], float] = time.time, max_open_shards: int = 512,
