@@ -8,7 +8,6 @@ model loaded by transformers. The model is a tiny random Llama with SmolLM2's to
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
