@@ -8,6 +8,7 @@ model loaded by transformers. The model is a tiny random Llama with SmolLM2's to
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -15,7 +16,9 @@ openai = pytest.importorskip("openai")
 torch = pytest.importorskip("torch")
 
 from kvfs.testing import HAVE_FUSE, Mount
+from kvfs.torch.tokens import common_prefix, read_ids
 from kvfs.vllm.testing import VLLMServer, connector_config, have_vllm, model_dir
+from kvfs.warm.cold import ColdStore
 
 pytestmark = [
     pytest.mark.mount, pytest.mark.slow, pytest.mark.timeout(900),
@@ -64,7 +67,28 @@ def meta(mount: Mount, sid: str) -> dict:
     return json.loads((mount.sessions / sid / "meta.json").read_text())
 
 
+def stored_soon(mount: Mount, sid: str, tokens: int, timeout: float = 60.0) -> dict:
+    """meta.json once it claims ``tokens`` (a turn is stored just after its reply)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = meta(mount, sid) if (mount.sessions / sid / "meta.json").exists() else {}
+        if m.get("tokens") == tokens or time.monotonic() > deadline:
+            return m
+        time.sleep(0.2)
+
+
+def complete(server: VLLMServer, prompt: list[int], **body) -> tuple[list[int], dict]:
+    client = openai.OpenAI(base_url=server.base_url, api_key="none", timeout=120)
+    r = client.completions.create(model="m", prompt=prompt, max_tokens=10, temperature=0,
+                                  extra_body={"return_token_ids": True, **body})
+    return (list(r.choices[0].model_extra["token_ids"]),
+            (r.model_extra or {}).get("kv_transfer_params") or {})
+
+
 def test_conversation_continues_after_restart(world) -> None:
+    """A chat held through the server, the server restarted, the chat continued: the prefix
+    comes from kvfs (counted in the reply) and the tokens are the uninterrupted run's. A
+    long prompt without a session is reused the same way through prefix entries."""
     server, mount = world["server"], world["mount"]
     server.start()
     messages: list[dict] = []
@@ -76,30 +100,33 @@ def test_conversation_continues_after_restart(world) -> None:
     messages.append({"role": "user", "content": USER[3]})
     # the uninterrupted run: the same server, vLLM's own prefix cache, no kvfs session
     ref_out, _, ref_prompt, ref_params = chat(server, messages)
-    assert "kvfs_loaded_tokens" not in ref_params
+    assert "session" not in ref_params
+    # a request without a session: its full 256-token runs become prefix entries
+    doc = list(range(2000, 2600))
+    complete(server, doc)
+    doc_ref, _ = complete(server, doc + [7, 8, 9])
     server.stop()
     stored = meta(mount, "chat-1")
     assert stored["tokens"] > 0 and len(stored["rounds"]) == 3
     assert sorted(p.name for p in (mount.sessions / "chat-1").iterdir()) == [
         "layer_0", "layer_1", "meta.json", "summaries.f32", "tokens"]
+    assert len([p for p in mount.sessions.iterdir() if p.name.startswith("prefix-")]) >= 2
 
     server.start()  # a new process: vLLM's prefix cache is empty, kvfs is not
     out, _, prompt, params = chat(server, messages, session="chat-1")
     assert prompt == ref_prompt
     assert out == ref_out, "continuing from kvfs gave other tokens than the uninterrupted run"
-    from kvfs.torch.tokens import common_prefix, read_ids
-    from kvfs.warm.cold import ColdStore
-
     agree = min(common_prefix(read_ids(ColdStore(str(mount.root)), "chat-1"), prompt),
                 stored["tokens"], len(prompt) - 1)
     assert params["kvfs_loaded_tokens"] == agree - agree % BLOCK > 0  # the prefill skipped
-    server.stop()
-    after = meta(mount, "chat-1")
+    after = stored_soon(mount, "chat-1", params["kvfs_stored_tokens"])
     assert after["tokens"] == params["kvfs_stored_tokens"] > stored["tokens"]
     # the re-rendered prompt may differ from the stored ids (a reply re-tokenized): the turn
     # replaced the history from there, and its round ends the session
     assert after["rounds"][-1] == [after["rounds"][-2][1], after["tokens"]]
-    world["state"]["chat-1"] = (messages, out)
+    doc_out, doc_params = complete(server, doc + [7, 8, 9])
+    assert doc_params["kvfs_loaded_tokens"] == 512 and doc_out == doc_ref
+    world["state"]["chat-1"] = True
 
 
 def test_vllm_session_resumes_in_kvrouter(world) -> None:
@@ -108,18 +135,16 @@ def test_vllm_session_resumes_in_kvrouter(world) -> None:
     from transformers import AutoModelForCausalLM, DynamicCache
 
     from kvfs.torch import KVRouter
-    from kvfs.torch.tokens import read_ids
-    from kvfs.warm.cold import ColdStore
 
     mount = world["mount"]
     if "chat-1" not in world["state"]:
         pytest.skip("needs the session of test_conversation_continues_after_restart")
     model = AutoModelForCausalLM.from_pretrained(world["model"], dtype=torch.float32).eval()
     n = meta(mount, "chat-1")["tokens"]
-    ids = torch.tensor([read_ids(ColdStore(str(mount.root)), "chat-1")[:n].astype("int64")])
+    ids = torch.from_numpy(read_ids(ColdStore(str(mount.root)), "chat-1")[:n].astype("int64"))[None]
     ref = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, past_key_values=ref, use_cache=True)
+        model(ids, cache=ref, use_cache=True)
     with KVRouter(mount=str(mount.root), max_kv_len=None, warm_root=str(world["dir"] / "warm")) as router:
         cache = router.resume("chat-1", model)
         assert cache.seen == n
@@ -132,14 +157,14 @@ def test_vllm_session_resumes_in_kvrouter(world) -> None:
         got = model.generate(full, attention_mask=torch.ones_like(full), cache=cache,
                              max_new_tokens=8, do_sample=False)
         want = model.generate(full, attention_mask=torch.ones_like(full), max_new_tokens=8,
-                               do_sample=False)
+                              do_sample=False)
         assert torch.equal(got, want)
         router.delete("chat-1")
 
 
 def test_kvrouter_session_continues_in_vllm(world) -> None:
-    """A session started by KVRouter (ids recorded) is continued behind vLLM: the prompt's
-    agreeing blocks are loaded, and the output is the one vLLM computes from scratch."""
+    """A session started by KVRouter (ids recorded) is continued behind vLLM: the stored
+    blocks are loaded, and the output is the one vLLM computes from scratch."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvfs.torch import KVRouter
@@ -159,21 +184,14 @@ def test_kvrouter_session_continues_in_vllm(world) -> None:
         router.flush()
     stored = meta(mount, "agent-2")["tokens"]
     assert stored == full.shape[1] - 1  # generate's last token is not fed through the model
-    # vLLM continues the stored tokens verbatim (a completion of the same ids and more)
-    server.start()
-    try:
-        client = openai.OpenAI(base_url=server.base_url, api_key="none", timeout=120)
-        prompt = full[0].tolist() + tok.encode(" And then?", add_special_tokens=False)
-
-        def complete(**body):
-            r = client.completions.create(model="m", prompt=prompt, max_tokens=10,
-                                          temperature=0, extra_body={"return_token_ids": True, **body})
-            return list(r.choices[0].model_extra["token_ids"]), (r.model_extra or {}).get("kv_transfer_params") or {}
-
-        out, params = complete(kv_transfer_params={"session": "agent-2"})
-        assert params["kvfs_loaded_tokens"] == stored - stored % BLOCK > 0
-        fresh, _ = complete(cache_salt="recompute")  # vLLM's own prefill of every token
-        assert out == fresh
-    finally:
-        server.stop()
-    assert meta(mount, "agent-2")["tokens"] == params["kvfs_stored_tokens"] > stored
+    if server.proc is None:
+        server.start()
+    prompt = full[0].tolist() + tok.encode(" And then?", add_special_tokens=False)
+    # a cache_salt of its own: no block of the earlier chats in vLLM's prefix cache serves it
+    out, params = complete(server, prompt, kv_transfer_params={"session": "agent-2"},
+                           cache_salt="agent-2")
+    assert params["kvfs_loaded_tokens"] == stored - stored % BLOCK > 0
+    fresh, _ = complete(server, prompt, cache_salt="recompute")  # vLLM's own prefill of all
+    assert out == fresh
+    assert stored_soon(mount, "agent-2", params["kvfs_stored_tokens"])["tokens"] == \
+        params["kvfs_stored_tokens"] > stored

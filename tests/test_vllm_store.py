@@ -12,7 +12,8 @@ import torch
 from kvfs.torch.fingerprint import KVGeometry, KVUnsupported
 from kvfs.torch.tokens import TOKENS, common_prefix, decode, encode, read_ids, record_ids
 from kvfs.vllm.paged import probe_layout
-from kvfs.vllm.store import SessionStore, agreed, prefix_key
+from kvfs.vllm.scheduler import parts_of, session_of
+from kvfs.vllm.store import SessionStore, agreed, prefix_keys
 from kvfs.warm.cold import ColdStore
 
 GEO = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
@@ -103,7 +104,35 @@ def test_session_store_turns_edits_and_other_models(root) -> None:
     # ids missing or short: only what has ids is offered
     (root / "sessions" / "s" / TOKENS).write_bytes(encode(0, edit[:3]))
     assert st.lookup("s").tokens == 3
-    assert prefix_key("sha256:aa", ids, 4) != prefix_key("sha256:aa", ids, 5)
+
+
+def test_prefix_entries_are_chained_salted_and_found_in_order(root) -> None:
+    ids = list(range(40))
+    keys = prefix_keys("sha256:aa", None, ids, 8)
+    assert len(keys) == 5 and len(set(keys)) == 5
+    assert prefix_keys("sha256:aa", None, ids[:17], 8) == keys[:2]  # a prefix's names
+    assert prefix_keys("sha256:aa", "tenant", ids, 8)[0] != keys[0]
+    assert prefix_keys("sha256:bb", None, ids, 8)[0] != keys[0]
+    assert prefix_keys("sha256:aa", None, [1] + ids[1:], 8)[3] != keys[3]  # chained
+    st = SessionStore(str(root), "sha256:aa", GEO, summary_dim=8)
+    for j in (0, 1, 3):
+        st.append_turn(keys[j], np.array(ids[8 * j:8 * j + 8]), _kv(8, j), 0, None)
+    assert st.present(keys) == 2  # the run stops at the first missing entry
+    assert parts_of(keys, 8, 4, 20) == [(keys[0], 4, 4, 4), (keys[1], 0, 8, 8), (keys[2], 0, 16, 4)]
+    assert parts_of("s", 8, 4, 20) == [("s", 4, 4, 16)]
+
+
+def test_session_names_from_requests() -> None:
+    class R:
+        request_id = "r"
+        sampling_params = None
+
+        def __init__(self, params):
+            self.kv_transfer_params = params
+    assert session_of(R({"session": "agent-7"})) == "agent-7"
+    assert session_of(R(None)) is None
+    for bad in ("../x", ".hidden", "a/b", "prefix-abc", 7, "x" * 201):
+        assert session_of(R({"session": bad})) is None
 
 
 def _cpu_like_writer(k, v, cache, slots):

@@ -7,7 +7,9 @@ Loaded by vLLM from ``kv_transfer_config``::
         "kv_connector_extra_config": {"mount": "/mnt/kv"}}'
 
 ``kv_connector_extra_config``: ``mount`` (the kvfs mountpoint, required), ``save`` (store
-finished turns, default true), ``model_fingerprint`` (for a checkpoint without
+finished turns, default true), ``prefix_chunk`` (tokens per prefix entry for
+requests without a session, a multiple of the block size; default 8 blocks; 0: such
+requests are left to vLLM), ``model_fingerprint`` (for a checkpoint without
 safetensors), ``summary_dim`` (default: the mount's profile). The class only routes vLLM's
 calls: the scheduler half is :mod:`kvfs.vllm.scheduler`, the worker half
 :mod:`kvfs.vllm.worker`, the files :mod:`kvfs.vllm.store`.
@@ -63,7 +65,8 @@ class KVFSConnector(KVConnectorBase_V1):
         self.sched: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.sched = SchedulerSide(store, self.block_size, bool(extra.get("save", True)))
+            chunk = int(extra.get("prefix_chunk", 8 * self.block_size))
+            self.sched = SchedulerSide(store, self.block_size, bool(extra.get("save", True)), chunk)
         else:
             self.worker = WorkerSide(store)
         log.info("KVFSConnector (%s) over %s, model %s", role.name.lower(), mount, fp)

@@ -3,10 +3,13 @@
 Runs in vLLM's scheduler (engine core) process. For a request that names a session it reads
 the session's ids on the mount (:meth:`SessionStore.lookup`) and offers the longest prefix
 of the prompt that agrees with them, cut to whole blocks and leaving the prompt's last token
-to compute (vLLM needs one token to run). Blocks vLLM already holds in its own prefix cache
-are not loaded again. When the request finishes, its computed tokens (prompt and output,
-less the last sampled token, which was never fed through the model) are handed to the
-worker to append, and vLLM keeps the blocks until the worker says they are stored.
+to compute (vLLM needs one token to run). A request without a session is matched run by run
+against prefix entries (``chunk`` tokens each, named by a chained hash of the ids:
+:func:`~kvfs.vllm.store.prefix_keys`). Blocks vLLM already holds in its own prefix cache are
+not loaded again. When the request finishes, its computed tokens (prompt and output, less
+the last sampled token, which was never fed through the model) are handed to the worker to
+append to the session (or to store as the prefix entries not there yet), and vLLM keeps the
+blocks until the worker says they are stored.
 """
 
 from __future__ import annotations
@@ -15,26 +18,37 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfs.vllm.store import SESSION_RE, SessionStore, agreed
+from kvfs.vllm.store import SESSION_RE, SessionStore, agreed, prefix_keys
 
 log = logging.getLogger("kvfs.vllm")
+
+
+#: where loaded tokens come from: (stored name, its first token, the request's first token, count)
+Part = tuple[str, int, int, int]
 
 
 @dataclass
 class LoadJob:
     req_id: str
-    sid: str
     block_ids: list[int]
-    start: int  # first token to load (the tokens before it vLLM already has)
-    end: int
+    parts: list[Part]
+
+    @property
+    def start(self) -> int:
+        return self.parts[0][2]
+
+    @property
+    def end(self) -> int:
+        return self.parts[-1][2] + self.parts[-1][3]
 
 
 @dataclass
 class SaveJob:
     req_id: str
-    sid: str
+    sid: str | None  # the session, or None: prefix entries
     block_ids: list[int]
     ids: list[int]  # every token of the request whose KV is in the blocks
+    entries: list[str] = field(default_factory=list)  # prefix entry names, one per chunk
 
 
 @dataclass
@@ -63,34 +77,60 @@ def session_of(request: Any) -> str | None:
     return sid
 
 
+def parts_of(source: str | list[str], chunk: int, start: int, end: int) -> list[Part]:
+    """Tokens ``[start, end)`` of a request: from one session (same positions), or from
+    the prefix entries ``source[j]`` holding tokens ``[j * chunk, (j + 1) * chunk)``."""
+    if isinstance(source, str):
+        return [(source, start, start, end - start)]
+    out = []
+    for j in range(start // chunk, -(-end // chunk)):
+        a, b = max(start, j * chunk), min(end, (j + 1) * chunk)
+        out.append((source[j], a - j * chunk, a, b - a))
+    return out
+
+
 class SchedulerSide:
-    def __init__(self, store: SessionStore, block_size: int, save: bool = True) -> None:
-        self.store, self.block_size, self.save = store, block_size, save
-        self._offered: dict[str, tuple[str, int]] = {}  # req_id -> (session, tokens offered)
-        self._pending: dict[str, tuple[str, int]] = {}  # req_id -> (session, tokens to load)
+    def __init__(self, store: SessionStore, block_size: int, save: bool = True,
+                 chunk: int = 256) -> None:
+        if chunk and chunk % block_size:
+            raise ValueError(f"prefix_chunk {chunk} must be a multiple of the block size {block_size}")
+        self.store, self.block_size, self.save, self.chunk = store, block_size, save, chunk
+        # req_id -> (session or prefix entry names, tokens offered)
+        self._offered: dict[str, tuple[str | list[str], int]] = {}
+        self._pending: dict[str, tuple[str | list[str], int]] = {}  # ... tokens to load
         self._loaded: dict[str, int] = {}  # req_id -> tokens loaded (reported back at the end)
         self._saves: list[SaveJob] = []
 
     def matched(self, request: Any, num_computed: int) -> tuple[int, bool]:
         sid = session_of(request)
-        if sid is None:
-            return 0, False
         prompt = list(request.prompt_token_ids or [])
-        stored = self.store.lookup(sid)
-        usable = min(agreed(stored, prompt), len(prompt) - 1)
+        source: str | list[str]
+        if sid is not None:
+            stored = self.store.lookup(sid)
+            usable = min(agreed(stored, prompt), len(prompt) - 1)
+            source = sid
+        elif self.chunk:
+            source = self._entries(request, prompt[:len(prompt) - 1])
+            have = num_computed // self.chunk  # runs vLLM holds need not be in kvfs
+            usable = self.chunk * (have + self.store.present(source[have:]))
+        else:
+            return 0, False
         usable -= usable % self.block_size
         n = max(0, usable - num_computed)
-        self._offered[request.request_id] = (sid, n)
-        if stored is not None:
-            log.debug("request %s: session %r holds %d tokens, %d agree, %d to load",
-                      request.request_id, sid, stored.tokens, usable, n)
+        self._offered[request.request_id] = (source, n)
+        if n:
+            log.debug("request %s: %d tokens from kvfs (%s)", request.request_id, n,
+                      sid if sid is not None else "prefix entries")
         return n, False
+
+    def _entries(self, request: Any, ids: list[int]) -> list[str]:
+        return prefix_keys(self.store.fp, getattr(request, "cache_salt", None), ids, self.chunk)
 
     def after_alloc(self, request: Any, num_external: int) -> None:
         if num_external > 0:
-            sid, _ = self._offered.get(request.request_id, (session_of(request), 0))
-            if sid is not None:
-                self._pending[request.request_id] = (sid, num_external)
+            offered = self._offered.get(request.request_id)
+            if offered is not None:
+                self._pending[request.request_id] = (offered[0], num_external)
 
     def plan(self, scheduler_output: Any) -> StepPlan:
         plan = StepPlan()
@@ -98,9 +138,10 @@ class SchedulerSide:
             job = self._pending.pop(new.req_id, None)
             if job is None:
                 continue
-            sid, n = job
+            source, n = job
             end = new.num_computed_tokens
-            plan.loads.append(LoadJob(new.req_id, sid, list(new.block_ids[0]), end - n, end))
+            plan.loads.append(LoadJob(new.req_id, list(new.block_ids[0]),
+                                      parts_of(source, self.chunk, end - n, end)))
             self._loaded[new.req_id] = n
         if self._pending:  # not scheduled after all (preempted before running): recomputed
             log.debug("dropping %d load plans not scheduled", len(self._pending))
@@ -113,12 +154,16 @@ class SchedulerSide:
         self._offered.pop(rid, None)
         loaded = self._loaded.pop(rid, 0)
         sid = session_of(request)
-        if sid is None:
-            return False, None
         computed = int(request.num_computed_tokens)
+        if sid is None and not self.chunk:
+            return False, None
         info = {"session": sid, "kvfs_loaded_tokens": loaded, "kvfs_stored_tokens": computed}
+        if sid is None:  # prefix entries: full runs only
+            info = {"kvfs_loaded_tokens": loaded}
+            computed -= computed % self.chunk
         if not self.save or computed <= 0 or not block_ids:
             return False, info
         ids = list(request.all_token_ids[:computed])
-        self._saves.append(SaveJob(rid, sid, list(block_ids), ids))
+        entries = self._entries(request, ids) if sid is None else []
+        self._saves.append(SaveJob(rid, sid, list(block_ids), ids, entries))
         return True, info

@@ -35,8 +35,9 @@ from kvfs.warm.cold import ColdStore
 
 log = logging.getLogger("kvfs.vllm.store")
 
-#: what a request may call its session: the mount's name rules, no dot first
-SESSION_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@:+=-]{0,199}")
+#: what a request may call its session: the mount's name rules, no dot first, and not a
+#: prefix entry's name
+SESSION_RE = re.compile(r"(?!prefix-)[A-Za-z0-9_][A-Za-z0-9_.@:+=-]{0,199}")
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,15 @@ class SessionStore:
         layers = min((sizes.get(i, 0) for i in range(self.geo.num_layers)), default=0)
         n = min(int(meta["tokens"]), ids.size, layers // self.geo.token_bytes)
         return Stored(sid, n, ids[:n], meta) if n > 0 else None
+
+    def present(self, entries: list[str]) -> int:
+        """How many of ``entries`` (prefix entries, in order) are stored, from the first."""
+        n = 0
+        for name in entries:
+            if self.lookup(name) is None:
+                break
+            n += 1
+        return n
 
     def read(self, sid: str, layer: int, start: int, end: int) -> np.ndarray:
         """Token-major bytes of tokens ``[start, end)`` of one layer."""
@@ -181,11 +191,18 @@ def agreed(stored: Stored | None, prompt: list[int] | np.ndarray) -> int:
     return 0 if stored is None else common_prefix(stored.ids, prompt)
 
 
-def prefix_key(fp: str, ids: np.ndarray, end: int) -> str:
-    """The prefix entry name of tokens ``[0, end)``: a hash of the model and the ids."""
-    h = hashlib.sha256(fp.encode())
-    h.update(np.asarray(ids[:end], dtype="<u4").tobytes())
-    return "prefix-" + h.hexdigest()[:40]
+def prefix_keys(fp: str, salt: str | None, ids: list[int] | np.ndarray, chunk: int) -> list[str]:
+    """The entry names of the full ``chunk``-token runs of ``ids``: entry ``j`` is a hash
+    chained over the model fingerprint, the request's cache salt (vLLM's isolation of
+    tenants) and every id up to the run's end, so it names the whole prefix, stably across
+    processes (vLLM's own block hashes are seeded per process unless PYTHONHASHSEED is set)."""
+    h = hashlib.sha256(f"{fp}\0{salt or ''}".encode()).digest()
+    arr = np.asarray(ids, dtype="<u4")
+    out = []
+    for j in range(arr.size // chunk):
+        h = hashlib.sha256(h + arr[j * chunk:(j + 1) * chunk].tobytes()).digest()
+        out.append("prefix-" + h.hex()[:40])
+    return out
 
 
 def session_locks(mount: str) -> object | None:

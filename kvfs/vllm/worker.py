@@ -99,13 +99,14 @@ class WorkerSide:
             for layer, (cache, ev) in enumerate(zip(self.caches, self._events, strict=True)):
                 for job in list(live):
                     try:
-                        raw = self.store.read(job.sid, layer, job.start, job.end)
+                        raw = np.concatenate([self.store.read(name, layer, a, a + n)
+                                              for name, a, _, n in job.parts])
                         tm = torch.from_numpy(raw).view(self.geo.dtype).view(
                             job.end - job.start, 2, self.geo.num_kv_heads, self.geo.head_dim)
                         self.layout.scatter(cache, job.block_ids, job.start, tm)
                     except Exception as e:  # noqa: BLE001 - the blocks are recomputed instead
-                        log.error("request %s: loading session %r layer %d failed (%s); "
-                                  "its tokens are recomputed", job.req_id, job.sid, layer, e)
+                        log.error("request %s: loading %r layer %d failed (%s); its tokens "
+                                  "are recomputed", job.req_id, job.parts[0][0], layer, e)
                         n = self.layout.block_size
                         self._load_failed.update(job.block_ids[job.start // n:-(-job.end // n)])
                         live.remove(job)
@@ -151,23 +152,33 @@ class WorkerSide:
                     self._done.add(job.req_id)
 
     def _save(self, job: SaveJob) -> None:
-        assert self.layout is not None
         ids = np.asarray(job.ids, dtype=np.int64)
+        if job.sid is None:
+            chunk = ids.size // max(1, len(job.entries))
+            for j, name in enumerate(job.entries):
+                if self.store.lookup(name) is None:  # entries never change once written
+                    self._store(name, job.block_ids, ids[j * chunk:(j + 1) * chunk], 0, j * chunk)
+            return
         with self.store.owned(job.sid) as mine:
-            if not mine:
-                return
-            start = agreed(self.store.lookup(job.sid), ids)
-            n = ids.size
-            if start >= n:
-                return
-            kv = []
-            for cache in self.caches:
-                tm = self.layout.gather(cache, job.block_ids, start, n)
-                kv.append(tm.contiguous().view(torch.uint8).numpy().reshape(-1))
-            keys = tm[:, 0].float().numpy()  # the last layer's keys: the round's summary
-            total = self.store.append_turn(job.sid, ids, kv, start, keys)
-            self.saved_tokens += n - start
-            log.debug("session %r: tokens [%d, %d) stored (%d in all)", job.sid, start, n, total)
+            if mine:
+                start = agreed(self.store.lookup(job.sid), ids)
+                if start < ids.size:
+                    self._store(job.sid, job.block_ids, ids, start, 0)
+
+    def _store(self, name: str, block_ids: list[int], ids: np.ndarray, start: int,
+               offset: int) -> None:
+        """Append tokens ``[start, len(ids))`` of ``name``, which are the request's tokens
+        from ``offset + start`` on."""
+        assert self.layout is not None
+        a, b = offset + start, offset + ids.size
+        kv = []
+        for cache in self.caches:
+            tm = self.layout.gather(cache, block_ids, a, b)
+            kv.append(tm.contiguous().view(torch.uint8).numpy().reshape(-1))
+        keys = tm[:, 0].float().numpy()  # the last layer's keys: the round's summary
+        total = self.store.append_turn(name, ids, kv, start, keys)
+        self.saved_tokens += b - a
+        log.debug("%r: tokens [%d, %d) stored (%d in all)", name, start, ids.size, total)
 
     def close(self, timeout: float = 60.0) -> None:
         self.wait_loads()
