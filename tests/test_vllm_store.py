@@ -185,3 +185,11 @@ def test_kvrouter_records_its_token_ids(root) -> None:
     got = st.lookup("agent")
     assert got.tokens == full.shape[1] - 1
     assert got.ids.tolist() == full[0, :-1].tolist()
+
+
+def test_block_layout_probe_large_blocks() -> None:
+    lay = probe_layout(_cpu_like_writer, 256, 1, 4, torch.bfloat16)
+    cache = torch.zeros((3, 1, 256, 8), dtype=torch.bfloat16)
+    tm = torch.randn(300, 2, 1, 4).to(torch.bfloat16)
+    lay.scatter(cache, [2, 0], 0, tm)
+    assert torch.equal(lay.gather(cache, [2, 0], 0, 300), tm)

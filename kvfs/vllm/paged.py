@@ -89,12 +89,12 @@ def probe_layout(write: CacheWriter, block_size: int, num_heads: int, head_dim: 
                  dtype: torch.dtype) -> BlockLayout:
     """Find the kernel's block layout by writing coded K/V into a 2-block scratch cache
     (block 1) and reading where each code landed. Codes stay below 256 so they are exact
-    in every float type; several passes (token, low and high dim, head) name a position."""
+    in every float type; several passes (low and high token and dim, head) name a position."""
     n, h, d = block_size, num_heads, head_dim
     tok = torch.arange(n).view(n, 1, 1).expand(n, h, d)
     dim = torch.arange(d).view(1, 1, d).expand(n, h, d)
     head = torch.arange(h).view(1, h, 1).expand(n, h, d)
-    codes = {"t": tok, "dlo": dim % 128, "dhi": dim // 128, "h": head}
+    codes = {"tlo": tok % 128, "thi": tok // 128, "dlo": dim % 128, "dhi": dim // 128, "h": head}
     slots = torch.arange(n, 2 * n, dtype=torch.long)
     found: dict[str, dict[str, torch.Tensor]] = {"k": {}, "v": {}}
     where: dict[str, torch.Tensor] = {}
@@ -111,7 +111,7 @@ def probe_layout(write: CacheWriter, block_size: int, num_heads: int, head_dim: 
             if flat[0].abs().sum() != 0:
                 raise KVUnsupported("kvfs.vllm: the cache write touched a block it was not given")
             pos = torch.nonzero(flat[1] != 0)  # [m, 2]: head slice, offset
-            if name == "t":
+            if name == "tlo":
                 where[which] = pos
             elif not torch.equal(pos, where[which]):
                 raise KVUnsupported("kvfs.vllm: the KV cache layout moves values between "
@@ -124,11 +124,12 @@ def probe_layout(write: CacheWriter, block_size: int, num_heads: int, head_dim: 
             raise KVUnsupported(f"kvfs.vllm: unsupported KV cache layout ({which.upper()} of "
                                 "one head does not sit in that head's part of the block)")
         dd = f["dhi"] * 128 + f["dlo"]
+        tt = f["thi"] * 128 + f["tlo"]
         idx = torch.full((n * d,), -1, dtype=torch.long)
         head0 = pos[:, 0] == 0
-        idx[f["t"][head0] * d + dd[head0]] = pos[head0, 1]
+        idx[tt[head0] * d + dd[head0]] = pos[head0, 1]
         others = ~head0  # every head must use the same offsets as head 0
-        if (idx < 0).any() or not torch.equal(idx[f["t"][others] * d + dd[others]], pos[others, 1]):
+        if (idx < 0).any() or not torch.equal(idx[tt[others] * d + dd[others]], pos[others, 1]):
             raise KVUnsupported(f"kvfs.vllm: unsupported KV cache layout ({which.upper()} is "
                                 "not laid out the same way in every head)")
         index[which] = idx
