@@ -8,6 +8,7 @@ model loaded by transformers. The model is a tiny random Llama with SmolLM2's to
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -64,14 +65,22 @@ def chat(server: VLLMServer, messages: list[dict], session: str | None = None,
 
 
 def meta(mount: Mount, sid: str) -> dict:
-    return json.loads((mount.sessions / sid / "meta.json").read_text())
+    """The session's meta.json; {} while it is being replaced (truncate, then one write)."""
+    for _ in range(50):
+        try:
+            return json.loads((mount.sessions / sid / "meta.json").read_text())
+        except ValueError:
+            time.sleep(0.05)
+        except FileNotFoundError:
+            return {}
+    return {}
 
 
 def stored_soon(mount: Mount, sid: str, tokens: int, timeout: float = 60.0) -> dict:
     """meta.json once it claims ``tokens`` (a turn is stored just after its reply)."""
     deadline = time.monotonic() + timeout
     while True:
-        m = meta(mount, sid) if (mount.sessions / sid / "meta.json").exists() else {}
+        m = meta(mount, sid)
         if m.get("tokens") == tokens or time.monotonic() > deadline:
             return m
         time.sleep(0.2)
@@ -195,3 +204,22 @@ def test_kvrouter_session_continues_in_vllm(world) -> None:
     assert out == fresh
     assert stored_soon(mount, "agent-2", params["kvfs_stored_tokens"])["tokens"] == \
         params["kvfs_stored_tokens"] > stored
+    # a layer cut behind meta.json's back: the load fails, vLLM recomputes, same tokens;
+    # the turn then stores the session again from where its files agree
+    after = meta(mount, "agent-2")["tokens"]
+    token_bytes = 2 * 2 * 32 * 4
+    os.truncate(mount.sessions / "agent-2" / "layer_1", 10 * token_bytes)
+    again, params = complete(server, prompt, kv_transfer_params={"session": "agent-2"},
+                             cache_salt="agent-2-cut")
+    assert params["kvfs_loaded_tokens"] > 0 and again == out
+    # the old meta.json already claimed as many tokens: wait for the layers to agree too
+    deadline = time.monotonic() + 60
+    while True:
+        repaired = meta(mount, "agent-2")
+        sizes = [(mount.sessions / "agent-2" / f"layer_{i}").stat().st_size for i in (0, 1)]
+        done = repaired["tokens"] == params["kvfs_stored_tokens"]
+        if (done and sizes == [repaired["tokens"] * token_bytes] * 2) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert repaired["tokens"] == params["kvfs_stored_tokens"] <= after
+    assert sizes == [repaired["tokens"] * token_bytes] * 2

@@ -193,3 +193,52 @@ def test_block_layout_probe_large_blocks() -> None:
     tm = torch.randn(300, 2, 1, 4).to(torch.bfloat16)
     lay.scatter(cache, [2, 0], 0, tm)
     assert torch.equal(lay.gather(cache, [2, 0], 0, 300), tm)
+
+
+def test_worker_loads_checks_ids_and_saves(root) -> None:
+    """The worker half without vLLM: a CPU-layout cache, a session loaded into blocks, a
+    load whose ids no longer agree refused, a finished request stored."""
+    import time
+
+    from kvfs.vllm.scheduler import LoadJob, SaveJob, StepPlan
+    from kvfs.vllm.worker import WorkerSide
+
+    st = SessionStore(str(root), "sha256:aa", GEO, summary_dim=8)
+    ids = np.arange(500, 512)
+    kv = _kv(12, 5)
+    st.append_turn("s", ids, kv, 0, None)
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros((8, 2, 4, 8)) for i in (1, 0)}
+    w = WorkerSide(st)
+    try:
+        w.register(caches, 4, _cpu_like_writer)
+        blocks = [6, 2, 4]
+        w.start_loads(StepPlan(loads=[LoadJob("r", blocks, parts_of("s", 8, 0, 12),
+                                              ids[:12].tolist())]))
+        for name in caches:
+            w.wait_layer(name)
+        w.wait_loads()
+        assert w.load_errors() == set()
+        for i in range(2):
+            got = w.layout.gather(caches[f"model.layers.{i}.self_attn.attn"], blocks, 0, 12)
+            assert got.contiguous().view(torch.uint8).numpy().tobytes() == kv[i].tobytes()
+        wrong = ids[:8].tolist()
+        wrong[5] += 1
+        w.start_loads(StepPlan(loads=[LoadJob("r2", [1, 3], parts_of("s", 8, 0, 8), wrong)]))
+        w.wait_loads()
+        assert w.load_errors() == {1, 3}
+        # a finished request: its 12 tokens and 4 more stored as session "t"
+        more = np.concatenate([ids, [1, 2, 3, 4]])
+        w.start_loads(StepPlan(loads=[LoadJob("r3", [6, 2, 4, 7], parts_of("s", 8, 0, 12),
+                                              ids.tolist())]))
+        w.submit_saves(StepPlan(saves=[SaveJob("r3", "t", [6, 2, 4, 7], more.tolist())]))
+        deadline = time.monotonic() + 30
+        done: set[str] = set()
+        while "r3" not in done and time.monotonic() < deadline:
+            done |= w.finished_saves()
+            time.sleep(0.05)
+        assert "r3" in done
+        got = st.lookup("t")
+        assert got.tokens == 16 and got.ids.tolist() == more.tolist()
+        assert st.read("t", 1, 0, 12).tobytes() == kv[1].tobytes()
+    finally:
+        w.close()

@@ -94,104 +94,125 @@ def row(name: str, kv: float, peer: float, unit: str, goal: str, ok: bool) -> di
             "goal": goal, "met": ok}
 
 
+WARM_UP = list(range(1000, 1100))
+
+
+def latency_figures(server: VLLMServer, n_ttft: int, n_conv: int) -> list[dict]:
+    """Figures 1-3 (one server, restarted once)."""
+    rows = []
+    cl = Client(server)
+    cl.complete(WARM_UP, 4, salt="warm-up")
+    # conversations for figures 1 and 2: ~2k tokens before turn N
+    convs = [turns(100 + i, 1500, 160, 4) for i in range(n_ttft)]
+    histories = [hold(cl, c, 48, session=f"ttft-{i}") for i, c in enumerate(convs)]
+    # figure 3: conversations with sessions; their last turn on the running server
+    before = []
+    for i in range(n_conv):
+        c = turns(300 + i, 200, 40, 4)
+        ids = hold(cl, c[:-1], 24, session=f"greedy-{i}") + c[-1]
+        before.append((ids, cl.complete(ids, 24)[1]))  # no session: vLLM's prefix cache
+    server.stop()
+    server.start()  # --- restart: vLLM's prefix cache is empty
+    cl = Client(server)
+    cl.complete(WARM_UP, 4, salt="warm-up")
+    t_kv, t_re, loaded = [], [], []
+    nxt = turns(7, 64, 64, n_ttft)
+    for i, h in enumerate(histories):
+        prompt = h + nxt[i]
+        pair = [("kv", f"ttft-{i}", None), ("re", None, f"re-{i}")]
+        for who, sid, salt in (pair if i % 2 == 0 else pair[::-1]):
+            dt, _, p = cl.complete(prompt, 1, sid, salt)
+            (t_kv if who == "kv" else t_re).append(dt)
+            if who == "kv":
+                loaded.append((p.get("kvfs_loaded_tokens", 0), len(prompt)))
+    r = med(t_kv) / med(t_re)
+    rows.append(row(f"TTFT of turn N after a restart ({loaded[0][1]}-token prompt, "
+                    f"{loaded[0][0]} loaded)", med(t_kv), med(t_re), "s", "<= 0.2x", r <= 0.2))
+    # figure 2: the next turn, no restart, both from vLLM's prefix cache
+    t_kv, t_pc = [], []
+    for i, h in enumerate(histories):
+        base = h + nxt[i]
+        cl.complete(base, 1, salt=f"pc-{i}")  # the peer's own cached conversation
+        prompt = base + turns(9 + i, 64, 64, 1)[0]
+        pair = [("kv", f"ttft-{i}", None), ("pc", None, f"pc-{i}")]
+        for who, sid, salt in (pair if i % 2 == 0 else pair[::-1]):
+            dt, _, _ = cl.complete(prompt, 1, sid, salt)
+            (t_kv if who == "kv" else t_pc).append(dt)
+    r = med(t_kv) / med(t_pc)
+    rows.append(row("TTFT of the next turn, not restarted (both prefix-cached)",
+                    med(t_kv), med(t_pc), "s", "<= 1.2x", r <= 1.2))
+    # figure 3: the last turns again, from kvfs
+    same = sum(cl.complete(ids, 24, session=f"greedy-{i}")[1] == ref
+               for i, (ids, ref) in enumerate(before))
+    rows.append({"figure": f"greedy output over {n_conv} multi-turn conversations, after "
+                 "a restart, vs the uninterrupted run", "kvfs": same, "peer": n_conv,
+                 "ratio": same / n_conv, "unit": "identical", "goal": "all identical",
+                 "met": same == n_conv})
+    return rows
+
+
+def throughput_figure(server: VLLMServer, peer: VLLMServer, n_conc: int, reps: int) -> dict:
+    """Figure 4: ``n_conc`` concurrent 3-turn sessions through the connector against the
+    peer server without it, the batches alternating between the two."""
+    cl, pcl = Client(server), Client(peer)
+    cl.complete(WARM_UP, 4, salt="warm-up")
+    pcl.complete(WARM_UP, 4)
+
+    def batch(c: Client, tag: str, with_session: bool) -> float:
+        convs = [turns(500 + k, 400, 64, 3) for k in range(n_conc)]
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(n_conc) as ex:
+            list(ex.map(lambda k: hold(c, convs[k], 32, f"{tag}-{k}" if with_session else None,
+                                       f"{tag}-{k}"), range(n_conc)))
+        return n_conc * 3 * 32 / (time.perf_counter() - t0)
+    tp_kv, tp_re = [], []
+    for rep in range(reps):
+        for who in (("kv", "re") if rep % 2 == 0 else ("re", "kv")):
+            if who == "kv":
+                tp_kv.append(batch(cl, f"tp{rep}", True))
+            else:
+                tp_re.append(batch(pcl, f"tp{rep}", False))
+    r = med(tp_kv) / med(tp_re)
+    return row(f"throughput, {n_conc} concurrent sessions, 3 turns each (output tok/s)",
+               med(tp_kv), med(tp_re), "tok/s", ">= 0.9x", r >= 0.9)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer sessions and conversations")
+    ap.add_argument("--only", choices=("latency", "throughput"), help="figures 1-3 or 4 only")
     ap.add_argument("--out", default="bench-out/vllm")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     model = model_dir(out / "smollm2", "smollm2")
-    n_ttft, n_conv, n_conc = (2, 4, 16) if a.quick else (4, 20, 16)
-    mount = Mount(out / "vol.kvvol", out / "mnt", size="4G")
+    n_ttft, n_conv, n_conc, reps = (2, 4, 16, 2) if a.quick else (4, 20, 16, 4)
     vol = out / "vol.kvvol"
     if vol.exists():
         vol.unlink()
-    mount.start()
+    mount = Mount(vol, out / "mnt", size="4G").start()
     server = VLLMServer(model, out / "server.log", kv_config=connector_config(mount.mountpoint),
                         block_size=BLOCK, max_model_len=4096, kv_space_gib=2)
     rows: list[dict] = []
+    t0 = time.perf_counter()
     try:
         server.start()
-        cl = Client(server)
-        cl.complete(list(range(1000, 1100)), 4, salt="warm-up")
-        # conversations for figures 1 and 2: ~2k tokens before turn N
-        convs = [turns(100 + i, 1500, 160, 4) for i in range(n_ttft)]
-        histories = [hold(cl, c, 48, session=f"ttft-{i}") for i, c in enumerate(convs)]
-        # figure 3: conversations with sessions; their last turn on the running server
-        g3 = [turns(300 + i, 200, 40, 4) for i in range(n_conv)]
-        before = []
-        for i, c in enumerate(g3):
-            ids = hold(cl, c[:-1], 24, session=f"greedy-{i}") + c[-1]
-            before.append((ids, cl.complete(ids, 24)[1]))  # no session: vLLM's prefix cache
-        server.stop()
-        server.start()  # --- restart: vLLM's prefix cache is empty
-        cl = Client(server)
-        cl.complete(list(range(1000, 1100)), 4, salt="warm-up")
-        t_kv, t_re, loaded = [], [], []
-        nxt = turns(7, 64, 64, n_ttft)
-        for i, h in enumerate(histories):
-            prompt = h + nxt[i]
-            pair = [("kv", f"ttft-{i}", None), ("re", None, f"re-{i}")]
-            for who, sid, salt in (pair if i % 2 == 0 else pair[::-1]):
-                dt, _, p = cl.complete(prompt, 1, sid, salt)
-                (t_kv if who == "kv" else t_re).append(dt)
-                if who == "kv":
-                    loaded.append((p.get("kvfs_loaded_tokens", 0), len(prompt)))
-        r = med(t_kv) / med(t_re)
-        rows.append(row(f"TTFT of turn N after a restart ({loaded[0][1]}-token prompt, "
-                        f"{loaded[0][0]} loaded)", med(t_kv), med(t_re), "s", "<= 0.2x", r <= 0.2))
-        # figure 2: the next turn, no restart, both from vLLM's prefix cache
-        t_kv, t_pc = [], []
-        for i, h in enumerate(histories):
-            base = h + nxt[i]
-            cl.complete(base, 1, salt=f"pc-{i}")  # the peer's own cached conversation
-            prompt = base + turns(9 + i, 64, 64, 1)[0]
-            pair = [("kv", f"ttft-{i}", None), ("pc", None, f"pc-{i}")]
-            for who, sid, salt in (pair if i % 2 == 0 else pair[::-1]):
-                dt, _, _ = cl.complete(prompt, 1, sid, salt)
-                (t_kv if who == "kv" else t_pc).append(dt)
-        r = med(t_kv) / med(t_pc)
-        rows.append(row("TTFT of the next turn, not restarted (both prefix-cached)",
-                        med(t_kv), med(t_pc), "s", "<= 1.2x", r <= 1.2))
-        # figure 3: the last turns again, from kvfs
-        same = sum(cl.complete(ids, 24, session=f"greedy-{i}")[1] == ref
-                   for i, (ids, ref) in enumerate(before))
-        rows.append({"figure": f"greedy output over {n_conv} multi-turn conversations, after "
-                     "a restart, vs the uninterrupted run", "kvfs": same, "peer": n_conv,
-                     "ratio": same / n_conv, "unit": "identical", "goal": "all identical",
-                     "met": same == n_conv})
-        # figure 4: 16 concurrent sessions, 3 turns each; the peer is a server without the
-        # connector, started beside this one, the batches alternating between the two
-        peer = VLLMServer(model, out / "peer.log", block_size=BLOCK, max_model_len=4096,
-                          kv_space_gib=2).start()
-        try:
-            pcl = Client(peer)
-            pcl.complete(list(range(1000, 1100)), 4)
-
-            def batch(c: Client, tag: str, with_session: bool) -> float:
-                convs = [turns(500 + k, 400, 64, 3) for k in range(n_conc)]
-                t0 = time.perf_counter()
-                with ThreadPoolExecutor(n_conc) as ex:
-                    list(ex.map(lambda k: hold(c, convs[k], 32, f"{tag}-{k}" if with_session else None,
-                                               f"{tag}-{k}"), range(n_conc)))
-                return n_conc * 3 * 32 / (time.perf_counter() - t0)
-            tp_kv, tp_re = [], []
-            for rep in range(2 if a.quick else 3):
-                for who in (("kv", "re") if rep % 2 == 0 else ("re", "kv")):
-                    if who == "kv":
-                        tp_kv.append(batch(cl, f"tp{rep}", True))
-                    else:
-                        tp_re.append(batch(pcl, f"tp{rep}", False))
-        finally:
-            peer.stop()
-        r = med(tp_kv) / med(tp_re)
-        rows.append(row(f"throughput, {n_conc} concurrent sessions, 3 turns each (output tok/s)",
-                        med(tp_kv), med(tp_re), "tok/s", ">= 0.9x", r >= 0.9))
+        if a.only != "throughput":
+            rows += latency_figures(server, n_ttft, n_conv)
+        if a.only != "latency":
+            # the peer: a server without the connector, started beside this one
+            peer = VLLMServer(model, out / "peer.log", block_size=BLOCK, max_model_len=4096,
+                              kv_space_gib=2).start()
+            try:
+                rows.append(throughput_figure(server, peer, n_conc, reps))
+            finally:
+                peer.stop()
     finally:
         server.stop()
         mount.stop()
+    log.info("bench_vllm: %.0f s", time.perf_counter() - t0)
     print("\n| figure | kvfs | peer | ratio | goal | met |\n|---|---|---|---|---|---|")
     for x in rows:
         unit = x["unit"]

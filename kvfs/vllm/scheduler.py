@@ -32,6 +32,7 @@ class LoadJob:
     req_id: str
     block_ids: list[int]
     parts: list[Part]
+    expect: list[int] | None = None  # a session's ids of the loaded tokens, checked at load
 
     @property
     def start(self) -> int:
@@ -96,8 +97,8 @@ class SchedulerSide:
             raise ValueError(f"prefix_chunk {chunk} must be a multiple of the block size {block_size}")
         self.store, self.block_size, self.save, self.chunk = store, block_size, save, chunk
         # req_id -> (session or prefix entry names, tokens offered)
-        self._offered: dict[str, tuple[str | list[str], int]] = {}
-        self._pending: dict[str, tuple[str | list[str], int]] = {}  # ... tokens to load
+        self._offered: dict[str, tuple[str | list[str], int, list[int]]] = {}  # ..., prompt
+        self._pending: dict[str, tuple[str | list[str], int, list[int]]] = {}  # ... to load
         self._loaded: dict[str, int] = {}  # req_id -> tokens loaded (reported back at the end)
         self._saves: list[SaveJob] = []
 
@@ -106,7 +107,7 @@ class SchedulerSide:
         prompt = list(request.prompt_token_ids or [])
         source: str | list[str]
         if sid is not None:
-            stored = self.store.lookup(sid)
+            stored = self.store.lookup(sid, sizes=False)
             usable = min(agreed(stored, prompt), len(prompt) - 1)
             source = sid
         elif self.chunk:
@@ -117,7 +118,7 @@ class SchedulerSide:
             return 0, False
         usable -= usable % self.block_size
         n = max(0, usable - num_computed)
-        self._offered[request.request_id] = (source, n)
+        self._offered[request.request_id] = (source, n, prompt)
         if n:
             log.debug("request %s: %d tokens from kvfs (%s)", request.request_id, n,
                       sid if sid is not None else "prefix entries")
@@ -130,7 +131,7 @@ class SchedulerSide:
         if num_external > 0:
             offered = self._offered.get(request.request_id)
             if offered is not None:
-                self._pending[request.request_id] = (offered[0], num_external)
+                self._pending[request.request_id] = (offered[0], num_external, offered[2])
 
     def plan(self, scheduler_output: Any) -> StepPlan:
         plan = StepPlan()
@@ -138,10 +139,11 @@ class SchedulerSide:
             job = self._pending.pop(new.req_id, None)
             if job is None:
                 continue
-            source, n = job
+            source, n, prompt = job
             end = new.num_computed_tokens
+            expect = prompt[end - n:end] if isinstance(source, str) else None
             plan.loads.append(LoadJob(new.req_id, list(new.block_ids[0]),
-                                      parts_of(source, self.chunk, end - n, end)))
+                                      parts_of(source, self.chunk, end - n, end), expect))
             self._loaded[new.req_id] = n
         if self._pending:  # not scheduled after all (preempted before running): recomputed
             log.debug("dropping %d load plans not scheduled", len(self._pending))

@@ -6,7 +6,8 @@ in the model's dtype), ``meta.json`` (fingerprint, geometry, ``tokens``, ``round
 :mod:`kvfs.torch.tokens`). One request's turn is one round. Writes keep the mount's rules
 and the order that keeps a session readable after a crash at any point: layer bytes, then
 ids and summaries, then ``meta.json``, which claims the bytes; an edited history is cut
-(``meta.json`` first, then the layers) before its new tail is appended.
+(``meta.json`` first, then the new ids, then the layers) before its new tail is appended,
+so a reader that checks the ids before and after reading layer bytes sees any rewrite.
 
 Sessions a ``KVRouter`` process has open are left alone: the connector takes the warm
 tier's per-session lock (:class:`kvfs.warm.owners.SessionLocks`) around each write.
@@ -60,29 +61,33 @@ class SessionStore:
         self.locks = locks  # a SessionLocks, or None (a plain directory)
 
     # --- reads --------------------------------------------------------------------------
-    def lookup(self, sid: str) -> Stored | None:
+    def lookup(self, sid: str, sizes: bool = True) -> Stored | None:
         """The session's usable tokens: the stored ids, cut to what meta.json claims and
-        every layer file holds. None when nothing usable is stored (a session of another
-        model is logged and treated as absent)."""
+        (``sizes``) every layer file holds. None when nothing usable is stored (a session
+        of another model is logged and treated as absent). The scheduler skips the sizes
+        (one stat per layer, in the engine's loop): meta.json is written after the layers,
+        and a layer cut behind its back fails the load, which vLLM then recomputes."""
         try:
             meta = self.cold.read_meta(sid)
             if meta is None:
                 return None
             check_meta(meta, self.fp, self.geo, sid)
             ids = read_ids(self.cold, sid)
-            sizes = self.cold.layer_sizes(sid) or {}
+            n = min(int(meta["tokens"]), ids.size)
+            if sizes:
+                have = self.cold.layer_sizes(sid) or {}
+                n = min(n, min(have.get(i, 0) for i in range(self.geo.num_layers))
+                        // self.geo.token_bytes)
         except (KVMismatch, KVCorrupt, WarmError) as e:
             log.warning("session %r is not reusable here: %s", sid, e)
             return None
-        layers = min((sizes.get(i, 0) for i in range(self.geo.num_layers)), default=0)
-        n = min(int(meta["tokens"]), ids.size, layers // self.geo.token_bytes)
         return Stored(sid, n, ids[:n], meta) if n > 0 else None
 
     def present(self, entries: list[str]) -> int:
         """How many of ``entries`` (prefix entries, in order) are stored, from the first."""
         n = 0
         for name in entries:
-            if self.lookup(name) is None:
+            if self.lookup(name, sizes=False) is None:
                 break
             n += 1
         return n
@@ -135,6 +140,9 @@ class SessionStore:
         if start < have:  # an edited history: cut at the first differing token
             rounds = [r for r in rounds if r[1] <= start]
             self.cold.write_meta(sid, _dump(build_meta(self.fp, self.geo, start, rounds)))
+            # the new ids before the layers change: a reader that checks the ids around its
+            # read of the layers sees the rewrite (kvfs.vllm.worker)
+            record_ids(self.cold, sid, ids)
             for layer in range(self.geo.num_layers):
                 self.cold.truncate(sid, layer_name(layer), start * tb)
             self._cut_summaries(sid, len(rounds))
@@ -146,6 +154,9 @@ class SessionStore:
             if data.size != (n - start) * tb:
                 raise ValueError(f"layer {layer}: {data.size} bytes for {n - start} tokens")
             have_b = sizes.get(layer, 0)
+            if have_b < start * tb:
+                raise KVCorrupt(f"session {sid!r} layer_{layer}: {have_b} bytes, shorter than "
+                                f"the {start} tokens the turn continues")
             if have_b > start * tb:  # bytes past meta.json's claim (a crash): drop them
                 self.cold.truncate(sid, layer_name(layer), start * tb)
                 have_b = start * tb

@@ -36,7 +36,8 @@ def have_vllm() -> bool:
 def connector_config(mount: str | Path, **extra: Any) -> dict[str, Any]:
     """The ``--kv-transfer-config`` of the kvfs connector over ``mount``."""
     return {"kv_connector": "KVFSConnector", "kv_connector_module_path": "kvfs.vllm.connector",
-            "kv_role": "kv_both", "kv_connector_extra_config": {"mount": str(mount), **extra}}
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"mount": str(mount), **extra}}
 
 
 def model_dir(path: Path, which: str = "tiny", dtype: str = "float32") -> Path:
@@ -63,6 +64,11 @@ def model_dir(path: Path, which: str = "tiny", dtype: str = "float32") -> Path:
         model.config.bos_token_id, model.config.eos_token_id = tok.bos_token_id, tok.eos_token_id
     elif which == "smollm2":
         model, tok = load_smollm2(dt)
+        # the weights are dequantized on load; only the marker of the GGUF origin stays
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
     else:
         raise ValueError(f"unknown model {which!r} (tiny or smollm2)")
     tmp = path.with_name(path.name + ".tmp")

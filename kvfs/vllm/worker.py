@@ -14,7 +14,9 @@ save is logged and the session keeps what it had (a later turn stores the tokens
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
 import re
 import threading
@@ -24,6 +26,7 @@ import numpy as np
 import torch
 
 from kvfs.torch.fingerprint import KVUnsupported
+from kvfs.torch.tokens import read_ids
 from kvfs.vllm.paged import BlockLayout, CacheWriter, probe_layout
 from kvfs.vllm.scheduler import LoadJob, SaveJob, StepPlan
 from kvfs.vllm.store import SessionStore, agreed
@@ -93,9 +96,17 @@ class WorkerSide:
         self._loader.start()
 
     def _load(self, jobs: list[LoadJob]) -> None:
+        """Layer by layer, every job. A session's ids are checked before the first layer
+        and again before the last layer is released: a session rewritten meanwhile (an
+        edited history stored by another request or process writes its ids before it cuts
+        the layers) fails the load, and vLLM recomputes, never attends the wrong KV."""
         assert self.layout is not None
-        live = list(jobs)
+        live = [j for j in jobs if self._ids_agree(j)]
+        for job in jobs:
+            if job not in live:
+                self._failed(job, "its stored ids changed")
         try:
+            last = len(self.caches) - 1
             for layer, (cache, ev) in enumerate(zip(self.caches, self._events, strict=True)):
                 for job in list(live):
                     try:
@@ -104,17 +115,32 @@ class WorkerSide:
                         tm = torch.from_numpy(raw).view(self.geo.dtype).view(
                             job.end - job.start, 2, self.geo.num_kv_heads, self.geo.head_dim)
                         self.layout.scatter(cache, job.block_ids, job.start, tm)
+                        if layer == last and not self._ids_agree(job):
+                            raise RuntimeError("its stored ids changed during the load")
                     except Exception as e:  # noqa: BLE001 - the blocks are recomputed instead
-                        log.error("request %s: loading %r layer %d failed (%s); its tokens "
-                                  "are recomputed", job.req_id, job.parts[0][0], layer, e)
-                        n = self.layout.block_size
-                        self._load_failed.update(job.block_ids[job.start // n:-(-job.end // n)])
+                        self._failed(job, f"layer {layer}: {e}")
                         live.remove(job)
                 ev.set()
             self.loaded_tokens += sum(j.end - j.start for j in live)
         finally:
             for ev in self._events:
                 ev.set()
+
+    def _ids_agree(self, job: LoadJob) -> bool:
+        if job.expect is None:  # prefix entries: named by their ids, never rewritten
+            return True
+        try:
+            ids = read_ids(self.store.cold, job.parts[0][0])
+        except Exception:  # noqa: BLE001 - unreadable: not what was planned
+            return False
+        return ids[job.start:job.end].tolist() == job.expect
+
+    def _failed(self, job: LoadJob, why: str) -> None:
+        assert self.layout is not None
+        log.error("request %s: loading %r failed (%s); its tokens are recomputed",
+                  job.req_id, job.parts[0][0], why)
+        n = self.layout.block_size
+        self._load_failed.update(job.block_ids[job.start // n:-(-job.end // n)])
 
     def wait_layer(self, name: str) -> None:
         i = self.index.get(name)
@@ -142,6 +168,9 @@ class WorkerSide:
         return out
 
     def _save_loop(self) -> None:
+        # below the forward pass: a turn stored later costs nothing, a slower step does
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         while (job := self._saves.get()) is not None:
             try:
                 self._save(job)
