@@ -38,6 +38,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvfs.vllm")
 
 
+def _log_beside_vllm() -> None:
+    """kvfs's log lines in the server's output (vLLM configures only its own loggers)."""
+    root = logging.getLogger("kvfs")
+    if not root.handlers:
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("(kvfs pid=%(process)d) %(levelname)s %(asctime)s "
+                                         "[%(name)s] %(message)s", "%m-%d %H:%M:%S"))
+        root.addHandler(h)
+        root.setLevel(logging.INFO)
+        root.propagate = False
+
+
 class KVFSPlan(StepPlan, KVConnectorMetadata):
     """One step's loads and saves, as vLLM's connector metadata."""
 
@@ -51,6 +63,7 @@ class KVFSConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _log_beside_vllm()
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         mount = extra.get("mount")
         if not mount:

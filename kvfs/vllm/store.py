@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import re
@@ -32,7 +33,7 @@ import numpy as np
 from kvfs.torch.fingerprint import KVCorrupt, KVGeometry, KVMismatch, build_meta, check_meta
 from kvfs.torch.tokens import TOKENS, common_prefix, read_ids, record_ids
 from kvfs.warm import WarmError, summarize_keys
-from kvfs.warm.cold import ColdStore
+from kvfs.warm.cold import META, ColdStore
 
 log = logging.getLogger("kvfs.vllm.store")
 
@@ -126,7 +127,8 @@ class SessionStore:
         there first. ``summary_keys``: the last layer's keys of the new tokens ``[T, H, D]``
         for the round's summary. Returns the session's token count."""
         n = int(ids.size)
-        meta = self.cold.read_meta(sid)
+        raw = self.cold.read_small(sid, META) or b""
+        meta = _parse(raw, sid)
         if meta is not None:
             check_meta(meta, self.fp, self.geo, sid)
         have = int(meta["tokens"]) if meta else 0
@@ -139,7 +141,9 @@ class SessionStore:
         tb = self.geo.token_bytes
         if start < have:  # an edited history: cut at the first differing token
             rounds = [r for r in rounds if r[1] <= start]
-            self.cold.write_meta(sid, _dump(build_meta(self.fp, self.geo, start, rounds)))
+            cut = _dump(build_meta(self.fp, self.geo, start, rounds))
+            self.cold.write_meta(sid, cut, old=raw)
+            raw = cut
             # the new ids before the layers change: a reader that checks the ids around its
             # read of the layers sees the rewrite (kvfs.vllm.worker)
             record_ids(self.cold, sid, ids)
@@ -149,26 +153,34 @@ class SessionStore:
             log.info("session %r: history differs from token %d; %d stored tokens replaced",
                      sid, start, have - start)
         sizes = self.cold.layer_sizes(sid) or {}
-        for layer in range(self.geo.num_layers):
-            data = kv[layer]
-            if data.size != (n - start) * tb:
-                raise ValueError(f"layer {layer}: {data.size} bytes for {n - start} tokens")
-            have_b = sizes.get(layer, 0)
-            if have_b < start * tb:
-                raise KVCorrupt(f"session {sid!r} layer_{layer}: {have_b} bytes, shorter than "
-                                f"the {start} tokens the turn continues")
-            if have_b > start * tb:  # bytes past meta.json's claim (a crash): drop them
-                self.cold.truncate(sid, layer_name(layer), start * tb)
-                have_b = start * tb
-            self.cold.append(sid, layer_name(layer), have_b, [data], sync=False)
-        record_ids(self.cold, sid, ids, sync=False)
-        rounds.append([rounds[-1][1] if rounds else 0, n])  # the turn, and an open round before it
-        if summary_keys is not None and summary_keys.size:
-            self._put_summary(sid, len(rounds) - 1, summarize_keys(summary_keys, self.dim))
-        for layer in range(self.geo.num_layers):
-            self.cold.fsync_file(sid, layer_name(layer))
+        fds: list[int] = []  # left open by the appends, fsynced and closed together
+        closed = 0
+        try:
+            for layer in range(self.geo.num_layers):
+                data = kv[layer]
+                if data.size != (n - start) * tb:
+                    raise ValueError(f"layer {layer}: {data.size} bytes for {n - start} tokens")
+                have_b = sizes.get(layer, 0)
+                if have_b < start * tb:
+                    raise KVCorrupt(f"session {sid!r} layer_{layer}: {have_b} bytes, shorter "
+                                    f"than the {start} tokens the turn continues")
+                if have_b > start * tb:  # bytes past meta.json's claim (a crash): drop them
+                    self.cold.truncate(sid, layer_name(layer), start * tb)
+                    have_b = start * tb
+                self.cold.append(sid, layer_name(layer), have_b, [data], sync=False, keep=fds)
+            record_ids(self.cold, sid, ids, sync=False)
+            rounds.append([rounds[-1][1] if rounds else 0, n])  # the turn (and an open round)
+            if summary_keys is not None and summary_keys.size:
+                self._put_summary(sid, len(rounds) - 1, summarize_keys(summary_keys, self.dim))
+            for layer, fd in enumerate(fds):
+                closed += 1  # fsync_close closes it whatever happens
+                self.cold.fsync_close(sid, layer_name(layer), fd)
+        finally:
+            for fd in fds[closed:]:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
         self.cold.fsync_file(sid, TOKENS)
-        self.cold.write_meta(sid, _dump(build_meta(self.fp, self.geo, n, rounds)))
+        self.cold.write_meta(sid, _dump(build_meta(self.fp, self.geo, n, rounds)), old=raw)
         return n
 
     def _put_summary(self, sid: str, idx: int, vec: np.ndarray) -> None:
@@ -191,9 +203,20 @@ def layer_name(layer: int) -> str:
     return f"layer_{layer}"
 
 
-def _dump(meta: dict) -> bytes:
-    import json  # noqa: PLC0415
+def _parse(raw: bytes, sid: str) -> dict | None:
+    """meta.json's document; None when there is none (an empty or unparsable file is a
+    session without a claim: nothing of it is reused)."""
+    if not raw:
+        return None
+    try:
+        meta = json.loads(raw)
+    except ValueError:
+        log.warning("session %r: meta.json does not parse; treated as empty", sid)
+        return None
+    return meta if isinstance(meta, dict) else None
 
+
+def _dump(meta: dict) -> bytes:
     return json.dumps(meta, separators=(",", ":")).encode()
 
 

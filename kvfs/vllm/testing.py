@@ -10,6 +10,7 @@ pending saves).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -137,18 +138,19 @@ class VLLMServer:
             time.sleep(0.5)
 
     def stop(self, timeout: float = 120.0) -> int:
-        """SIGINT the server (its whole process group) and wait; its exit code."""
+        """SIGINT the server and wait (then SIGKILL what is left of its process group);
+        its exit code."""
         if self.proc is None:
             return 0
         p, self.proc = self.proc, None
-        try:
-            os.killpg(p.pid, signal.SIGINT)
+        try:  # the API server alone: it shuts the engine down (draining it) and the workers
+            p.send_signal(signal.SIGINT)
             return p.wait(timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
             return p.wait(30)
-        except ProcessLookupError:
-            return p.wait(30)
+        finally:  # whatever of its process group is left (a worker that did not exit)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
 
     def log_tail(self, n: int = 60) -> str:
         try:

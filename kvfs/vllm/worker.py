@@ -20,6 +20,7 @@ import os
 import queue
 import re
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -61,6 +62,8 @@ class WorkerSide:
         self._saver.start()
         self.loaded_tokens = 0
         self.saved_tokens = 0
+        self.saves = 0
+        self.save_s = 0.0  # seconds the saver spent storing turns
 
     # --- set-up -------------------------------------------------------------------------
     def register(self, kv_caches: dict[str, torch.Tensor], block_size: int,
@@ -172,11 +175,14 @@ class WorkerSide:
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         while (job := self._saves.get()) is not None:
+            t0 = time.perf_counter()
             try:
                 self._save(job)
+                self.saves += 1
             except Exception:  # noqa: BLE001 - the session keeps what it had
                 log.exception("request %s: storing its KV in session %r failed", job.req_id, job.sid)
             finally:
+                self.save_s += time.perf_counter() - t0
                 with self._lock:
                     self._done.add(job.req_id)
 
@@ -213,6 +219,8 @@ class WorkerSide:
         self.wait_loads()
         self._saves.put(None)
         self._saver.join(timeout)
+        log.info("kvfs.vllm: %d tokens loaded; %d turns stored (%d tokens) in %.1f s",
+                 self.loaded_tokens, self.saves, self.saved_tokens, self.save_s)
 
 
 def cpu_writer(layer: object) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]:
