@@ -242,3 +242,43 @@ def test_worker_loads_checks_ids_and_saves(root) -> None:
         assert st.read("t", 1, 0, 12).tobytes() == kv[1].tobytes()
     finally:
         w.close()
+
+
+def test_scheduler_offers_agreeing_blocks_and_plans_loads_and_saves(root) -> None:
+    from types import SimpleNamespace as NS
+
+    from kvfs.vllm.scheduler import SchedulerSide
+
+    st = SessionStore(str(root), "sha256:aa", GEO, summary_dim=8)
+    ids = list(range(100, 120))
+    st.append_turn("s", np.array(ids), _kv(20, 0), 0, None)
+    sch = SchedulerSide(st, block_size=4, chunk=8)
+
+    def req(rid, prompt, sid="s", computed=0, out=()):
+        return NS(request_id=rid, prompt_token_ids=prompt, kv_transfer_params={"session": sid},
+                  sampling_params=None, num_computed_tokens=computed,
+                  all_token_ids=list(prompt) + list(out), cache_salt=None)
+    edited = ids[:10] + [7] * 6
+    assert sch.matched(req("a", ids + [1, 2]), 0) == (20, False)  # all 20 stored, whole blocks
+    assert sch.matched(req("b", edited), 4) == (4, False)  # agrees on 10 -> 8, vLLM has 4
+    assert sch.matched(req("c", ids[:9]), 0) == (8, False)  # the last prompt token is computed
+    sch.after_alloc(req("a", ids + [1, 2]), 20)
+    sch.after_alloc(req("b", edited), 4)
+    out = NS(scheduled_new_reqs=[NS(req_id="a", block_ids=([5, 6, 7, 8, 9, 10],), num_computed_tokens=20)],
+             scheduled_cached_reqs=NS(req_ids=["b"], resumed_req_ids={"b"},
+                                      new_block_ids=[([1, 2, 3],)], num_computed_tokens=[8]))
+    plan = sch.plan(out)
+    a, b = plan.loads
+    assert (a.req_id, a.start, a.end, a.expect, a.block_ids) == ("a", 0, 20, ids, [5, 6, 7, 8, 9, 10])
+    assert (b.req_id, b.start, b.end, b.expect, b.block_ids) == ("b", 4, 8, ids[4:8], [1, 2, 3])
+    delay, info = sch.finished(req("a", ids + [1, 2], computed=25, out=[3, 4, 5, 6]), [5, 6, 7, 8, 9, 10, 11])
+    assert delay and info == {"session": "s", "kvfs_loaded_tokens": 20, "kvfs_stored_tokens": 25}
+    (save,) = sch.plan(NS(scheduled_new_reqs=[], scheduled_cached_reqs=NS(
+        req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]))).saves
+    assert save.sid == "s" and save.ids == ids + [1, 2, 3, 4, 5] and save.entries == []
+    # no session: prefix entries of whole 8-token runs
+    delay, info = sch.finished(req("d", ids, sid=None, computed=19), [1, 2, 3, 4, 5])
+    (save,) = sch.plan(NS(scheduled_new_reqs=[], scheduled_cached_reqs=NS(
+        req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]))).saves
+    assert delay and save.sid is None and save.ids == ids[:16] and len(save.entries) == 2
+    assert info == {"kvfs_loaded_tokens": 0}

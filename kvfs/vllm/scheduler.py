@@ -135,18 +135,24 @@ class SchedulerSide:
 
     def plan(self, scheduler_output: Any) -> StepPlan:
         plan = StepPlan()
-        for new in scheduler_output.scheduled_new_reqs:
-            job = self._pending.pop(new.req_id, None)
+        starts = [(new.req_id, new.block_ids, new.num_computed_tokens)
+                  for new in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):  # preempted and resumed: all blocks anew
+            if rid in self._pending and rid in cached.resumed_req_ids and cached.new_block_ids[i]:
+                starts.append((rid, cached.new_block_ids[i], cached.num_computed_tokens[i]))
+        for rid, block_ids, end in starts:
+            job = self._pending.pop(rid, None)
             if job is None:
                 continue
             source, n, prompt = job
-            end = new.num_computed_tokens
             expect = prompt[end - n:end] if isinstance(source, str) else None
-            plan.loads.append(LoadJob(new.req_id, list(new.block_ids[0]),
+            plan.loads.append(LoadJob(rid, list(block_ids[0]),
                                       parts_of(source, self.chunk, end - n, end), expect))
-            self._loaded[new.req_id] = n
-        if self._pending:  # not scheduled after all (preempted before running): recomputed
-            log.debug("dropping %d load plans not scheduled", len(self._pending))
+            self._loaded[rid] = n
+        if self._pending:  # allocated for but not scheduled in this step: vLLM re-asks
+            log.warning("load plans of %d requests not scheduled: %s", len(self._pending),
+                        sorted(self._pending))
             self._pending.clear()
         plan.saves, self._saves = self._saves, []
         return plan
