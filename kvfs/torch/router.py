@@ -376,6 +376,20 @@ class KVRouter(BudgetMixin):
             if c is not None:
                 acknowledge(self.warm, [session_id], self._acked)
 
+    def record_tokens(self, session_id: str, ids: Any) -> None:
+        """Store the token ids of the session's tokens, from its first (``sessions/<id>/
+        tokens``, :mod:`kvfs.torch.tokens`): another engine (kvfs.vllm) reuses the session's
+        KV only for a prompt that starts with these ids. ``ids``: the whole conversation so
+        far (e.g. what ``generate`` returned); ids past the stored tokens are kept, unused.
+        Needs a mount (the ids are written there directly, fsync'd)."""
+        self._check_open()
+        cold = getattr(self.warm, "cold", None)
+        if cold is None:
+            raise RuntimeError("record_tokens needs a router over a mount")
+        from kvfs.torch.tokens import record_ids  # noqa: PLC0415 - only sessions shared with vLLM
+
+        record_ids(cold, session_id, torch.as_tensor(ids).reshape(-1).tolist())
+
     def delete(self, session_id: str) -> None:
         """Remove a session from every tier: the device, the RAM tier and the mount."""
         self._check_open()

@@ -1,0 +1,254 @@
+"""Sessions on the kvfs mount as the vLLM connector reads and writes them.
+
+The files are kvfs.torch's (docs/format.md): ``sessions/<id>/layer_<n>`` (token-major K/V
+in the model's dtype), ``meta.json`` (fingerprint, geometry, ``tokens``, ``rounds``),
+``summaries.f32`` (one vector per round, for recall) and ``tokens`` (the token ids,
+:mod:`kvfs.torch.tokens`). One request's turn is one round. Writes keep the mount's rules
+and the order that keeps a session readable after a crash at any point: layer bytes, then
+ids and summaries, then ``meta.json``, which claims the bytes; an edited history is cut
+(``meta.json`` first, then the new ids, then the layers) before its new tail is appended,
+so a reader that checks the ids before and after reading layer bytes sees any rewrite.
+
+Sessions a ``KVRouter`` process has open are left alone: the connector takes the warm
+tier's per-session lock (:class:`kvfs.warm.owners.SessionLocks`) around each write.
+
+Prefix entries (requests without a session): ``sessions/prefix-<hash>/``, one per run of
+``chunk`` tokens, keyed by a chained hash of every token id up to the run's end and the
+model fingerprint; the same files, one round each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvfs.torch.fingerprint import KVCorrupt, KVGeometry, KVMismatch, build_meta, check_meta
+from kvfs.torch.tokens import TOKENS, common_prefix, read_ids, record_ids
+from kvfs.warm import WarmError, summarize_keys
+from kvfs.warm.cold import META, ColdStore
+
+log = logging.getLogger("kvfs.vllm.store")
+
+#: what a request may call its session: the mount's name rules, no dot first, and not a
+#: prefix entry's name
+SESSION_RE = re.compile(r"(?!prefix-)[A-Za-z0-9_][A-Za-z0-9_.@:+=-]{0,199}")
+
+
+@dataclass(frozen=True)
+class Stored:
+    """What the mount holds for one session: usable tokens and their ids."""
+
+    sid: str
+    tokens: int  # tokens whose KV and ids are stored
+    ids: np.ndarray  # uint32 [tokens]
+    meta: dict
+
+
+class SessionStore:
+    """Reads and writes sessions of one model (fingerprint + geometry) on one mount."""
+
+    def __init__(self, mount: str, fp: str, geo: KVGeometry, summary_dim: int = 128,
+                 locks: object | None = None) -> None:
+        self.cold = ColdStore(mount)
+        self.mount, self.fp, self.geo, self.dim = mount, fp, geo, summary_dim
+        self.locks = locks  # a SessionLocks, or None (a plain directory)
+
+    # --- reads --------------------------------------------------------------------------
+    def lookup(self, sid: str, sizes: bool = True) -> Stored | None:
+        """The session's usable tokens: the stored ids, cut to what meta.json claims and
+        (``sizes``) every layer file holds. None when nothing usable is stored (a session
+        of another model is logged and treated as absent). The scheduler skips the sizes
+        (one stat per layer, in the engine's loop): meta.json is written after the layers,
+        and a layer cut behind its back fails the load, which vLLM then recomputes."""
+        try:
+            meta = self.cold.read_meta(sid)
+            if meta is None:
+                return None
+            check_meta(meta, self.fp, self.geo, sid)
+            ids = read_ids(self.cold, sid)
+            n = min(int(meta["tokens"]), ids.size)
+            if sizes:
+                have = self.cold.layer_sizes(sid) or {}
+                n = min(n, min(have.get(i, 0) for i in range(self.geo.num_layers))
+                        // self.geo.token_bytes)
+        except (KVMismatch, KVCorrupt, WarmError) as e:
+            log.warning("session %r is not reusable here: %s", sid, e)
+            return None
+        return Stored(sid, n, ids[:n], meta) if n > 0 else None
+
+    def present(self, entries: list[str]) -> int:
+        """How many of ``entries`` (prefix entries, in order) are stored, from the first."""
+        n = 0
+        for name in entries:
+            if self.lookup(name, sizes=False) is None:
+                break
+            n += 1
+        return n
+
+    def read(self, sid: str, layer: int, start: int, end: int) -> np.ndarray:
+        """Token-major bytes of tokens ``[start, end)`` of one layer."""
+        tb = self.geo.token_bytes
+        out = np.empty((end - start) * tb, dtype=np.uint8)
+        self.cold.read_into(sid, layer, start * tb, out)
+        return out
+
+    # --- writes -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def owned(self, sid: str) -> Iterator[bool]:
+        """Hold the session's lock while writing; yields False when another process (a
+        KVRouter) has the session open: the write is then skipped."""
+        if self.locks is None:
+            yield True
+            return
+        fd = self.locks.try_take(sid)
+        if fd is None:
+            log.warning("session %r is open in process %s; not stored", sid, self.locks.holder(sid))
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            self.locks.drop(sid, fd)
+
+    def append_turn(self, sid: str, ids: np.ndarray, kv: list[np.ndarray], start: int,
+                    summary_keys: np.ndarray | None) -> int:
+        """Store a request's turn: ``ids`` (every token of the request whose KV was
+        computed), ``kv[layer]`` the token-major bytes of tokens ``[start, len(ids))``.
+        Tokens before ``start`` must already be stored with the same ids (the caller read
+        them with :meth:`lookup`); a stored history that differs from ``start`` on is cut
+        there first. ``summary_keys``: the last layer's keys of the new tokens ``[T, H, D]``
+        for the round's summary. Returns the session's token count."""
+        n = int(ids.size)
+        raw = self.cold.read_small(sid, META) or b""
+        meta = _parse(raw, sid)
+        if meta is not None:
+            check_meta(meta, self.fp, self.geo, sid)
+        have = int(meta["tokens"]) if meta else 0
+        rounds = [list(r) for r in meta["rounds"]] if meta else []
+        if start > have:
+            raise KVCorrupt(f"session {sid!r}: a turn from token {start} after {have} stored")
+        if n <= start:
+            return have
+        self.cold.ensure_dir(sid)
+        tb = self.geo.token_bytes
+        if start < have:  # an edited history: cut at the first differing token
+            rounds = [r for r in rounds if r[1] <= start]
+            cut = _dump(build_meta(self.fp, self.geo, start, rounds))
+            self.cold.write_meta(sid, cut, old=raw)
+            raw = cut
+            # the new ids before the layers change: a reader that checks the ids around its
+            # read of the layers sees the rewrite (kvfs.vllm.worker)
+            record_ids(self.cold, sid, ids)
+            for layer in range(self.geo.num_layers):
+                self.cold.truncate(sid, layer_name(layer), start * tb)
+            self._cut_summaries(sid, len(rounds))
+            log.info("session %r: history differs from token %d; %d stored tokens replaced",
+                     sid, start, have - start)
+        sizes = self.cold.layer_sizes(sid) or {}
+        fds: list[int] = []  # left open by the appends, fsynced and closed together
+        closed = 0
+        try:
+            for layer in range(self.geo.num_layers):
+                data = kv[layer]
+                if data.size != (n - start) * tb:
+                    raise ValueError(f"layer {layer}: {data.size} bytes for {n - start} tokens")
+                have_b = sizes.get(layer, 0)
+                if have_b < start * tb:
+                    raise KVCorrupt(f"session {sid!r} layer_{layer}: {have_b} bytes, shorter "
+                                    f"than the {start} tokens the turn continues")
+                if have_b > start * tb:  # bytes past meta.json's claim (a crash): drop them
+                    self.cold.truncate(sid, layer_name(layer), start * tb)
+                    have_b = start * tb
+                self.cold.append(sid, layer_name(layer), have_b, [data], sync=False, keep=fds)
+            record_ids(self.cold, sid, ids, sync=False)
+            rounds.append([rounds[-1][1] if rounds else 0, n])  # the turn (and an open round)
+            if summary_keys is not None and summary_keys.size:
+                self._put_summary(sid, len(rounds) - 1, summarize_keys(summary_keys, self.dim))
+            for layer, fd in enumerate(fds):
+                closed += 1  # fsync_close closes it whatever happens
+                self.cold.fsync_close(sid, layer_name(layer), fd)
+        finally:
+            for fd in fds[closed:]:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.cold.fsync_file(sid, TOKENS)
+        self.cold.write_meta(sid, _dump(build_meta(self.fp, self.geo, n, rounds)), old=raw)
+        return n
+
+    def _put_summary(self, sid: str, idx: int, vec: np.ndarray) -> None:
+        row = 4 * self.dim
+        old = self.cold.read_small(sid, "summaries.f32") or b""
+        keep = old[: min(len(old) // row, idx) * row]
+        pad = b"\0" * (idx * row - len(keep))  # rounds without a vector: zeros rank last
+        self.cold.sync_summaries(sid, keep + pad + vec.astype("<f4").tobytes(), sync=True, old=old)
+
+    def _cut_summaries(self, sid: str, rounds: int) -> None:
+        old = self.cold.read_small(sid, "summaries.f32")
+        if old and len(old) > rounds * 4 * self.dim:
+            self.cold.truncate(sid, "summaries.f32", rounds * 4 * self.dim)
+
+    def delete(self, sid: str) -> None:
+        self.cold.delete(sid)
+
+
+def layer_name(layer: int) -> str:
+    return f"layer_{layer}"
+
+
+def _parse(raw: bytes, sid: str) -> dict | None:
+    """meta.json's document; None when there is none (an empty or unparsable file is a
+    session without a claim: nothing of it is reused)."""
+    if not raw:
+        return None
+    try:
+        meta = json.loads(raw)
+    except ValueError:
+        log.warning("session %r: meta.json does not parse; treated as empty", sid)
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _dump(meta: dict) -> bytes:
+    return json.dumps(meta, separators=(",", ":")).encode()
+
+
+def agreed(stored: Stored | None, prompt: list[int] | np.ndarray) -> int:
+    """How many leading prompt tokens the stored session holds with the same ids."""
+    return 0 if stored is None else common_prefix(stored.ids, prompt)
+
+
+def prefix_keys(fp: str, salt: str | None, ids: list[int] | np.ndarray, chunk: int) -> list[str]:
+    """The entry names of the full ``chunk``-token runs of ``ids``: entry ``j`` is a hash
+    chained over the model fingerprint, the request's cache salt (vLLM's isolation of
+    tenants) and every id up to the run's end, so it names the whole prefix, stably across
+    processes (vLLM's own block hashes are seeded per process unless PYTHONHASHSEED is set)."""
+    h = hashlib.sha256(f"{fp}\0{salt or ''}".encode()).digest()
+    arr = np.asarray(ids, dtype="<u4")
+    out = []
+    for j in range(arr.size // chunk):
+        h = hashlib.sha256(h + arr[j * chunk:(j + 1) * chunk].tobytes()).digest()
+        out.append("prefix-" + h.hex()[:40])
+    return out
+
+
+def session_locks(mount: str) -> object | None:
+    """The warm tier's per-session locks of the volume mounted at ``mount`` (the ones a
+    KVRouter over that mount takes), or None when ``mount`` is a plain directory."""
+    from kvfs.torch.router import mount_info, mount_profile  # noqa: PLC0415
+    from kvfs.warm.owners import SessionLocks  # noqa: PLC0415
+    from kvfs.warm.rootdir import RootDir  # noqa: PLC0415
+
+    info = mount_info(mount)
+    uuid = (((info or {}).get("store") or {}).get("volume") or {}).get("uuid")
+    if info is None or not uuid:
+        return None
+    root = os.path.expanduser(mount_profile(info).warm_root)
+    return SessionLocks(RootDir(root).sub(uuid).sub("locks"))
