@@ -153,6 +153,7 @@ def _emit_trunc(store: Store, s: Session, f, length: int) -> bool:
     except RingFull:
         return False
     f.truncate(length)
+    store.mark_cut(s.sno)
     store.idx.dirty(s)
     return True
 
@@ -163,6 +164,7 @@ def _drop(store: Store, s: Session, evicted: bool) -> bool:
     except RingFull:
         return False
     store.idx.drop(s)
+    store.mark_cut(s.sno)
     key = "evicted_sessions" if evicted else "dropped_sessions"
     store.counters[key] += 1
     log.info("session %r %s at the ring tail", s.name, "evicted (volume full)" if evicted else

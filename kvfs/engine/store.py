@@ -34,6 +34,9 @@ Contract (the FUSE layer, tools and tests rely on it):
   set_file_attrs(session, name, mode=None, uid=None, gid=None, atime=None, mtime=None)
   append(session, name, offset, data)      # offset must equal size else NotAppend
   read(session, name, offset, length) -> bytes   # short at EOF; Corrupt on checksum failure
+  extents(session, [(name, offset, length)]) -> ((mode, uid, gid), [FileExtents | None])
+                                           # for readers in other processes (direct.py)
+  publish() -> Published                   # the block those readers map (published.py)
   truncate(session, name, length)          # shorter or equal only, else BadRange
   flush()                                  # write buffered entries to the volume (no fsync)
   sync()                                   # flush + fsync: durability point
@@ -173,6 +176,8 @@ class Store(ReadPath, Reporting):
                     self.checkpoint(clean=True)
             finally:
                 self.vol.close()
+                if self.published is not None:  # readers keep their own mapping of it
+                    self.published.close()
 
     def crash(self) -> None:
         """Drop the fd as a killed process would: unflushed entries are lost. For tests."""
@@ -240,6 +245,7 @@ class Store(ReadPath, Reporting):
         s = self._session(name)
         self._emit(T_DELS, s)
         self.idx.drop(s)
+        self.mark_cut(s.sno)
 
     def session_stat(self, name: str) -> SessionStat:
         s = self._session(name)
@@ -279,6 +285,7 @@ class Store(ReadPath, Reporting):
         s, f = self._file(session, name)
         self._emit(T_DELF, s, f.fno)
         s.drop_file(f.fno)
+        self.mark_cut(s.sno)
         s.mtime = time.time_ns()
         self.idx.dirty(s)
 
@@ -356,6 +363,7 @@ class Store(ReadPath, Reporting):
             return
         self._emit(T_TRUNC, s, f.fno, length)
         f.truncate(length)
+        self.mark_cut(s.sno)
         f.mtime = s.mtime = time.time_ns()
         self.idx.dirty(s)
 
@@ -415,6 +423,8 @@ class Store(ReadPath, Reporting):
             raise
         self.sb, self.fsck_mark.written = new, mark
         self.ring.durable_tail = self.ring.tail
+        if self.published is not None:  # before the head may write behind the old tail
+            self.published.set_tail(self.ring.durable_tail)
         self.idx.committed()
         self.last_ckpt = time.monotonic()
         self.counters["checkpoints"] += 1
@@ -444,6 +454,7 @@ class Store(ReadPath, Reporting):
             if s is not None and s.last_use_ns() < cutoff:
                 self._emit(T_DELS, s)
                 self.idx.drop(s)
+                self.mark_cut(s.sno)
                 n += 1
         if n:
             log.info("cleanup: dropped %d sessions idle over %.0f s", n, self.cfg.retention_s)
@@ -474,6 +485,6 @@ for _mode, _names in (
                    "maybe_checkpoint", "cleanup")),
         ("writer", ("append", "sync")),
         ("lookup", ("list_sessions", "session_stat", "list_files", "file_stat")),
-        ("read", ("read",))):
+        ("read", ("read", "extents"))):
     for _name in _names:
         setattr(Store, _name, guarded(getattr(Store, _name), _mode))

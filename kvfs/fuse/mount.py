@@ -36,6 +36,7 @@ import trio
 from kvfs.engine import errors
 from kvfs.engine.store import Store
 from kvfs.fuse.buffers import default_max_pending
+from kvfs.fuse.channel import ChannelServer
 from kvfs.fuse.files import refresh_cold_gauges
 from kvfs.fuse.ops import Operations
 from kvfs.ops import alerts, metrics, profiles
@@ -83,6 +84,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--offload-syncs", action="store_true",
                    help="run every fsync on the engine threads, small ones too (the FUSE loop "
                         "never waits for a device flush)")
+    p.add_argument("--no-channel", action="store_true",
+                   help="do not serve the native channel (kvfs's own clients then use the "
+                        "files, like any program)")
     p.add_argument("--write-buffer-max", type=profiles.parse_size, metavar="SIZE",
                    help="bound on the mount's unflushed written bytes (default: 256M, at "
                         "most 1/8 of RAM)")
@@ -374,6 +378,8 @@ async def serve(ops: Operations, store: Any, profile: profiles.Profile,
     # passes, which would stall requests, from walking it again and again
     gc.collect()
     gc.freeze()
+    if ops.channel is not None:  # its clients' threads call back into this loop
+        ops.channel.start(trio.lowlevel.current_trio_token())
     async with trio.open_nursery() as nursery:
         ops.readahead.nursery = nursery
         nursery.start_soon(unmount_on_signal)
@@ -392,6 +398,8 @@ async def serve(ops: Operations, store: Any, profile: profiles.Profile,
                         eg.exceptions[0])
         ops.readahead.nursery = None
         nursery.cancel_scope.cancel()
+    if ops.channel is not None:
+        await trio.to_thread.run_sync(ops.channel.close)
     await ops.flush_all()
     await ops.shared.close()  # pushes what is queued (bounded), hands the leases back
     ops.worker.close()
@@ -431,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
             ops.use_shared(Remote(tier, store, ops.call, ops.worker.engine_lock,
                                   profile.shared_queue_bytes, profile.shared_fsync_wait_s,
                                   ops.buffers.entry_max))
+        elif not args.no_channel:  # a shared mount's clients use the files (channel.py)
+            ops.channel = ChannelServer(ops, store, args.volume, allow_other=args.allow_other)
         try:
             if args.metrics_port:
                 metrics.serve(args.metrics_port, args.metrics_addr)
