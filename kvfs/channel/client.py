@@ -25,7 +25,7 @@ import socket
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -101,6 +101,9 @@ class Channel:
 
     def __init__(self, mount: str, name: str) -> None:
         self.mount, self.name = mount, name
+        # called with (session, its (mode, uid, gid), [(name, FileExtents | None)]) on every
+        # fresh answer, before it is used: a caller's rules on whose files it may read
+        self.check: Callable[[str, tuple[int, int, int], list], None] | None = None
         self._idle: list[socket.socket] = []
         self._conns = 0
         self._cv = threading.Condition()
@@ -261,6 +264,8 @@ class Channel:
         cache; FileNotFoundError when there is no such session."""
         attrs, out = P.parse_extents_reply(
             self._call(P.EXTENTS, [P.extents_request(sid, files)]), len(files))
+        if self.check is not None:
+            self.check(sid, attrs, [(name, fe) for (name, _, _), fe in zip(files, out, strict=True)])
         for (name, _, _), fe in zip(files, out, strict=True):
             if fe is not None:
                 self.cache.put(sid, name, fe)
@@ -333,19 +338,31 @@ class Channel:
                 if sync:
                     self.sync()
                 continue
-            for (k, _), size in zip(group, self._write(sid, flags, [it for _, it in group]),
-                                    strict=True):
+            try:
+                got = self._write(sid, flags, [it for _, it in group])
+            except OSError as e:  # what was done: the items before this group, and in it
+                ok = getattr(e, "done", [])
+                finished = {k: size for (k, _), size in zip(group, ok, strict=False)}
+                unfinished = {k for k, _ in group[len(ok):]}
+                e.done = sizes[:group[0][0]] + [  # type: ignore[attr-defined]
+                    finished[k] for k in sorted(finished) if k not in unfinished]
+                raise
+            for (k, _), size in zip(group, got, strict=True):
                 sizes[k] = size
         return sizes
 
     def _write(self, sid: str, flags: int, items: list[P.Item]) -> list[int]:
         body = self._call(P.WRITE, P.write_request(sid, flags, items))
         results, sync_errno = P.parse_write_reply(body, len(items))
-        for it, (code, _) in zip(items, results, strict=True):
+        for k, (it, (code, _)) in enumerate(zip(items, results, strict=True)):
             if code:
-                raise OSError(code, f"{sid}/{it.name}: {os.strerror(code)}")
+                err = OSError(code, f"{sid}/{it.name}: {os.strerror(code)}")
+                err.done = [size for _, size in results[:k]]  # type: ignore[attr-defined]
+                raise err
         if sync_errno:
-            raise OSError(sync_errno, f"{sid}: sync: {os.strerror(sync_errno)}")
+            err = OSError(sync_errno, f"{sid}: sync: {os.strerror(sync_errno)}")
+            err.done = [size for _, size in results]  # type: ignore[attr-defined]
+            raise err
         return [size for _, size in results]
 
     def sync(self) -> None:

@@ -266,7 +266,10 @@ def write_request(session: str, flags: int, items: list[Item]) -> list[bytes | m
     return [w.body(), *(it.data for it in items)]
 
 
-def parse_write_request(body: memoryview) -> tuple[str, int, list[Item]]:
+def parse_write_request(body: memoryview) -> tuple[str, int, list[tuple[Item, int]]]:
+    """(session, flags, [(item, how many items of the request it stands for)]): appends
+    that continue each other (the pieces of one file's tail) come as one item, their
+    bytes one view of the body, so they become one append, not one per piece."""
     r = Reader(body)
     session = r.name()
     flags = r.bytes(1)[0]
@@ -274,11 +277,20 @@ def parse_write_request(body: memoryview) -> tuple[str, int, list[Item]]:
     for _ in range(r.u16()):
         kind, arg, n = r.take(_ITEM)
         heads.append((kind, r.name(), arg, n))
-    items = []
+    items: list[tuple[Item, int]] = []
+    start = r.p
     for kind, name, arg, n in heads:
         if kind not in (APPEND, REPLACE, TRUNCATE):
             raise ProtocolError(f"unknown write kind {kind}")
-        items.append(Item(kind, name, arg, r.bytes(n)))
+        r.bytes(n)
+        if items and kind == APPEND:
+            last, k = items[-1]
+            if last.kind == APPEND and last.name == name and last.arg + len(last.data) == arg:
+                items[-1] = (Item(APPEND, name, last.arg, body[start - len(last.data):r.p]), k + 1)
+                start = r.p
+                continue
+        items.append((Item(kind, name, arg, body[start:r.p]), 1))
+        start = r.p
     if r.p != len(r.buf):
         raise ProtocolError("trailing bytes in a write")
     return session, flags, items

@@ -260,21 +260,22 @@ class ChannelServer:
         return P.extents_reply(attrs, out)
 
     # ------------------------------------------------------------------ writes
-    def _write(self, peer: Peer, session: str, flags: int, items: list[P.Item]) -> bytes:
+    def _write(self, peer: Peer, session: str, flags: int, items: list[tuple[P.Item, int]]) -> bytes:
         self.counts["writes"] += 1
         st = self.store.session_stat(session)
         self._session_ok(peer, (st.mode, st.uid, st.gid), X)
         results: list[tuple[int, int]] = []
         failed = False
-        for it in items:
+        for it, k in items:  # k: items of the request this one stands for (joined appends)
             if failed:
-                results.append((errno.ECANCELED, 0))
+                results += [(errno.ECANCELED, 0)] * k
                 continue
             try:
-                results.append((0, self._item(peer, session, st, it, bool(flags & P.W_CREATE))))
+                size = self._item(peer, session, st, it, bool(flags & P.W_CREATE))
                 self.counts["write_bytes"] += len(it.data)
+                results += [(0, size)] * k
             except (Refused, errors.KVFSError, pyfuse3.FUSEError, Stale) as e:
-                results.append((e.errno if isinstance(e, Refused) else errno_of(e), 0))
+                results += [(e.errno if isinstance(e, Refused) else errno_of(e), 0)] * k
                 failed = True
         sync_errno = 0
         if flags & P.W_SYNC and not failed:

@@ -36,9 +36,10 @@ os.listdir).
 
 from kvfs.ops.agents import read as read_agent_stats
 
+from .cold import mount_info
 from .ids import WarmBusy, WarmCorrupt, WarmError, WarmFull, WarmLost, device_id, shard_of
 from .summary import summarize_keys
 from .tier import WarmTier
 
 __all__ = ["WarmBusy", "WarmCorrupt", "WarmError", "WarmFull", "WarmLost", "WarmTier",
-           "device_id", "read_agent_stats", "shard_of", "summarize_keys"]
+           "device_id", "mount_info", "read_agent_stats", "shard_of", "summarize_keys"]

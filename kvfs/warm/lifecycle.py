@@ -162,6 +162,8 @@ class Lifecycle:
                         slot.file.unmap()
             if self._pool is not None:
                 self._pool.shutdown()
+            if self.cold is not None:
+                self.cold.close()
         self._release_all()
         self._close_dirs()
         if failed is not None:

@@ -32,13 +32,20 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
 
 from kvfs.ops import metrics
 
-from .cold import INCARNATION, META, SUMMARIES, ColdStore, layer_name
+from .cold import (
+    INCARNATION,
+    META,
+    SUMMARIES,
+    Changes,
+    ColdBackend,
+    Written,
+    incarnation_bytes,
+    layer_name,
+)
 from .format import FLAG_CLEAN, FLAG_MIGRATING, K_LAYER
 from .ids import WarmCorrupt, WarmError, WarmFull, shard_file_name
 from .records import ShardCorrupt, Slot, WarmSession
@@ -70,20 +77,20 @@ def _pause(point: str) -> None:
 
 
 FSYNC_THREADS = 8
-KEEP_FDS = 256  # descriptors a group migration may hold open until its fsyncs
 
 
 class _Staged:
-    """A session written to cold, waiting for its fsyncs and then its drop from RAM."""
+    """A session written to cold, waiting for its durability point and then its drop."""
 
-    __slots__ = ("sid", "session", "gen", "jobs", "syncs", "made_dir", "error")
+    __slots__ = ("sid", "session", "gen", "written")
 
     def __init__(self, sid: str, session: WarmSession) -> None:
         self.sid, self.session, self.gen = sid, session, session.gen
-        self.jobs: list[tuple[Callable[..., None], tuple[Any, ...]]] = []  # fsyncs to run
-        self.syncs: list[Future] = []
-        self.made_dir = False
-        self.error: BaseException | None = None
+        self.written: list[Written] = []
+
+    @property
+    def error(self) -> BaseException | None:
+        return next((w.error for w in self.written if w.error is not None), None)
 
 
 class Mover:
@@ -95,7 +102,7 @@ class Mover:
     shards: int
     key: int
     dim: int
-    cold: ColdStore | None
+    cold: ColdBackend | None
     group: int
     migrate_at: float
     cap: int
@@ -287,13 +294,11 @@ class Mover:
         if not victims:
             return []
         t0 = time.perf_counter()
-        pool = self._fsync_pool()
         staged: list[_Staged] = []
         errors: list[str] = []
-        kept = [0]
         for sid in victims:
             try:
-                st = self._stage(sid, kept)
+                st = self._stage(sid)
             except WarmCorrupt as e:
                 self._drop_damaged(sid, e)
                 continue
@@ -302,23 +307,10 @@ class Mover:
                 continue
             if st is not None:
                 staged.append(st)
-        # fsyncs only once every session is written: an fsync that runs while others are
-        # still being written finds new bytes each time, and on the mount each such fsync
-        # is a device flush (one flush covers all the files of a volume)
-        for st in staged:
-            st.syncs = [pool.submit(fn, *args) for fn, args in st.jobs]
-        for st in staged:
-            for fut in st.syncs:
-                try:
-                    fut.result()
-                except (OSError, WarmError) as e:
-                    st.error = e
-        if any(st.made_dir for st in staged):
-            try:
-                self.cold.sync_sessions_dir()
-            except OSError as e:
-                for st in staged:
-                    st.error = st.error or e
+        # the durability point only once every session is written: an fsync that runs
+        # while others are still being written finds new bytes each time, and on the
+        # mount each such fsync is a device flush (one flush covers all files of a volume)
+        self.cold.sync([w for st in staged for w in st.written])
         done, moved = [], 0
         for st in staged:
             freed = self._commit(st)
@@ -344,11 +336,9 @@ class Mover:
             log.info("migrated %d session(s), %d bytes, to cold in %.1f ms", len(done), moved, ms)
         return done
 
-    def _stage(self, sid: str, kept: list[int]) -> _Staged | None:
-        """Append what cold lacks of one session; list its fsyncs. None if it is gone.
-        ``kept``: [descriptors of the group left open for their fsyncs]; a layer file keeps
-        its descriptor while fewer than ``KEEP_FDS`` are (an fsync on it needs no second
-        open and lookup), else it is fsync'd by name."""
+    def _stage(self, sid: str) -> _Staged | None:
+        """Append what cold lacks of one session (no durability point yet). None if it is
+        gone. The first layer goes on its own, so a crash test can stop right after it."""
         with self._io_lock(sid), self._locked(sid, own=False) as slot:
             f, s = self._warm(slot, sid)
             if s is None:
@@ -356,14 +346,15 @@ class Mover:
             f.set_flags(s, s.flags | FLAG_MIGRATING)  # for a restart: see _reconcile
             st = _Staged(sid, s)
             try:
-                st.made_dir = self.cold.ensure_dir(sid)
+                made = self.cold.ensure_dir(sid)
                 self._hold_made(sid)
+                ch = Changes()
                 if self.cold.read_incarnation(sid) is None:  # deletion wins: writeback.py
-                    self.cold.write_incarnation(sid, s.inc or 1, sync=False)
-                    st.jobs.append((self.cold.fsync_file, (sid, INCARNATION)))
+                    ch.replace(INCARNATION, incarnation_bytes(s.inc or 1))
                 s.cold = s.cold if s.cold is not None else {}
                 # the files, not the cache: a failed try may have grown them (one listing)
                 sizes = self.cold.layer_sizes(sid) or {}
+                done: dict[int, int] = {}  # layer sizes once ``ch`` is written
                 for k, (layer, stream) in enumerate(sorted(s.layers.items())):
                     name = layer_name(layer)
                     c = sizes.get(layer, 0)
@@ -371,36 +362,30 @@ class Mover:
                         raise WarmError(f"cold {name} has {c} bytes, warm starts at {stream.base}")
                     if c > stream.end:
                         self.cold.truncate(sid, name, stream.end)
-                        c = stream.end
+                        s.cold[layer] = c = stream.end
                     if c < stream.end or layer not in s.cold:
-                        pieces = f.segments(s, stream, c, stream.end, f"layer {layer}")
-                        keep: list[int] | None = [] if kept[0] < KEEP_FDS else None
-                        try:
-                            c = self.cold.append(sid, name, c, pieces, sync=False, keep=keep)
-                        except BaseException:
-                            for fd in keep or ():
-                                os.close(fd)
-                            raise
-                        if keep:  # fsync'd (then closed) on the descriptor that wrote it
-                            kept[0] += 1
-                            st.jobs.append((self.cold.fsync_close, (sid, name, keep[0])))
-                        else:
-                            st.jobs.append((self.cold.fsync_file, (sid, name)))
-                    s.cold[layer] = c
-                    if k == 0:
+                        ch.append(name, c, f.segments(s, stream, c, stream.end, f"layer {layer}"))
+                    done[layer] = stream.end
+                    if k == 0 and ch:
+                        st.written.append(self.cold.write(sid, ch))
+                        s.cold.update(done)
+                        ch, done = Changes(), {}
                         _pause("cold_partial")
-                if self.cold.sync_summaries(sid, self._summary_bytes(f, s), sync=False):
-                    st.jobs.append((self.cold.fsync_file, (sid, SUMMARIES)))
+                ch.rewrite(SUMMARIES, self._summary_bytes(f, s),
+                           self.cold.read_small(sid, SUMMARIES) or b"")
                 meta = f.meta_bytes(s)
-                if meta is not None and self.cold.write_meta(sid, meta, sync=False):
-                    st.jobs.append((self.cold.fsync_file, (sid, META)))
-                st.jobs.append((self.cold.sync_dir, (sid,)))
+                if meta is not None and self.cold.read_small(sid, META) != meta:
+                    ch.replace(META, meta)
+                if ch:
+                    st.written.append(self.cold.write(sid, ch))
+                s.cold.update(done)
+                if not st.written:
+                    st.written.append(Written(sid))
+                st.written[0].made_dir = made
             except BaseException:
                 f.set_flags(s, s.flags & ~FLAG_MIGRATING)
-                for fn, args in st.jobs:  # descriptors kept for fsyncs that will not run
-                    if fn == self.cold.fsync_close:
-                        os.close(args[2])
-                        kept[0] -= 1
+                for w in st.written:  # descriptors kept for a sync that will not run
+                    self.cold.forget(w)
                 raise
             return st
 

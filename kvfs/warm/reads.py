@@ -17,7 +17,7 @@ import numpy as np
 
 from kvfs.ops import metrics
 
-from .cold import ColdStore
+from .cold import ColdBackend
 from .ids import WarmCorrupt, WarmError, check_layer
 from .records import WarmSession
 from .shard import ShardFile
@@ -28,7 +28,7 @@ log = logging.getLogger("kvfs.warm")
 class Reads:
     """WarmTier's read methods; its state, locks and helpers are the tier's (tier.py)."""
 
-    cold: ColdStore | None
+    cold: ColdBackend | None
     stats: dict[str, int]
 
     def size(self, sid: str, layer: int) -> int:
@@ -55,6 +55,11 @@ class Reads:
             if s is not None:
                 return sorted(set(s.layers) | set(s.cold or ()))
             return sorted((self.cold.layer_sizes(sid) or {}) if self.cold else ())
+
+    def prefetch(self, sid: str, layers: list[int] | range, start: int, end: int) -> int:
+        """Ask the cold tier to read bytes [start, end) of these layers ahead (advisory: a
+        resume about to read them one layer at a time); returns the files advised."""
+        return self.cold.prefetch(sid, layers, start, end) if self.cold is not None else 0
 
     def read(self, sid: str, layer: int, start: int, end: int, *,
              promote: bool | None = None) -> np.ndarray:
@@ -109,7 +114,7 @@ class Reads:
             if promote and self.cold is not None:
                 promoted = self._promote_locked(slot, sid, soft=True)
                 f, s = self._warm(slot, sid)
-            hit = all([self._fill(f, s, sid, layer, start, end, out[k]) for k, layer in enumerate(layers)])
+            hit = self._fill_many(f, s, sid, [(layer, start, end, out[k]) for k, layer in enumerate(layers)])
             if s is not None:
                 self._touch(f, s)
         self._count(hit)
@@ -117,33 +122,79 @@ class Reads:
             self._maybe_migrate(exclude={sid})
         return out
 
+    def read_many(self, sid: str, ranges: list[tuple[int, int, int, np.ndarray]], *,
+                  promote: bool | None = False) -> None:
+        """``read_into`` of many (layer, start, end, out) of one session in one call: what
+        is on the cold tier is read in one batch (with the native channel: one request for
+        every layer's extents, reads that run together), so a resume or a recall of many
+        layers waits for the disk once, not once per layer (addition to the contract)."""
+        jobs = []
+        for layer, start, end, out in ranges:
+            if not 0 <= start <= end:
+                raise ValueError(f"bad range [{start}, {end})")
+            if out.dtype != np.uint8 or out.shape != (end - start,) or not out.flags.c_contiguous:
+                raise ValueError(f"out must be {end - start} contiguous uint8 bytes")
+            jobs.append((check_layer(layer), start, end, out))
+        promoted = False
+        with self._locked(sid) as slot:
+            f, s = self._warm(slot, sid)
+            if promote is None and self.cold is not None and s is not None:
+                # as ``read_into``: a whole layer partly on cold brings the session back
+                promote = any(start == 0 and end == self._span(s, layer)[1]
+                              and start < self._span(s, layer)[0] for layer, start, end, _ in jobs)
+            if promote and self.cold is not None:
+                promoted = self._promote_locked(slot, sid, soft=True)
+                f, s = self._warm(slot, sid)
+            hit = self._fill_many(f, s, sid, jobs)
+            if s is not None:
+                self._touch(f, s)
+        self._count(hit)
+        if promoted:
+            self._maybe_migrate(exclude={sid})
+
     def _fill(self, f: ShardFile | None, s: WarmSession | None, sid: str, layer: int,
               start: int, end: int, out: np.ndarray) -> bool:
         """Copy layer bytes [start, end) into ``out``; True when all came from warm."""
-        if s is not None or self.cold is None or start == end:
-            if s is not None:
-                base, size = self._span(s, layer)
-            else:
-                base = size = self.cold.size(sid, layer) if self.cold else 0
-            if end > size:
-                raise ValueError(f"read [{start}, {end}) past the end ({size}) of {sid}/layer_{layer}")
-        else:  # all of it is on cold, whose read checks the end (one lookup less)
-            base = end
-        split = min(max(base, start), end)  # [start, split) from cold, [split, end) from warm
-        if split > start:
-            if self.cold is None:
-                raise WarmError(f"{sid}/layer_{layer}: bytes below {base} are on a cold tier not configured")
-            self.cold.read_into(sid, layer, start, out[:split - start], missing_is_empty=s is None)
-        if end > split:
+        return self._fill_many(f, s, sid, [(layer, start, end, out)])
+
+    def _fill_many(self, f: ShardFile | None, s: WarmSession | None, sid: str,
+                   jobs: list[tuple[int, int, int, np.ndarray]]) -> bool:
+        """Copy each (layer, start, end) into its ``out``: the parts below each layer's base
+        from cold, in one batch, then the rest from the shard. True when all came from warm."""
+        cold: list[tuple[int, int, np.ndarray]] = []
+        warm: list[tuple[int, int, int, np.ndarray]] = []
+        for layer, start, end, out in jobs:
+            if s is not None or self.cold is None or start == end:
+                if s is not None:
+                    base, size = self._span(s, layer)
+                else:
+                    base = size = self.cold.size(sid, layer) if self.cold else 0
+                if end > size:
+                    raise ValueError(f"read [{start}, {end}) past the end ({size}) of {sid}/layer_{layer}")
+            else:  # all of it is on cold, whose read checks the end (one lookup less)
+                base = end
+            split = min(max(base, start), end)  # [start, split) from cold, [split, end) from warm
+            if split > start:
+                if self.cold is None:
+                    raise WarmError(f"{sid}/layer_{layer}: bytes below {base} are on a cold tier not configured")
+                cold.append((layer, start, out[:split - start]))
+            if end > split:
+                warm.append((layer, split, end, out[split - start:]))
+        if len(cold) == 1:
+            self.cold.read_into(sid, *cold[0], missing_is_empty=s is None)
+        elif cold:
+            self.cold.read_ranges(sid, cold, missing_is_empty=s is None)
+        hit = not cold
+        for layer, split, end, out in warm:
             try:
-                f.read_into(s, s.layers[layer], split, end, out[split - start:], f"layer {layer}")
+                f.read_into(s, s.layers[layer], split, end, out, f"layer {layer}")
             except WarmCorrupt as e:  # the cold copy is a prefix of the content: use it
                 if self.cold is None or self.cold.size(sid, layer) < end:
                     raise
                 log.error("%s; served from the cold copy", e)
-                self.cold.read_into(sid, layer, split, out[split - start:])
-                return False
-        return split == start
+                self.cold.read_into(sid, layer, split, out)
+                hit = False
+        return hit
 
     def _count(self, hit: bool) -> None:
         with self._lock:

@@ -39,7 +39,7 @@ import numpy as np
 
 from kvfs.ops import metrics
 
-from .cold import META, SUMMARIES, ColdStore, layer_name
+from .cold import META, SUMMARIES, ColdBackend, layer_name, open_cold
 from .format import FLAG_CLEAN, FLAG_ON_COLD, K_LAYER, K_SUMMARY, KEY_DEVICE, KEY_SESSION
 from .ids import (
     WarmError,
@@ -75,7 +75,7 @@ class WarmTier(Reads, Mover, WriteBehind, Validator, Lifecycle):
                  clock: Callable[[], float] = time.time, max_open_shards: int = 512,
                  retry_s: float = 1.0, retry_max_s: float = 300.0, writebehind: bool = True,
                  writebehind_s: float = 2.0, writebehind_bytes: int = 64 << 20,
-                 volume_id: str | None = None) -> None:
+                 volume_id: str | None = None, native: bool | None = None) -> None:
         if shard_key not in ("session", "device"):
             raise WarmError(f"shard_key must be 'session' or 'device', got {shard_key!r}")
         self.key = KEY_SESSION if shard_key == "session" else KEY_DEVICE
@@ -85,7 +85,9 @@ class WarmTier(Reads, Mover, WriteBehind, Validator, Lifecycle):
         if not 0 < retry_s <= retry_max_s:
             raise WarmError("retry_s must be > 0 and at most retry_max_s")
         self.volume_id = check_volume_id(volume_id) if volume_id is not None else None
-        self.cold = ColdStore(cold_root) if cold_root is not None else None  # WarmError if absent
+        # WarmError if absent; the mount's native channel when it serves one we may use
+        # (``native`` None), never (False), or required (True)
+        self.cold: ColdBackend | None = open_cold(cold_root, native) if cold_root is not None else None
         self.root, self.cap, self.migrate_at, self.group = root, int(cap_bytes), float(migrate_at), int(group)
         self.cap_bytes = self.cap  # the configured cap; ``cap`` is what the RAM filesystem allows
         self.shards, self.dim, self.clock, self.max_open = shards, int(summary_dim), clock, max_open_shards

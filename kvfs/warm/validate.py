@@ -11,7 +11,7 @@ directory still exists (one lstat), so ``rm -r`` on the mount is seen at once.
 A session is taken (a flock on its lock file, owners.py) on its first use here; a
 write-behind pass takes the sessions nobody here has open for that pass only, and drops
 its RAM copy of one that another process has open. On a mount with a shared tier, taking a
-session also takes its hold (``ColdStore.hold``: the lease stays with this node until the
+session also takes its hold (``ColdBackend.hold``: the lease stays with this node until the
 session is released; another node's agent gets ``WarmBusy``), or, for a session not on the
 mount yet, once its directory is made (``_hold_made``).
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from .cold import ColdStore
+from .cold import ColdBackend
 from .format import FLAG_CLEAN, FLAG_ON_COLD
 from .ids import WarmError, WarmLost, check_sid
 from .owners import SessionLocks
@@ -55,7 +55,7 @@ class _Own:
 class Validator:
     """Session ownership, validation against the mount, dropping a RAM copy; see module doc."""
 
-    cold: ColdStore | None
+    cold: ColdBackend | None
     locks: SessionLocks
 
     def _init_owners(self) -> None:

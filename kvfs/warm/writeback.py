@@ -28,11 +28,10 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future
 
 from kvfs.ops import metrics
 
-from .cold import INCARNATION, META, SUMMARIES, layer_name
+from .cold import INCARNATION, META, SUMMARIES, Changes, Written, incarnation_bytes, layer_name
 from .format import FLAG_CLEAN, FLAG_MIGRATING, FLAG_ON_COLD
 from .ids import WarmCorrupt, WarmError
 from .owners import write_stats
@@ -49,19 +48,18 @@ def new_incarnation() -> int:
 
 
 class _Pass:
-    """A session whose tail a pass wrote, waiting for its fsyncs."""
+    """A session whose tail a pass wrote, waiting for its durability point."""
 
-    __slots__ = ("sid", "session", "gen", "names", "made_dir", "since", "bytes", "fds", "syncs",
-                 "error")
+    __slots__ = ("sid", "session", "gen", "since", "bytes", "written")
 
     def __init__(self, sid: str, session: WarmSession, gen: int, d: list | None) -> None:
         self.sid, self.session, self.gen = sid, session, gen
         self.since, self.bytes = (d[0], d[1]) if d else (time.monotonic(), 0)
-        self.names: set[str] = set()
-        self.fds: dict[str, int] = {}  # layer files written by this pass, still open
-        self.made_dir = False
-        self.syncs: list[Future] = []
-        self.error: BaseException | None = None
+        self.written = Written(sid)  # what the cold tier did; its names: all to make durable
+
+    @property
+    def error(self) -> BaseException | None:
+        return self.written.error
 
 
 class WriteBehind:
@@ -149,9 +147,10 @@ class WriteBehind:
                 if not fsync:
                     self._written(staged)
                     for st in staged:
-                        self._close_fds(st)
+                        self.cold.forget(st.written)
                     staged = []
-                self._fsync_staged(staged)
+                if staged:  # one durability point for every session written
+                    self.cold.sync([st.written for st in staged])
                 lag = 0.0
                 for st in staged:
                     done = self._commit_tail(st)
@@ -161,7 +160,7 @@ class WriteBehind:
                         lag = max(lag, done)
             finally:
                 for st in staged:
-                    self._close_fds(st)  # none left unless something failed midway
+                    self.cold.forget(st.written)  # none left unless something failed midway
                 for sid in temps:
                     self._release_temp(sid)
             if staged and not errors:
@@ -203,37 +202,41 @@ class WriteBehind:
                     d = self._dirty.get(sid)
                     st = _Pass(sid, s, s.gen, d)
             # the tail's extents stay (io lock): write them without blocking the agent
-            written: set[str] = set()
+            ch = Changes()
+            w = st.written  # names as they are tried (synced later even if this fails)
+            summ_changed = meta_changed = True  # until known: then what cold holds is known
             try:
                 if cs is None:
-                    st.made_dir = self.cold.ensure_dir(sid)
+                    w.made_dir = self.cold.ensure_dir(sid)
                     self._hold_made(sid)
                 if cs is None or cs[1] is None:
-                    self.cold.write_incarnation(sid, s.inc, sync=False)
-                    written.add(INCARNATION)
+                    ch.replace(INCARNATION, incarnation_bytes(s.inc))
                 for layer, c, pieces in tails:
-                    name, keep = layer_name(layer), []
-                    written.add(name)
-                    try:
-                        sizes[layer] = self.cold.append(sid, name, c, pieces, sync=False, keep=keep)
-                    finally:
-                        st.fds.update((name, fd) for fd in keep)
-                if self.cold.sync_summaries(sid, summ, sync=False, old=old_summ):
-                    written.add(SUMMARIES)
-                old_summ = summ
-                if meta is not None and self.cold.write_meta(sid, meta, sync=False, old=old_meta):
-                    written.add(META)
-                old_meta = meta
-            except BaseException:
-                self._close_fds(st)
-                raise
+                    ch.append(layer_name(layer), c, pieces)
+                if old_summ is None:
+                    old_summ = self.cold.read_small(sid, SUMMARIES) or b""
+                summ_changed = ch.rewrite(SUMMARIES, summ, old_summ)
+                meta_changed = meta is not None and meta != old_meta and (
+                    old_meta is not None or self.cold.read_small(sid, META) != meta)
+                if meta_changed:
+                    ch.replace(META, meta)
+                if ch:
+                    self.cold.write(sid, ch, w)
             finally:
+                for layer, _, _ in tails:
+                    if layer_name(layer) in w.sizes:
+                        sizes[layer] = w.sizes[layer_name(layer)]
+                if not summ_changed or w.sizes.get(SUMMARIES) == len(summ):
+                    old_summ = summ
+                if meta is not None and (not meta_changed or w.sizes.get(META) == len(meta)):
+                    old_meta = meta
+                written = set(w.names)
                 with self._locked(sid, own=False) as slot:
                     f2, s2 = self._warm(slot, sid)
                     if s2 is s:
                         s.cold, s.csumm, s.cmeta = sizes, old_summ, old_meta
                         s.unsynced |= written
-                        st.names = set(s.unsynced)
+                        st.written.names = set(s.unsynced)
                         if INCARNATION in written and not s.flags & FLAG_ON_COLD:
                             f2.set_flags(s, s.flags | FLAG_ON_COLD)  # a removal from now on is one
         return st
@@ -248,38 +251,6 @@ class WriteBehind:
                     d[1] -= n
                     self._dirty_bytes -= n
 
-    @staticmethod
-    def _close_fds(st: _Pass) -> None:
-        for fd in st.fds.values():
-            os.close(fd)
-        st.fds = {}
-
-    def _fsync_staged(self, staged: list[_Pass]) -> None:
-        """fsync every file a pass wrote (or an earlier write-only pass), concurrently: the
-        filesystem commits them together, as fast as one big file."""
-        if not staged:
-            return
-        pool = self._fsync_pool()
-        for st in staged:
-            fds, st.fds = st.fds, {}
-            st.syncs = [pool.submit(self.cold.fsync_close, st.sid, n, fd) for n, fd in fds.items()]
-            st.syncs += [pool.submit(self.cold.fsync_file, st.sid, n)
-                         for n in sorted(st.names) if n not in fds]
-            if st.made_dir or st.names:  # new names in it, maybe
-                st.syncs.append(pool.submit(self.cold.sync_dir, st.sid))
-        for st in staged:
-            for fut in st.syncs:
-                try:
-                    fut.result()
-                except (OSError, WarmError) as e:
-                    st.error = st.error or e
-        if any(st.made_dir for st in staged):
-            try:
-                self.cold.sync_sessions_dir()
-            except (OSError, WarmError) as e:
-                for st in staged:
-                    st.error = st.error or e
-
     def _commit_tail(self, st: _Pass) -> float | None:
         """Record a durable tail; clean if nothing changed since. Returns the lag."""
         with self._locked(st.sid, own=False) as slot:
@@ -289,7 +260,7 @@ class WriteBehind:
                 return None
             if st.error is not None:
                 return None
-            s.unsynced -= st.names
+            s.unsynced -= st.written.names
             flags = s.flags | FLAG_ON_COLD
             own = self._owned.get(st.sid)
             if own is not None:
