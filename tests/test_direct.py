@@ -39,8 +39,7 @@ class Reader:
         rfd = pub.reader_fd()
         self.view = PublishedView(rfd)
         os.close(rfd)
-        self.fd = os.open(store.vol.path, os.O_RDONLY)
-        self.r = DirectReader(self.fd, self.view)
+        self.r = DirectReader(store.vol.path, self.view)
         self.store = store
 
     def extents(self, sid: str, name: str) -> FileExtents:
@@ -64,7 +63,6 @@ class Reader:
     def close(self) -> None:
         self.r.close()
         self.view.close()
-        os.close(self.fd)
 
 
 @pytest.fixture
@@ -197,7 +195,6 @@ def test_reads_racing_writes_truncates_and_laps_return_right_bytes_only(vol):
     rd = Reader(s)
     names = [f"s{i}" for i in range(4)]
     content: dict[str, bytes] = {}  # what each session's file holds, by generation
-    gens: dict[str, dict[int, bytes]] = {n: {} for n in names}
     lock = threading.Lock()
     stop = threading.Event()
     errors: list[str] = []

@@ -108,7 +108,7 @@ class Channel:
         self._conns = 0
         self._cv = threading.Condition()
         self._closed = False
-        self.fd = -1
+        self.reader: DirectReader | None = None
         self.hello: dict[str, Any] = {}
         first = self._connect()
         try:
@@ -119,7 +119,6 @@ class Channel:
             raise
         self._idle.append(first)
         self.cache = ExtentCache(self.view)
-        self.reader = DirectReader(self.fd, self.view)
         self.entry_max = int(self.hello.get("entry_max") or 256 << 10)
 
     @classmethod
@@ -172,12 +171,12 @@ class Channel:
     def _setup(self, _s: socket.socket) -> None:
         """Open the volume read-only and check that it is the mount's (its uuid)."""
         path = self.hello["volume"]
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        reader = DirectReader(path, self.view)
         try:
             uuids = set()
             for slot in (0, 1):
                 try:
-                    uuids.add(Superblock.unpack(os.pread(fd, SB_SLOT, slot * SB_SLOT)).uuid.hex())
+                    uuids.add(Superblock.unpack(os.pread(reader.fd, SB_SLOT, slot * SB_SLOT)).uuid.hex())
                 except BadSuperblock:
                     continue
             if self.hello.get("uuid") not in uuids:
@@ -185,9 +184,9 @@ class Channel:
             if (self.view.ring_offset, self.view.ring_size) == (0, 0):
                 raise ValueError("the published block names no ring")
         except BaseException:
-            os.close(fd)
+            reader.close()
             raise
-        self.fd = fd
+        self.reader = reader
 
     @contextmanager
     def _conn(self) -> Iterator[socket.socket]:
@@ -239,11 +238,9 @@ class Channel:
             self._cv.notify_all()
         for s in idle:
             s.close()
-        if getattr(self, "reader", None) is not None:
+        if self.reader is not None:
             self.reader.close()
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+            self.reader = None
         if getattr(self, "view", None) is not None:
             self.view.close()
 

@@ -108,6 +108,12 @@ class PublishedView:
     def cuts(self, sno: int) -> int:
         return self.words[_CUTS + sno % BUCKETS]
 
+    def holds(self, pos: int, sno: int, cuts: int) -> bool:
+        """Whether the entry at ``pos`` was not written over and session ``sno`` not cut
+        since its count of cuts was ``cuts`` (one call on the read path)."""
+        w = self.words
+        return w[_W_TAIL] <= pos and w[_CUTS + sno % BUCKETS] == cuts
+
     def close(self) -> None:
         self.words.release()
         self._map.close()
