@@ -278,36 +278,56 @@ class Channel:
         if not jobs:
             return
         for attempt in range(READ_RETRIES):
-            plan: list[tuple[FileExtents, int, memoryview]] = []
-            missing = []
-            for name, off, out in jobs:
-                fe = None if attempt else self.cache.get(sid, name, off, off + len(out))
-                if fe is None:
-                    missing.append(name)
-                plan.append((fe, off, out))  # type: ignore[arg-type]
-            if missing:
-                want = sorted(set(missing))
-                _, got = self.extents(sid, [(n, 0, -1) for n in want])
-                fresh = dict(zip(want, got, strict=True))
-                for k, (name, off, out) in enumerate(jobs):
-                    if plan[k][0] is None:
-                        fe = fresh[name]
-                        if fe is None:
-                            raise FileNotFoundError(errno.ENOENT, f"no file {sid}/{name}")
-                        if off + len(out) > fe.size:
-                            raise ValueError(f"read [{off}, {off + len(out)}) past the end "
-                                             f"({fe.size}) of {sid}/{name}")
-                        if not fe.covers(off, off + len(out)):  # a very long file: just this range
-                            _, (fe,) = self.extents(sid, [(name, off, len(out))])
-                            if fe is None:
-                                raise FileNotFoundError(errno.ENOENT, f"no file {sid}/{name}")
-                        plan[k] = (fe, off, out)
             try:
-                self.reader.read(plan)
+                self.reader.read(self._plan(sid, jobs, fresh=attempt > 0))
                 return
             except Stale:
                 continue
         raise OSError(errno.EIO, f"{sid}: the ring moved under {READ_RETRIES} reads in a row")
+
+    def _plan(self, sid: str, jobs: list[tuple[str, int, memoryview]], fresh: bool
+              ) -> list[tuple[FileExtents, int, memoryview]]:
+        """Each job with extents that cover it: from the cache, else asked for (one request
+        per round for every file missing; a range longer than one answer holds is split
+        and the rest asked for in the next round)."""
+        plan: list[tuple[FileExtents, int, memoryview]] = []
+        todo = list(jobs)
+        while todo:
+            need: list[tuple[str, int, memoryview]] = []
+            for name, off, out in todo:
+                fe = None if fresh else self.cache.get(sid, name, off, off + len(out))
+                if fe is None:
+                    need.append((name, off, out))
+                else:
+                    plan.append((fe, off, out))
+            fresh = False
+            if not need:
+                break
+            span: dict[str, list[int]] = {}
+            for name, off, out in need:
+                lo_hi = span.setdefault(name, [off, off + len(out)])
+                lo_hi[0], lo_hi[1] = min(lo_hi[0], off), max(lo_hi[1], off + len(out))
+            want = sorted(span)
+            _, got = self.extents(sid, [(n, span[n][0], span[n][1] - span[n][0]) for n in want])
+            by = dict(zip(want, got, strict=True))
+            todo = []
+            for name, off, out in need:
+                fe = by[name]
+                if fe is None:
+                    raise FileNotFoundError(errno.ENOENT, f"no file {sid}/{name}")
+                end = off + len(out)
+                if end > fe.size:
+                    raise ValueError(f"read [{off}, {end}) past the end ({fe.size}) of {sid}/{name}")
+                if fe.covers(off, end):
+                    plan.append((fe, off, out))
+                elif fe.lo <= off < fe.hi:  # the answer ends inside the range: the rest later
+                    k = fe.hi - off
+                    plan.append((fe, off, out[:k]))
+                    todo.append((name, fe.hi, out[k:]))
+                else:
+                    raise OSError(errno.EIO, f"{sid}/{name}: the mount answered extents "
+                                             f"[{fe.lo}, {fe.hi}) for a read at {off}")
+        return plan
 
     def write(self, sid: str, items: list[P.Item], sync: bool = False,
               create: bool = True) -> list[int]:

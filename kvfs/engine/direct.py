@@ -124,11 +124,10 @@ class _Scratch:
         return mmap.mmap(-1, max(-(-n // mmap.PAGESIZE) * mmap.PAGESIZE, 1 << 17))
 
     def give(self, m: mmap.mmap) -> None:
+        """Back for reuse (what is not kept is unmapped once its last view is gone)."""
         with self._lock:
             if len(self._free) < 16 and len(m) <= 2 * MERGE_MAX:
                 self._free.append(m)
-                return
-        m.close()
 
 
 class DirectReader:
@@ -362,6 +361,8 @@ class DirectReader:
                 split += rest
             return bad + [p for p in dict.fromkeys(split) if not self._check(p)]
         finally:
+            for p in pieces:
+                p.have = []
             for m in bufs:
                 self._scratch.give(m)
 
