@@ -6,7 +6,8 @@
 
 Scenarios (``docs/reliability.md`` says what each one checks): ``kill9``, ``faults``
 (``torture_crash.py``), ``flips``, ``full`` (``torture_mount.py``), ``badinput``, ``load``
-(``torture_input.py``), ``stale``, ``race``, ``buffers`` (``torture_hardening.py``). Each is bounded by a count -- its full-run default, ``--quick``
+(``torture_input.py``), ``stale``, ``race``, ``buffers`` (``torture_hardening.py``),
+``nrace``, ``nkill9`` (the native channel: ``torture_native.py``). Each is bounded by a count -- its full-run default, ``--quick``
 for the pytest-sized one, or ``--trials`` (kills, power cuts, flipped bits, rounds; for
 ``load``, seconds) -- and by ``--seconds``, a time cap per scenario; it stops by itself. A
 summary table is printed; the exit status is 1 when any check failed.
@@ -34,12 +35,14 @@ import torture_crash as tc
 import torture_hardening as th
 import torture_input as ti
 import torture_mount as tm
+import torture_native as tn
 from torture_common import FULL, QUICK, Result
 
 log = logging.getLogger("kvfs.torture")
 
 Scenario = Callable[[Path, int, float, random.Random], Result]
-NAMES = ("kill9", "faults", "flips", "full", "badinput", "load", "stale", "race", "buffers")
+NAMES = ("kill9", "faults", "flips", "full", "badinput", "load", "stale", "race", "buffers",
+         "nrace", "nkill9")
 
 
 def scenarios() -> dict[str, Scenario]:
@@ -47,7 +50,7 @@ def scenarios() -> dict[str, Scenario]:
     ``torture_input.py``."""
     return {"kill9": tc.kill9, "faults": tc.faults, "flips": tm.flips, "full": tm.full,
             "badinput": ti.badinput, "load": ti.load, "stale": th.stale, "race": th.race,
-            "buffers": th.buffers}
+            "buffers": th.buffers, "nrace": tn.nrace, "nkill9": tn.nkill9}
 
 
 def table(results: list[Result]) -> str:
