@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint bench bench-quick setup clean
+.PHONY: test test-unit test-slow demo lint bench bench-quick setup clean
 
 $(STAMP): setup.cfg tools/setup_env.sh
 	bash tools/setup_env.sh
@@ -14,6 +14,14 @@ setup: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# the fast lane: no mounts, nothing slow (at most 90 s on two cores)
+test-unit: $(STAMP)
+	$(PY) -m pytest -q -m "not mount and not slow" tests
+
+# what the fast lane leaves out: mounts through /dev/fuse, models, long loops
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m "mount or slow" tests
 
 demo: $(STAMP)
 	$(PY) tools/demo.py

@@ -68,12 +68,14 @@ def test_no_import_cycles() -> None:
 
 
 def test_layers_import_only_downwards() -> None:
-    """engine < fuse, warm < torch; ops may use engine types; nothing below imports cli."""
+    """engine < channel < fuse, warm < torch; ops may use engine types; nothing below
+    imports cli."""
     allowed = {
         "kvfs.engine": {"kvfs.engine"},
-        "kvfs.warm": {"kvfs.warm", "kvfs.ops"},
+        "kvfs.channel": {"kvfs.channel", "kvfs.engine"},
+        "kvfs.warm": {"kvfs.warm", "kvfs.ops", "kvfs.channel"},
         "kvfs.ops": {"kvfs.ops", "kvfs.engine"},
-        "kvfs.fuse": {"kvfs.fuse", "kvfs.engine", "kvfs.ops", "kvfs.shared"},
+        "kvfs.fuse": {"kvfs.fuse", "kvfs.engine", "kvfs.ops", "kvfs.shared", "kvfs.channel"},
         "kvfs.torch": {"kvfs.torch", "kvfs.warm", "kvfs.ops"},
         "kvfs.shared": {"kvfs.shared", "kvfs.engine"},
     }
@@ -103,6 +105,10 @@ def test_engine_loads_neither_fuse_nor_torch() -> None:
 
 def test_warm_tier_loads_no_torch_or_fuse() -> None:
     assert not _loaded_after("import kvfs.warm") & {"pyfuse3", "trio", "torch", "transformers"}
+
+
+def test_channel_client_loads_no_fuse() -> None:
+    assert not _loaded_after("import kvfs.channel") & {"pyfuse3", "trio", "torch"}
 
 
 def test_package_root_is_light() -> None:

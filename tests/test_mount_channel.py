@@ -100,7 +100,7 @@ def test_peers_are_checked_as_the_kernel_would():
         item = "__import__('kvfs.channel', fromlist=['Item']).Item"
         assert bob(f"fds['c'].write('chat', [{item}(1, 'layer_0', 100, b'B')])") == f"errno {errno.EACCES}"
         assert bob(f"fds['c'].write('chat', [{item}(1, 'layer_9', 0, b'B')])") == f"errno {errno.EACCES}"
-        assert bob(f"fds['c'].stat('chat')") == f"errno {errno.EACCES}"
+        assert bob("fds['c'].stat('chat')") == f"errno {errno.EACCES}"
         assert alice(f"fds['c'].write('chat', [{item}(1, 'layer_1', 0, b'C' * 7)], sync=True)") == "[7]"
         st = os.stat(m.sessions / "chat" / "layer_1")
         assert (st.st_uid, st.st_mode & 0o777) == (4301, 0o600)  # made as alice, private

@@ -6,7 +6,10 @@ the volume directly (``kvfs.engine.direct``) with extents the mount serves; appe
 the mount, one request per round for every file. Uses the engine's read-side code only.
 """
 
+from kvfs.engine.direct import FileExtents
+
 from .client import Channel, channel_of
 from .protocol import APPEND, REPLACE, TRUNCATE, Item, SessionInfo
 
-__all__ = ["APPEND", "REPLACE", "TRUNCATE", "Channel", "Item", "SessionInfo", "channel_of"]
+__all__ = ["APPEND", "REPLACE", "TRUNCATE", "Channel", "FileExtents", "Item", "SessionInfo",
+           "channel_of"]

@@ -29,12 +29,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import kvfs.channel.protocol as P
 from kvfs.engine.direct import DirectReader, FileExtents, Stale
 from kvfs.engine.errors import BadSuperblock
 from kvfs.engine.format import SB_SLOT, Superblock
 from kvfs.engine.published import PublishedView
-
-from . import protocol as P
 
 log = logging.getLogger("kvfs.channel")
 

@@ -24,9 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from kvfs.channel import Channel
+from kvfs.channel import Channel, FileExtents
 from kvfs.channel import protocol as P
-from kvfs.engine.direct import FileExtents
 
 from .cold import (
     APPEND,
