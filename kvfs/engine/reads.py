@@ -56,6 +56,7 @@ class ReadPath:
         self._decoded_bytes = 0
         self._tables: OrderedDict[int, tuple[Header, Table]] = OrderedDict()
         self.published: Published | None = None
+        self.on_cut: Callable[[int], None] | None = None  # told of every cut (must not wait)
 
     # ------------------------------------------------------------ reads by other processes
     def publish(self) -> Published:
@@ -71,6 +72,8 @@ class ReadPath:
         """Under the state lock: session ``sno`` lost bytes (truncate, delete, drop)."""
         if self.published is not None:
             self.published.cut(sno)
+        if self.on_cut is not None:
+            self.on_cut(sno)
 
     def extents(self, session: str, files: list[tuple[str, int, int]]
                 ) -> tuple[tuple[int, int, int], list[FileExtents | None]]:

@@ -84,6 +84,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--offload-syncs", action="store_true",
                    help="run every fsync on the engine threads, small ones too (the FUSE loop "
                         "never waits for a device flush)")
+    p.add_argument("--read-ahead-kb", type=int, default=READ_AHEAD_KB, metavar="KB",
+                   help=f"with --page-cache: the kernel's readahead of the mount (default "
+                        f"{READ_AHEAD_KB}; docs/mount.md has the measurements)")
+    p.add_argument("--max-read", type=int, metavar="BYTES",
+                   help="the largest read request the kernel sends (default: as large as it "
+                        "allows, 1 MiB here)")
     p.add_argument("--no-channel", action="store_true",
                    help="do not serve the native channel (kvfs's own clients then use the "
                         "files, like any program)")
@@ -314,6 +320,8 @@ def fuse_options(args: argparse.Namespace) -> set[str]:
     options = {"fsname=kvfs", "subtype=kvfs", "default_permissions"}
     if args.allow_other:
         options.add("allow_other")
+    if args.max_read:
+        options.add(f"max_read={args.max_read}")
     return options
 
 
@@ -372,7 +380,8 @@ def _unescape(field: str) -> str:
 
 
 async def serve(ops: Operations, store: Any, profile: profiles.Profile,
-                alert_engine: Any, mountpoint: str | None = None) -> None:
+                alert_engine: Any, mountpoint: str | None = None,
+                read_ahead_kb: int = READ_AHEAD_KB) -> None:
     """The FUSE loop and its companions; returns after ``umount`` or a signal."""
     # what start-up built (the index, modules) is never garbage: keep the collector's full
     # passes, which would stall requests, from walking it again and again
@@ -385,7 +394,7 @@ async def serve(ops: Operations, store: Any, profile: profiles.Profile,
         nursery.start_soon(unmount_on_signal)
         nursery.start_soon(checkpointer, ops, store)
         if mountpoint is not None and not ops.direct_io:
-            nursery.start_soon(tune_readahead, mountpoint)
+            nursery.start_soon(tune_readahead, mountpoint, read_ahead_kb)
         if alert_engine is not None:
             nursery.start_soon(alert_loop, alert_engine, profile.alert_interval_s)
         try:
@@ -403,6 +412,8 @@ async def serve(ops: Operations, store: Any, profile: profiles.Profile,
     await ops.flush_all()
     await ops.shared.close()  # pushes what is queued (bounded), hands the leases back
     ops.worker.close()
+    if ops.pages is not None:
+        ops.pages.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -456,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("mounted %s on %s (profile %s)", args.volume, args.mountpoint, profile.name)
         report(pipe, "OK")
         try:
-            trio.run(serve, ops, store, profile, alert_engine, args.mountpoint)
+            trio.run(serve, ops, store, profile, alert_engine, args.mountpoint, args.read_ahead_kb)
         except Exception:  # a bug: still unmount and close the volume on the way out
             log.exception("the mount loop failed; unmounting")
             return 1

@@ -54,6 +54,7 @@ from .errnos import Stale, handler
 from .files import (
     FIXED_TIMEOUT,
     Counters,
+    KernelPages,
     ReadAhead,
     drop_kernel_pages,
     file_attr,
@@ -132,6 +133,10 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         self._sessions_mode = stat.S_IFDIR | (0o1777 if allow_other else 0o755)
         self.shared: Any = Local()  # the shared tier's hooks (``remote.Remote`` with --shared)
         self.channel: Any = None  # the native channel's server (``channel.py``), if serving
+        # cached pages of files the engine cuts behind the kernel's back are dropped
+        self.pages = KernelPages(self.inodes) if not direct_io else None
+        if self.pages is not None:
+            store.on_cut = self.pages.cut
 
     def use_shared(self, shared: Any) -> None:
         """Replicate to and read through from the shared tier (``remote.Remote``)."""
