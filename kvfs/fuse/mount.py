@@ -87,9 +87,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--read-ahead-kb", type=int, default=READ_AHEAD_KB, metavar="KB",
                    help=f"with --page-cache: the kernel's readahead of the mount (default "
                         f"{READ_AHEAD_KB}; docs/mount.md has the measurements)")
-    p.add_argument("--max-read", type=int, metavar="BYTES",
-                   help="the largest read request the kernel sends (default: as large as it "
-                        "allows, 1 MiB here)")
     p.add_argument("--no-channel", action="store_true",
                    help="do not serve the native channel (kvfs's own clients then use the "
                         "files, like any program)")
@@ -320,8 +317,6 @@ def fuse_options(args: argparse.Namespace) -> set[str]:
     options = {"fsname=kvfs", "subtype=kvfs", "default_permissions"}
     if args.allow_other:
         options.add("allow_other")
-    if args.max_read:
-        options.add(f"max_read={args.max_read}")
     return options
 
 
