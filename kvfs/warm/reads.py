@@ -1,57 +1,67 @@
-"""The warm tier's read calls: size, layer_sizes, layers, read, read_into, read_layers
-(a mixin of WarmTier).
+"""The warm tier's reads: size, layer_sizes, layers, read, read_into, read_many, read_layers.
 
 A layer's range splits at its base: bytes below it come from the cold copy (always a
-prefix of the content, tier.py), the rest from the shard's mapping. A checksum mismatch in
-RAM is served from the cold copy when that holds the bytes. A read of a whole layer that is
-partly on cold promotes the session back to RAM first (migrate.py). Separate from tier.py,
-which owns the state, the locks and the writes; these only look up and copy out.
-Never imports torch.
+prefix of the content, resident.py), the rest from the shard's mapping; the cold parts of
+many layers go to the ``ColdBackend`` as one batch. A checksum mismatch in RAM is served
+from the cold copy when that holds the bytes. A read of a whole layer that is partly on
+cold promotes the session back to RAM first (``promote``: the mover's, given at
+construction). These only look up and copy out. Never imports torch.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import numpy as np
 
-from kvfs.ops import metrics
-
 from .cold import ColdBackend
 from .ids import WarmCorrupt, WarmError, check_layer
-from .records import WarmSession
+from .records import Slot, WarmSession
+from .resident import Resident
 from .shard import ShardFile
 
 log = logging.getLogger("kvfs.warm")
 
 
-class Reads:
-    """WarmTier's read methods; its state, locks and helpers are the tier's (tier.py)."""
+class Reader:
+    """The reads, over the RAM copies (``Resident``); ``own`` takes a session for this
+    process before a read (``Validator.own``), ``promote(slot, sid, soft)`` brings a
+    session back from cold under its shard lock and ``after_promote(sid)`` lets the tier
+    migrate what that pushed over the threshold (the mover's and the evictor's)."""
 
-    cold: ColdBackend | None
-    stats: dict[str, int]
+    def __init__(self, res: Resident, cold: ColdBackend | None, own: Callable[[str], None],
+                 promote: Callable[[Slot, str, bool], bool],
+                 after_promote: Callable[[str], None]) -> None:
+        self.res, self.cold, self.own = res, cold, own
+        self.promote, self.after_promote = promote, after_promote
+
+    def _locked(self, sid: str) -> AbstractContextManager[Slot]:
+        self.own(sid)
+        return self.res.locked(sid)
 
     def size(self, sid: str, layer: int) -> int:
         layer = check_layer(layer)
         with self._locked(sid) as slot:
-            _, s = self._warm(slot, sid)
+            _, s = self.res.warm(slot, sid)
             if s is not None:
-                return self._span(s, layer)[1]
+                return self.res.span(s, layer)[1]
             return self.cold.size(sid, layer) if self.cold else 0
 
     def layer_sizes(self, sid: str) -> dict[int, int]:
         """{layer: size} of every layer the session has, in warm or cold (addition to the
         contract; one listing of the cold directory instead of a lookup per layer)."""
         with self._locked(sid) as slot:
-            _, s = self._warm(slot, sid)
+            _, s = self.res.warm(slot, sid)
             if s is not None:
-                return {n: self._span(s, n)[1] for n in sorted(set(s.layers) | set(s.cold or ()))}
+                return {n: self.res.span(s, n)[1] for n in sorted(set(s.layers) | set(s.cold or ()))}
             return dict(sorted(((self.cold.layer_sizes(sid) or {}) if self.cold else {}).items()))
 
     def layers(self, sid: str) -> list[int]:
         """Layer numbers the session has, in warm or cold (addition to the contract)."""
         with self._locked(sid) as slot:
-            _, s = self._warm(slot, sid)
+            _, s = self.res.warm(slot, sid)
             if s is not None:
                 return sorted(set(s.layers) | set(s.cold or ()))
             return sorted((self.cold.layer_sizes(sid) or {}) if self.cold else ())
@@ -85,19 +95,19 @@ class Reads:
             raise ValueError(f"out must be {end - start} contiguous uint8 bytes")
         promoted = False
         with self._locked(sid) as slot:
-            f, s = self._warm(slot, sid)
+            f, s = self.res.warm(slot, sid)
             if self.cold is not None and promote is not False:
-                base, size = self._span(s, layer) if s is not None else (self.cold.size(sid, layer),) * 2
+                base, size = self.res.span(s, layer) if s is not None else (self.cold.size(sid, layer),) * 2
                 whole = start == 0 and end == size and start < base  # a whole layer, partly cold
                 if promote or whole:
-                    promoted = self._promote_locked(slot, sid, soft=True)
-                    f, s = self._warm(slot, sid)
+                    promoted = self.promote(slot, sid, True)
+                    f, s = self.res.warm(slot, sid)
             hit = self._fill(f, s, sid, layer, start, end, out)
             if s is not None:
-                self._touch(f, s)
-        self._count(hit)
+                self.res.touch(f, s)
+        self.res.count(hit)
         if promoted:
-            self._maybe_migrate(exclude={sid})
+            self.after_promote(sid)
 
     def read_layers(self, sid: str, layers: list[int] | range, start: int, end: int, *,
                     promote: bool = False) -> np.ndarray:
@@ -110,16 +120,16 @@ class Reads:
         out = np.empty((len(layers), end - start), np.uint8)
         promoted = hit = False
         with self._locked(sid) as slot:
-            f, s = self._warm(slot, sid)
+            f, s = self.res.warm(slot, sid)
             if promote and self.cold is not None:
-                promoted = self._promote_locked(slot, sid, soft=True)
-                f, s = self._warm(slot, sid)
+                promoted = self.promote(slot, sid, True)
+                f, s = self.res.warm(slot, sid)
             hit = self._fill_many(f, s, sid, [(layer, start, end, out[k]) for k, layer in enumerate(layers)])
             if s is not None:
-                self._touch(f, s)
-        self._count(hit)
+                self.res.touch(f, s)
+        self.res.count(hit)
         if promoted:
-            self._maybe_migrate(exclude={sid})
+            self.after_promote(sid)
         return out
 
     def read_many(self, sid: str, ranges: list[tuple[int, int, int, np.ndarray]], *,
@@ -137,20 +147,20 @@ class Reads:
             jobs.append((check_layer(layer), start, end, out))
         promoted = False
         with self._locked(sid) as slot:
-            f, s = self._warm(slot, sid)
+            f, s = self.res.warm(slot, sid)
             if promote is None and self.cold is not None and s is not None:
                 # as ``read_into``: a whole layer partly on cold brings the session back
-                promote = any(start == 0 and end == self._span(s, layer)[1]
-                              and start < self._span(s, layer)[0] for layer, start, end, _ in jobs)
+                promote = any(start == 0 and end == self.res.span(s, layer)[1]
+                              and start < self.res.span(s, layer)[0] for layer, start, end, _ in jobs)
             if promote and self.cold is not None:
-                promoted = self._promote_locked(slot, sid, soft=True)
-                f, s = self._warm(slot, sid)
+                promoted = self.promote(slot, sid, True)
+                f, s = self.res.warm(slot, sid)
             hit = self._fill_many(f, s, sid, jobs)
             if s is not None:
-                self._touch(f, s)
-        self._count(hit)
+                self.res.touch(f, s)
+        self.res.count(hit)
         if promoted:
-            self._maybe_migrate(exclude={sid})
+            self.after_promote(sid)
 
     def _fill(self, f: ShardFile | None, s: WarmSession | None, sid: str, layer: int,
               start: int, end: int, out: np.ndarray) -> bool:
@@ -166,7 +176,7 @@ class Reads:
         for layer, start, end, out in jobs:
             if s is not None or self.cold is None or start == end:
                 if s is not None:
-                    base, size = self._span(s, layer)
+                    base, size = self.res.span(s, layer)
                 else:
                     base = size = self.cold.size(sid, layer) if self.cold else 0
                 if end > size:
@@ -195,8 +205,3 @@ class Reads:
                 self.cold.read_into(sid, layer, split, out)
                 hit = False
         return hit
-
-    def _count(self, hit: bool) -> None:
-        with self._lock:
-            self.stats["hits" if hit else "misses"] += 1
-        (metrics.warm_hits if hit else metrics.warm_misses).inc()
