@@ -71,6 +71,33 @@ FIGURES: dict[str, tuple[str, str, list[tuple[str, str]]]] = {
     "11": ("Read a 1 KiB piece of a random session's layer among 2,000 sessions, every cache dropped",
            "open + pread + close of the per-layer ext4 file by path", [("native", "piece_read")]),
 }
+# what a figure's bound rows mean, under its title (the numbers are the run's own)
+FIGURE_TEXT: dict[str, str] = {
+    "1": ("The native rows read through kvfs's own channel (docs/mount.md): the client holds the "
+          "file's extents, as an agent that wrote or read the session does, and reads the entry "
+          "from the volume directly, bypassing the page cache; its header, table and every block "
+          "are checked, then the published tail and cut count. The *checked-read floor* row is "
+          "the same direct read, one CRC-32C per 32 KiB block and one copy out, with no Python "
+          "around them: no read that checks what it returns goes below it. Where the native row "
+          "misses its goal and the floor does not, what stops it is the interpreter's own cost "
+          "right after the I/O wait (planning, the header and table checks, the published block: "
+          "a few dozen Python steps on cold CPU caches); a read path compiled to native code "
+          "would close that gap, which this code base (pure Python, no extension module) does "
+          "not have. The FUSE rows are bound by their own floor (a pyfuse3 passthrough)."),
+    "4": ("The resume goes through the warm tier's cold backend: the native channel when the "
+          "mount serves one, its files on the *FUSE face* row. Two rows bound it, measured alone "
+          "in the same run: *cold reads alone* (every layer read in one batch) and *layout alone* "
+          "(the token-major bytes laid out as [1, H, T, D] K and V from RAM, one copy). The "
+          "layer files are token-major by contract (rounds are appended token by token and the "
+          "FUSE face shows them so); a safetensors file stores each tensor already laid out, so "
+          "its load has no layout step. The resume overlaps the two (the next batch of layers is "
+          "read while one is laid out): it cannot be shorter than the longer of them."),
+    "11": ("Every cache is dropped before each read (`echo 3 > /proc/sys/vm/drop_caches` when "
+           "root: pages, dentries and inodes), so the ext4 peer walks the path from the disk. The "
+           "native row's client holds the extents of the sessions it wrote (an agent's "
+           "sessions); the second row asks the mount for them on every read, whose index may "
+           "need B+ tree pages from the disk; the third reads through the FUSE face."),
+}
 # "a|b": the first of these names the module has. Functions returning a flat dict of numbers
 # instead of results: how to read one call as subject / peer samples.
 FLAT: dict[str, dict[str, Any]] = {
@@ -346,6 +373,8 @@ def render(doc: dict, img_rel: str) -> str:
             out.append(f"| {fid} | {f['title']} | not measured | | | | |")
     for fid, f in figs.items():
         out += ["", f"## Figure {fid}: {f['title']}", "", f"Peer: {f['peer']}.", ""]
+        if fid in FIGURE_TEXT:
+            out += [textwrap.fill(FIGURE_TEXT[fid], 92), ""]
         for p in f["providers"]:
             if p["status"] != "ok":
                 out.append(f"- `{p['provider']}`: **{p['status']}** — {p.get('error', '')}")
