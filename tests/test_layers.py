@@ -118,7 +118,7 @@ def test_package_root_is_light() -> None:
 # the warm tier's modules, lowest first: each imports only modules before it (a new module
 # must be placed here, which is the point)
 WARM_ORDER = ("format", "ids", "extent", "space", "rootdir", "records", "summary", "owners",
-              "shard", "shardload", "shards", "cold", "coldfiles", "coldnative", "policy",
+              "shard", "shardload", "shards", "cold", "checked", "coldfiles", "coldnative", "policy",
               "health", "budget", "dirty", "held", "resident", "validate", "reads", "migrate",
               "writeback", "tier")
 

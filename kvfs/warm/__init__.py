@@ -17,7 +17,7 @@ ids, shard numbers, errors), ``extent``, ``space`` (allocation inside a shard, r
 on tmpfs), ``rootdir`` (checked, private directories), ``records`` (in-memory index of a
 shard), ``owners`` (volume / process / session-lock layout, agents' figures), ``shard``,
 ``shardload`` (one shard file), ``shards`` (``ShardStore``: the files and their locks);
-``cold`` (the ``ColdBackend`` seam), ``coldfiles`` (plain files), ``coldnative`` (the
+``cold`` (the ``ColdBackend`` seam), ``checked`` (checked opens), ``coldfiles`` (plain files), ``coldnative`` (the
 mount's native channel); ``policy`` (``EvictionPolicy``, LRU groups), ``health`` (the
 back-off), ``budget`` (bytes and cap), ``dirty``, ``held`` (sessions held, lost);
 ``resident`` (``Resident``: the RAM copies, composed of the above); ``validate``, ``reads``,

@@ -37,6 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from .checked import CheckedSessions
 from .cold import (
     APPEND,
     HOLD_WAIT_S,
@@ -44,23 +45,19 @@ from .cold import (
     LAYER_RE,
     META,
     REPLACE,
-    SUMMARIES,
     Changes,
     Written,
     cold_errors,
-    incarnation_bytes,
     layer_name,
     mount_info,
     parse_incarnation,
     parse_meta,
-    refusal,
 )
 from .ids import WarmBusy, WarmError
 
 log = logging.getLogger("kvfs.warm")
 
 _CHUNK = 8 << 20  # bytes per os.write: bounded kernel/FUSE requests, no big copies
-_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
 LEASE_XATTR = "user.kvfs.lease"
 FSYNC_THREADS = 8
 KEEP_FDS = 256  # layer-file descriptors kept open for their fsyncs, over all pending writes
@@ -98,6 +95,7 @@ class ColdStore:
         if not os.path.isdir(self.dir):
             raise WarmError(f"cold tier {root!r} has no sessions/ directory: is the volume mounted?")
         self.shared = _replicated(root)
+        self.checked = CheckedSessions(self.dir, self.uid)
         self._kept = 0  # layer-file descriptors held by ``Written``s not yet synced
         self._kept_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -114,7 +112,7 @@ class ColdStore:
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                return self._open(sid, META, os.O_WRONLY, create=True)
+                return self.checked.open(sid, META, os.O_WRONLY, create=True)
             except (FileNotFoundError, NotADirectoryError):
                 return None
             except OSError as e:
@@ -141,59 +139,7 @@ class ColdStore:
             return None
 
     def path(self, sid: str, name: str | None = None) -> str:
-        d = os.path.join(self.dir, sid)
-        return d if name is None else os.path.join(d, name)
-
-    # ---- checked access -----------------------------------------------------------
-    def _refuse(self, path: str, st: os.stat_result, want_dir: bool) -> None:
-        why = refusal(path, st.st_mode, st.st_uid, want_dir, self.uid)
-        if why is not None:
-            raise WarmError(why)
-
-    def _sdir(self, sid: str, flags: int = os.O_PATH) -> int:
-        """A checked descriptor of the session directory; FileNotFoundError if none."""
-        d = self.path(sid)
-        try:
-            fd = os.open(d, flags | os.O_DIRECTORY | _NOFOLLOW)
-        except NotADirectoryError:
-            st = os.lstat(d)
-            self._refuse(d, st, True)
-            raise
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise WarmError(f"cold {d!r} is a symbolic link: refused") from e
-            raise
-        try:
-            self._refuse(d, os.fstat(fd), True)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
-
-    def _open(self, sid: str, name: str, flags: int, create: bool = False) -> int:
-        """A checked descriptor of a session's file (created 0600 with ``create``)."""
-        return self._open_stat(sid, name, flags, create)[0]
-
-    def _open_stat(self, sid: str, name: str, flags: int,
-                   create: bool = False) -> tuple[int, os.stat_result]:
-        """``_open`` and the descriptor's checked stat."""
-        dfd = self._sdir(sid)
-        try:
-            fd = os.open(name, flags | _NOFOLLOW | (os.O_CREAT if create else 0), 0o600,
-                         dir_fd=dfd)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise WarmError(f"cold {self.path(sid, name)!r} is a symbolic link: refused") from e
-            raise
-        finally:
-            os.close(dfd)
-        try:
-            st = os.fstat(fd)
-            self._refuse(self.path(sid, name), st, False)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd, st
+        return self.checked.path(sid, name)
 
     # ---- reads --------------------------------------------------------------------
     def reachable(self) -> None:
@@ -227,7 +173,7 @@ class ColdStore:
     def layer_sizes(self, sid: str) -> dict[int, int] | None:
         """{layer: size} of the cold copy, None when there is no cold copy."""
         try:
-            dfd = self._sdir(sid, os.O_RDONLY)
+            dfd = self.checked.sdir(sid, os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError):
             return None
         try:
@@ -236,7 +182,7 @@ class ColdStore:
                 m = LAYER_RE.fullmatch(n)
                 if m:
                     st = os.stat(n, dir_fd=dfd, follow_symlinks=False)
-                    self._refuse(self.path(sid, n), st, False)
+                    self.checked.refuse(self.path(sid, n), st, False)
                     out[int(m.group(1))] = st.st_size
             return out
         finally:
@@ -258,7 +204,7 @@ class ColdStore:
     @_errors
     def size(self, sid: str, layer: int) -> int:
         try:
-            dfd = self._sdir(sid)
+            dfd = self.checked.sdir(sid)
         except (FileNotFoundError, NotADirectoryError):
             return 0
         try:
@@ -267,7 +213,7 @@ class ColdStore:
             return 0
         finally:
             os.close(dfd)
-        self._refuse(self.path(sid, layer_name(layer)), st, False)
+        self.checked.refuse(self.path(sid, layer_name(layer)), st, False)
         return st.st_size
 
     @_errors
@@ -277,7 +223,7 @@ class ColdStore:
         the file ends before, WarmError if it is missing (unless ``missing_is_empty``: then
         it holds 0 bytes) or a read comes back short."""
         try:
-            fd, st = self._open_stat(sid, layer_name(layer), os.O_RDONLY)
+            fd, st = self.checked.open_stat(sid, layer_name(layer), os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError) as e:
             if missing_is_empty:
                 raise ValueError(f"read [{off}, {off + len(out)}) past the end (0) of "
@@ -300,7 +246,7 @@ class ColdStore:
     @_errors
     def read_small(self, sid: str, name: str) -> bytes | None:
         try:
-            fd = self._open(sid, name, os.O_RDONLY)
+            fd = self.checked.open(sid, name, os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError):
             return None
         try:
@@ -330,7 +276,7 @@ class ColdStore:
         n = 0
         for layer in layers:
             try:
-                fd = self._open(sid, layer_name(layer), os.O_RDONLY)
+                fd = self.checked.open(sid, layer_name(layer), os.O_RDONLY)
             except (OSError, WarmError):
                 continue
             try:
@@ -352,7 +298,7 @@ class ColdStore:
             made = True
         except FileExistsError:
             made = False
-        os.close(self._sdir(sid))
+        os.close(self.checked.sdir(sid))
         return made
 
     @_errors
@@ -365,7 +311,7 @@ class ColdStore:
 
     @_errors
     def sync_dir(self, sid: str) -> None:
-        fd = self._sdir(sid, os.O_RDONLY)
+        fd = self.checked.sdir(sid, os.O_RDONLY)
         try:
             _fsync_fd(fd)
         finally:
@@ -375,7 +321,7 @@ class ColdStore:
     def fsync_file(self, sid: str, name: str) -> None:
         """fsync a file written earlier through another descriptor (the data is the
         inode's, not the descriptor's; on the mount, close flushed it and fsync syncs)."""
-        fd = self._open(sid, name, os.O_RDONLY)
+        fd = self.checked.open(sid, name, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
@@ -388,7 +334,7 @@ class ColdStore:
         ``sync`` is False: the caller then calls ``fsync_file``, or ``fsync_close`` on the
         descriptor left open in ``keep``). Writes go at the current end (the mount's
         append-only rule); returns the new size."""
-        fd = self._open(sid, name, os.O_WRONLY, create=True)
+        fd = self.checked.open(sid, name, os.O_WRONLY, create=True)
         if keep is not None:
             keep.append(fd)
         try:
@@ -420,7 +366,7 @@ class ColdStore:
     @_errors
     def truncate(self, sid: str, name: str, length: int) -> None:
         """Cut a file shorter (allowed on the mount) and make it durable."""
-        fd = self._open(sid, name, os.O_WRONLY)
+        fd = self.checked.open(sid, name, os.O_WRONLY)
         try:
             os.ftruncate(fd, length)
             os.fsync(fd)
@@ -428,39 +374,9 @@ class ColdStore:
             os.close(fd)
 
     @_errors
-    def sync_summaries(self, sid: str, data: bytes, sync: bool = True,
-                       old: bytes | None = None) -> bool:
-        """Make summaries.f32 equal ``data`` by cutting back to the common prefix and
-        appending the rest (usually: append the new rounds only). True if it changed.
-        ``old``: what the file holds, when the caller knows it (else it is read)."""
-        if old is None:
-            old = self.read_small(sid, SUMMARIES)
-        if old == data:
-            return False
-        old = old or b""
-        limit = min(len(old), len(data))
-        diff = np.nonzero(np.frombuffer(old, np.uint8, limit) != np.frombuffer(data, np.uint8, limit))[0]
-        p = int(diff[0]) if len(diff) else limit
-        if old:
-            self.truncate(sid, SUMMARIES, p)
-        self.append(sid, SUMMARIES, p, [np.frombuffer(data[p:], np.uint8)], sync)
-        return True
-
-    @_errors
-    def write_meta(self, sid: str, raw: bytes, sync: bool = True, old: bytes | None = None,
-                   name: str = META) -> bool:
-        """Replace meta.json (or another small file ``name``): truncate(0) + one write
-        (+ fsync), the mount's rule for it. True if it changed. ``old``: what the file
-        holds, when the caller knows it (else it is read)."""
-        if (old if old is not None else self.read_small(sid, name)) == raw:
-            return False
-        self.replace(sid, name, raw, sync)
-        return True
-
-    @_errors
     def replace(self, sid: str, name: str, raw: bytes, sync: bool = True) -> None:
         """A small file's bytes replaced: truncate(0) + one write (+ fsync)."""
-        fd = self._open(sid, name, os.O_WRONLY, create=True)
+        fd = self.checked.open(sid, name, os.O_WRONLY, create=True)
         try:
             os.ftruncate(fd, 0)
             view = memoryview(raw)
@@ -471,9 +387,6 @@ class ColdStore:
                 os.fsync(fd)
         finally:
             os.close(fd)
-
-    def write_incarnation(self, sid: str, inc: int, sync: bool = True) -> None:
-        self.write_meta(sid, incarnation_bytes(inc), sync, name=INCARNATION)
 
     # ---- the protocol's batched writes ---------------------------------------------
     def write(self, sid: str, changes: Changes, w: Written | None = None) -> Written:
@@ -557,7 +470,7 @@ class ColdStore:
     @_errors
     def delete(self, sid: str) -> bool:
         try:
-            dfd = self._sdir(sid, os.O_RDONLY)  # refuses a directory that is not ours
+            dfd = self.checked.sdir(sid, os.O_RDONLY)  # refuses a directory that is not ours
         except (FileNotFoundError, NotADirectoryError):
             return False
         try:
