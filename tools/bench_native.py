@@ -316,6 +316,59 @@ def round_durable(quick: bool = False, workdir: str | None = None) -> dict[str, 
     return {"results": results, "info": {"rounds": rounds, "layers": LAYERS, "round": ROUND}}
 
 
+def channel_stream(cold_root: str, tmp: str, *, total_bytes: int = 87_000_000, layers: int = 24,
+                   chunk: int = 1 << 20, batch: int = 8 << 20, repeats: int = 3) -> dict[str, Any]:
+    """Figure 3's bound on write-behind: the same bytes as ``bench_warm.bench_writebehind``
+    sent through the channel alone (requests of ``batch`` bytes, a round of every layer at a
+    time, one sync at the end; no warm tier), against dd of the same bytes."""
+    import subprocess
+    import tempfile
+
+    from kvfs.channel import APPEND, Item
+
+    per_layer = total_bytes // layers // chunk * chunk
+    total = per_layer * layers
+    data = kv_bytes(per_layer, seed=5)
+    src_dir = tempfile.mkdtemp(dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else tmp)
+    src = os.path.join(src_dir, "src")
+    with open(src, "wb") as f:
+        for _ in range(layers):
+            f.write(data)
+    ch = _channel(Path(cold_root))
+    ours, dds = [], []
+    try:
+        for rep in range(repeats):
+            sid = f"bench-stream-{os.getpid()}-{rep}"
+            os.mkdir(os.path.join(cold_root, "sessions", sid))
+            t0 = time.perf_counter()
+            items = []
+            size = 0
+            for off in range(0, per_layer, chunk):
+                for layer in range(layers):
+                    items.append(Item(APPEND, f"layer_{layer}", off, memoryview(data)[off:off + chunk]))
+                    size += chunk
+                    if size >= batch:
+                        ch.write(sid, items)
+                        items, size = [], 0
+            ch.write(sid, items, sync=True)
+            ours.append(time.perf_counter() - t0)
+            shutil.rmtree(os.path.join(cold_root, "sessions", sid))
+            dd_dir = os.path.join(cold_root, "sessions", f"bench-stream-dd-{os.getpid()}")
+            os.mkdir(dd_dir)
+            t0 = time.perf_counter()
+            subprocess.run(["dd", f"if={src}", f"of={dd_dir}/layer_0", "bs=4M", "conv=fsync",
+                            "status=none"], check=True)
+            dds.append(time.perf_counter() - t0)
+            shutil.rmtree(dd_dir)
+    finally:
+        ch.close()
+        shutil.rmtree(src_dir, ignore_errors=True)
+    med = sorted(ours)[len(ours) // 2]
+    dmed = sorted(dds)[len(dds) // 2]
+    return {"bytes": total, "channel_MBps": round(total / 1e6 / med, 1),
+            "dd_MBps": round(total / 1e6 / dmed, 1), "batch": batch}
+
+
 FIGURES = {"read": random_read, "piece": piece_read, "round": round_durable}
 
 
