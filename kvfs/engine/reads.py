@@ -79,8 +79,9 @@ class ReadPath:
                 ) -> tuple[tuple[int, int, int], list[FileExtents | None]]:
         """Where the bytes of some files of a session lie, for a reader in another process
         (``direct.DirectReader``): the session's (mode, uid, gid), and per (name, offset,
-        length) its ``FileExtents`` from ``offset`` (length < 0: to the end; at most
-        ``EXTENTS_MAX`` extents), None for a missing file. Every extent is on the volume
+        length) its ``FileExtents``: the whole file's when it has at most ``EXTENTS_MAX``,
+        else from ``offset`` (length < 0: to the end; at most ``EXTENTS_MAX``), None for a
+        missing file. Every extent is on the volume
         when this returns (the ring's write buffer is written first if it holds one); the
         read counts as a use of the session, as ``read`` does (retention, the hot index)."""
         with self._lock:
@@ -96,8 +97,11 @@ class ReadPath:
                 size = f.size
                 lo = min(max(offset, 0), size)
                 hi = size if length < 0 else min(size, lo + length)
-                i = max(f.find(lo), 0) if f.ext else 0
-                j = min(bisect_right(f.off, hi - 1), i + EXTENTS_MAX) if hi > lo else i
+                if len(f.ext) <= EXTENTS_MAX:  # all of it: a reader keeps it for the next reads
+                    i, j = 0, len(f.ext)
+                else:
+                    i = max(f.find(lo), 0)
+                    j = min(bisect_right(f.off, hi - 1), i + EXTENTS_MAX) if hi > lo else i
                 fe = FileExtents(s.sno, f.fno, size, self.published.cuts(s.sno) if self.published else 0,
                                  lo, lo, f.off[i:j], f.ext[i:j], f.mode, f.uid, f.gid)
                 if j > i:
