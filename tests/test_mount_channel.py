@@ -168,3 +168,24 @@ def test_warm_tier_through_the_channel_keeps_every_byte(make_mount, tmp_path):
         assert all(np.array_equal(got[k], refs["s0"][k]) for k in range(3))
     finally:
         w.close()
+
+
+def test_a_file_of_more_extents_than_one_answer_holds_reads_whole(make_mount):
+    """The mount answers at most 4096 extents per file: a read over more asks again for the
+    rest, and the bytes come out whole."""
+    m = make_mount()
+    (m.sessions / "long").mkdir()
+    ch = Channel.open(str(m.mountpoint))
+    assert ch is not None
+    try:
+        pieces = [bytes([k % 251]) * 16 for k in range(4200)]  # one ring entry each
+        size = 0
+        for p in pieces:
+            ch.write("long", [Item(APPEND, "layer_0", size, p)])
+            size += len(p)
+        (_, (fe,)) = ch.extents("long", [("layer_0", 0, -1)])
+        assert len(fe.ext) == 4096 and fe.hi < size
+        assert _read(ch, "long", "layer_0", size) == b"".join(pieces)
+        assert _read(ch, "long", "layer_0", 64, off=size - 64) == b"".join(pieces)[-64:]
+    finally:
+        ch.close()
