@@ -18,6 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from kvfs.ops.profiles import user_path
 from kvfs.testing import Mount
 from kvfs.torch import KVRouter, TieredCache
 from kvfs.torch.testing import generate_turns, profile_rope, prompt, tiny_llama
@@ -236,4 +237,4 @@ def test_kvfs_stat_shows_the_agents_hot_and_ram_tiers(make_mount) -> None:
         assert scraped["kv_hot_sessions"] == 1
     finally:
         r.close()
-        shutil.rmtree(Path(r.profile.warm_root) / r.volume_id, ignore_errors=True)
+        shutil.rmtree(Path(user_path(r.profile.warm_root)) / r.volume_id, ignore_errors=True)

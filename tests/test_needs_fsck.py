@@ -269,10 +269,13 @@ def test_fsck_on_a_locked_volume_says_unmount_first(vol: str, repair: bool, caps
     s = Store.open(vol)  # holds the lock, as a mount does
     try:
         res = check_volume(vol, repair=repair)
-        assert res.status == UNUSABLE and "unmount first" in res.problems[0]
+        assert res.status == UNUSABLE and res.in_use and "unmount it first" in res.problems[0]
         argv = [vol, "--quiet"] + (["--repair"] if repair else [])
         assert fsck_cli.main(argv) == 2
-        assert "unmount first" in capsys.readouterr().out
+        # one clear thing, not "unmount first" and then "unusable: 0 sessions ..."
+        out = capsys.readouterr()
+        assert out.out == "" and out.err.count("\n") == 1, out
+        assert out.err == f"kvfs-fsck: {vol} is in use (mounted): unmount it first\n"
     finally:
         s.close()
     assert check_volume(vol, repair=repair).status == CLEAN

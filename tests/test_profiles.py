@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -56,7 +57,7 @@ def test_store_config_and_warm_kwargs() -> None:
         7, 300.0, 0.70, 86400.0)
     assert p.store_config(evict_when_full=True).evict_when_full is True
     w = p.warm_kwargs()
-    assert w == {"root": "/dev/shm/kvfs-warm", "cap_bytes": 16 * GiB, "migrate_at": 0.75,
+    assert w == {"root": f"/dev/shm/kvfs-warm-{os.geteuid()}", "cap_bytes": 16 * GiB, "migrate_at": 0.75,
                  "group": 5, "shards": 131072, "shard_key": "session", "summary_dim": 128,
                  "writebehind": True, "writebehind_s": 2.0, "writebehind_bytes": 64 << 20}
 

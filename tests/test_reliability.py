@@ -5,7 +5,9 @@ scenario's own failure messages."""
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -75,6 +77,21 @@ def test_stale_handles_race_reads_and_buffer_bound_in_a_loop(tmp_path: Path) -> 
     assert race.done > 100 and race.counts["bytes_verified"] > 0
     buf = run("buffers", tmp_path / "buffers")
     assert buf.counts["enospc_at_write"] > 0 and buf.counts["rss_growth_mib"] <= 80
+
+
+@need_fuse
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv")
+def test_quota_floods_by_other_users_and_the_owner_remounts(tmp_path: Path) -> None:
+    r = run("quota", tmp_path)
+    assert r.done == torture.QUICK["quota"] and r.counts["fsck_clean"] == 1
+    assert r.counts["edquot_sessions"] == r.counts["edquot_writes"] == r.done
+
+
+@need_fuse
+def test_metrics_port_flood_leaves_fuse_alone(tmp_path: Path) -> None:
+    r = run("flood", tmp_path)
+    assert r.done == torture.QUICK["flood"] and r.counts["mount_threads_max"] < 20
+    assert r.counts["churn_connections"] > 0
 
 
 # --- regressions for engine bugs the torture found (minimal reproducers) ----------------------

@@ -238,3 +238,40 @@ def test_session_squatting_on_a_shared_mount_is_refused(shared):
         _check_squat_refused(m.root, shared / "warm")
     finally:
         assert m.stop() == 0, m.log_text()
+
+
+@as_root
+def test_default_root_is_per_user_so_nobody_locks_the_others_out(shared, monkeypatch):
+    """The default RAM-tier root was one shared path: whoever created it first after boot
+    owned it and every other user's agent (root's too) failed. It is now per uid
+    (``/dev/shm/kvfs-warm-<uid>``), made 0700 by one mkdir whatever the umask."""
+    from kvfs.ops import profiles
+    from kvfs.warm import rootdir
+
+    assert rootdir.DEFAULT_ROOT == "/dev/shm/kvfs-warm-{uid}"
+    assert profiles.load("gov").warm_kwargs()["root"] == f"/dev/shm/kvfs-warm-{os.geteuid()}"
+    template = str(shared / "kvfs-warm-{uid}")
+    out = run_as(ATTACKER, f"""
+        import os
+        os.umask(0)
+        from kvfs.warm import WarmTier
+        with WarmTier(None, {template!r}, shards=4) as w:  # the attacker comes first
+            w.append("mine", 0, b"x")
+        print("ok")
+    """)
+    assert out == "ok"
+    mine = shared / f"kvfs-warm-{ATTACKER}"
+    assert os.lstat(mine).st_uid == ATTACKER and mode(mine) == 0o700
+    old = os.umask(0)
+    try:
+        with WarmTier(None, template, shards=4) as w:  # root's agent still starts
+            w.append("root-session", 0, b"y")
+    finally:
+        os.umask(old)
+    assert os.lstat(shared / "kvfs-warm-0").st_uid == 0 and mode(shared / "kvfs-warm-0") == 0o700
+    out = run_as(OTHER, f"""
+        from kvfs.warm import WarmTier
+        with WarmTier(None, {template!r}, shards=4) as w:
+            print(w.root)
+    """)
+    assert out == template and mode(shared / f"kvfs-warm-{OTHER}") == 0o700

@@ -23,6 +23,7 @@ from kvfs.engine.errors import Corrupt, NoSpace
 from kvfs.engine.faults import FaultyVolume, PowerCut
 from kvfs.engine.format import SB_SIZE, SB_SLOT, unpack_header
 from kvfs.engine.fsck import check_volume
+from kvfs.engine.quota import Ledger, session_use
 from kvfs.engine.store import Store
 from kvfs.engine.types import StoreConfig
 from kvfs.testing import Mount
@@ -223,7 +224,7 @@ class FaultModel:
         k, r = (n, f), rng.random()
         if n not in self.live:
             self.seen_sessions.add(n)
-            s.create_session(n)
+            s.create_session(n, uid=1000 + self.SESSIONS.index(n) % 3)  # three owners
             self.live.add(n)
         elif k not in self.cur:
             self._state(k, b"")
@@ -295,6 +296,12 @@ class FaultModel:
         lost = self.synced_sessions - set(names) - {k[0] for k in self.shrunk}
         if lost:
             res.fail(f"{where}: synced sessions lost: {sorted(lost)}")
+        counted = Ledger()  # the usage records, moved on by the replay, against the sessions
+        for n in names:
+            counted.add(store.idx.find(n).uid, session_use(store.idx.find(n)))
+        if counted.use != store.quota.use:
+            res.fail(f"{where}: usage records {store.quota.use} != the sessions' {counted.use}")
+        res.add("usage_checks")
         self.cur, self.live = got, set(names)
         self.durable_now()  # the writable open checkpointed what it found
 

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvfs.cli.output import pipe_safe
 from kvfs.ops import profiles
 
 SYSCTL_FILE = "/etc/sysctl.d/99-kvfs.conf"
@@ -155,7 +156,7 @@ def check_warm_room(warm_root: str | Path, cap: int, mounts: str | Path) -> Chec
             fixes.append(f"{_sudo()}mount -o remount,size={want} {mnt}")
         fixes.append(f"or lower the cap: -o warm_cap_bytes={profiles.size_arg(max(free + used, 1 << 20))}")
     if fstype not in RAM_FS:
-        fixes.append(f"use a RAM-backed warm root: --warm-root /dev/shm/kvfs-warm "
+        fixes.append(f"use a RAM-backed warm root: --warm-root /dev/shm/kvfs-warm-{os.geteuid()} "
                      f"(or {_sudo()}mount -t tmpfs -o size={profiles.size_arg(cap, up=True)} tmpfs {root})")
     return Check("warm tier room", current, wanted, "warn" if fixes else "ok", fix=fixes,
                  detail=f"warm root {root}")
@@ -197,7 +198,8 @@ def run_checks(profile: profiles.Profile | None = None, *, warm_root: str | Path
     prof = profile or profiles.load("gov")
     checks = [check_sysctl(proc_sys, *s) for s in SYSCTLS]
     checks += [check_dev_fuse(dev_fuse), check_fusermount(which), check_pyfuse3(import_module)]
-    checks.append(check_warm_room(warm_root or prof.warm_root, prof.warm_cap_bytes, mounts))
+    checks.append(check_warm_room(profiles.user_path(str(warm_root or prof.warm_root)),
+                                  prof.warm_cap_bytes, mounts))
     checks.append(check_volume_room(volume, size or prof.ring_size))
     return checks
 
@@ -229,6 +231,7 @@ def render(checks: list[Check]) -> str:
     return "\n".join(out)
 
 
+@pipe_safe
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvfs-doctor", description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", default="gov", help="profile whose sizes are checked (gov)")

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Print a kvfs volume's superblocks, ring usage, index and (with --session) extents.
 
-``kvfs-dump VOLUME [--session NAME] [--json]``. Opens the volume read-only.
+``kvfs-dump VOLUME [--session NAME] [--json]``. Opens the volume read-only. Names are
+printed with anything unprintable escaped (``\x1b``...): a name cannot drive the terminal.
+Exit 0, 1 (no such session), 2 (the volume cannot be opened).
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ import argparse
 import json
 import sys
 
+from kvfs.cli.output import pipe_safe, shown
 from kvfs.engine.errors import KVFSError
 from kvfs.engine.format import SB_CLEAN, SB_NEEDS_FSCK, Superblock
 from kvfs.engine.store import Store
 from kvfs.engine.volume import VolumeFile
 
 
+@pipe_safe
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvfs-dump", description=__doc__.splitlines()[0])
     ap.add_argument("volume")
@@ -40,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.session:
             s = store.idx.find(a.session)
             if s is None:
-                print(f"no session {a.session!r}", file=sys.stderr)
+                print(f"no session {shown(a.session)!r}", file=sys.stderr)
                 return 1
             out["session"] = {
                 "name": s.name, "sno": s.sno, "meta_pos": s.meta_pos, "files": {
@@ -67,12 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tree: {out['stats']['index']['tree']}")
     if "session" in out:
         for name, f in out["session"]["files"].items():
-            print(f"{name}: {f['size']} bytes ({f['stored']} stored), {len(f['extents'])} extents")
+            print(f"{shown(name)}: {f['size']} bytes ({f['stored']} stored), {len(f['extents'])} extents")
             for e in f["extents"]:
                 print(f"  [{e['file_off']}, +{e['len']}) -> entry {e['pos']} skip {e['skip']} size {e['entry_size']}")
     else:
         for n in out["sessions"]:
-            print(n)
+            print(shown(n))
     return 0
 
 

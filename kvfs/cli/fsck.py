@@ -11,9 +11,11 @@ import argparse
 import logging
 import sys
 
+from kvfs.cli.output import pipe_safe
 from kvfs.engine.fsck import check_volume
 
 
+@pipe_safe
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvfs-fsck", description=__doc__.splitlines()[0])
     ap.add_argument("volume")
@@ -38,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     res = check_volume(a.volume, repair=a.repair, progress=progress)
     if bar is not None:
         bar.close()
+    if res.in_use:  # one thing to say, and nothing was checked
+        print(f"kvfs-fsck: {res.problems[0]}", file=sys.stderr)
+        return res.status
     for p in res.problems:
         print(f"problem: {p}")
     for r in res.repaired:

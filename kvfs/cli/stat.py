@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvfs.cli.output import pipe_safe
 from kvfs.ops import agents
 from kvfs.ops import metrics as kvmetrics
 from kvfs.ops.profiles import format_size
@@ -292,6 +293,7 @@ def snapshot(mountpoint: str) -> dict[str, Any]:
     return {"summary": summarize(stats, values, mountpoint), "stats": stats, "metrics": values}
 
 
+@pipe_safe
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvfs-stat", description=__doc__.split("\n\n")[0])
     ap.add_argument("mountpoint")

@@ -186,22 +186,25 @@ class BTree:
         if r.root < 0:
             return
         lo = prefix if start is None or start < prefix else start
-        for k, v in self._walk(r, r.root, r.height - 1, lo, self._epoch[r.half]):
+        for k, v in self._walk(r, r.root, r.height - 1, lo, self._epoch[r.half], set()):
             if not k.startswith(prefix):
                 return  # keys >= lo >= prefix: the first miss ends the prefix's range
             yield k, v
 
-    def _walk(self, r: TreeRoot, page: int, level: int, lo: bytes, epoch: int
+    def _walk(self, r: TreeRoot, page: int, level: int, lo: bytes, epoch: int, seen: set[int]
               ) -> Iterator[tuple[bytes, bytes]]:
         if self._epoch[r.half] != epoch:
             raise RuntimeError("tree compacted over this scan's root")
+        if page in seen:  # a tree reaches each page once: a shared child is a crafted loop
+            raise PageCorrupt(f"tree page {page} of half {r.half} reached twice")
+        seen.add(page)
         node = self._read(r, page, level)
         if level == 0:
             i = bisect.bisect_left(node.keys, lo)
             yield from zip(node.keys[i:], node.vals[i:], strict=True)
         else:  # lo only bites in the first child visited: later ones hold bigger keys
             for kid in node.kids[bisect.bisect_right(node.keys, lo):]:
-                yield from self._walk(r, kid, level - 1, lo, epoch)
+                yield from self._walk(r, kid, level - 1, lo, epoch, seen)
 
     # ---- commit ----
 

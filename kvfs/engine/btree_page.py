@@ -77,7 +77,8 @@ class TreeRoot:
         r = cls(root, height, count, half, alloc, prev, gen)
         if (half not in (0, 1) or prev not in (-1, 0, 1) or root < -1 or height > 64
                 or (root == -1) != (height == 0) or (root == -1 and count)
-                or (root >= 0 and root >= alloc)):
+                or (root >= 0 and root >= alloc) or alloc >= 1 << 32
+                or count >= 1 << 48 or gen >= 1 << 62):  # each commit adds one: never near
             raise Corrupt(f"tree root inconsistent: {r}")
         return r
 

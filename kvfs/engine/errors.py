@@ -37,6 +37,16 @@ class NoSpace(KVFSError):
     """The ring is full of data that may not be dropped (ENOSPC); nothing else lost."""
 
 
+class IndexFull(NoSpace):
+    """The index would pass its budget in the tree region (ENOSPC): no new session, file or
+    extent until some are deleted; reads, deletions and checkpoints still work."""
+
+
+class QuotaExceeded(KVFSError):
+    """The caller's uid is at one of its quotas: sessions, bytes, index share (EDQUOT);
+    nothing changed. Not a NoSpace: other users still have room."""
+
+
 class Corrupt(KVFSError):
     """A checksum or structure check failed for the bytes asked for (EIO)."""
 
@@ -51,7 +61,8 @@ class FormatError(KVFSError):
 
 class BadSuperblock(FormatError):
     """One superblock slot does not decode. ``kind`` says why: "magic" (not a kvfs
-    superblock), "version" (``version`` is not one this kvfs reads), "checksum"."""
+    superblock), "version" (``version`` is not one this kvfs reads), "checksum", "layout"
+    (checksummed, but its geometry does not fit the file or its positions disagree)."""
 
     def __init__(self, kind: str, msg: str, version: int = 0) -> None:
         super().__init__(msg)

@@ -16,7 +16,8 @@ from typing import NamedTuple
 
 import crc32c
 
-from .errors import BadSuperblock
+from .btree_page import TreeRoot
+from .errors import BadSuperblock, Corrupt
 
 VOLUME_MAGIC = b"KVFSVOL1"
 VERSION = 2  # 2: data entries hold independently checked blocks (version 1 is refused)
@@ -31,6 +32,11 @@ TREE_ROOT_AREA = 64
 
 SB_CLEAN = 1  # flag: closed cleanly
 SB_NEEDS_FSCK = 2  # flag: an error was seen while in use; mounts refuse until fsck --repair
+# ckpt_pos when no checkpoint stands for the index (it did not fit the tree region): recovery
+# scans the whole ring from the tail. Outside [tail, tail + ring_size], so every kvfs does.
+NO_CKPT = (1 << 64) - 1
+MAX_POS = 1 << 62  # ring positions grow by bytes written: never near this in a volume's life
+MAX_SNO = 1 << 62  # session numbers: one per session ever created, far below this
 
 # superblock: magic, version, flags, seq, volume_size, ring_offset, ring_size, tree_offset,
 # tree_pages, head, tail, ckpt_pos, next_sno, ckpt_time_ns, created_ns, tree root bytes,
@@ -88,6 +94,44 @@ class Superblock:
         if crc32c.crc32c(raw[: SB_SIZE - 4]) != f[-1]:
             raise BadSuperblock("checksum", "superblock checksum mismatch")
         return cls(f[3], f[2], *f[4:17])
+
+    def check_layout(self, file_size: int) -> None:
+        """BadSuperblock("layout") unless the geometry fits a file of ``file_size`` bytes
+        and the positions agree with it and with each other. A checksum only says the
+        slot is what was written; this says it can be used (nothing past the file's end,
+        no region over another) before any of it is."""
+        def bad(why: str) -> BadSuperblock:
+            return BadSuperblock("layout", f"superblock layout is impossible: {why}")
+
+        if not MIN_VOLUME <= self.volume_size <= file_size:
+            raise bad(f"volume_size {self.volume_size} outside [{MIN_VOLUME}, {file_size}] "
+                      "(the file's size)")
+        if self.tree_offset != 2 * SB_SLOT:
+            raise bad(f"tree_offset {self.tree_offset}, expected {2 * SB_SLOT}")
+        if self.tree_pages < 2 or self.tree_pages % 2 or self.tree_pages >= 1 << 33:
+            raise bad(f"tree_pages {self.tree_pages} (two equal halves needed)")
+        if self.tree_offset + self.tree_pages * PAGE > self.ring_offset:
+            raise bad(f"tree region ends at {self.tree_offset + self.tree_pages * PAGE}, "
+                      f"past ring_offset {self.ring_offset}")
+        if self.ring_offset % RING_ALIGN or self.ring_size % RING_ALIGN or self.ring_size < RING_ALIGN:
+            raise bad(f"ring at {self.ring_offset} of {self.ring_size} bytes is not "
+                      f"{RING_ALIGN}-aligned")
+        if self.ring_offset + self.ring_size > self.volume_size:
+            raise bad(f"ring ends at {self.ring_offset + self.ring_size}, past volume_size "
+                      f"{self.volume_size}")
+        if not self.tail <= self.head <= MAX_POS or self.head - self.tail > self.ring_size:
+            raise bad(f"head {self.head} and tail {self.tail} do not fit a ring of "
+                      f"{self.ring_size} bytes")
+        if self.ckpt_pos != NO_CKPT and not self.tail <= self.ckpt_pos <= self.head:
+            raise bad(f"ckpt_pos {self.ckpt_pos} outside [tail, head] = [{self.tail}, {self.head}]")
+        if not 1 <= self.next_sno <= MAX_SNO:
+            raise bad(f"next_sno {self.next_sno}")
+        try:
+            root = TreeRoot.unpack(self.tree_root)
+        except Corrupt as e:
+            raise bad(str(e)) from None
+        if root.alloc > self.tree_pages // 2:
+            raise bad(f"tree root allocates {root.alloc} pages of a {self.tree_pages // 2}-page half")
 
 
 # ring entry header: magic, type, flags, reserved, pos, name_hash, sno, file_off, fno,

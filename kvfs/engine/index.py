@@ -15,9 +15,18 @@ from collections import OrderedDict
 
 from .btree import BTree
 from .errors import Corrupt, IndexCorrupt
-from .records import Session, chunk0_name, chunk_key, name_hash, session_prefix, split_chunks
+from .records import (
+    Session,
+    chunk0_name,
+    chunk_key,
+    name_hash,
+    session_key_sno,
+    session_prefix,
+    split_chunks,
+)
 
 BITMAP_CHUNK = 1000  # bytes of the bitmap per tree value (8000 sessions)
+BITS = 8 * BITMAP_CHUNK
 
 
 def _checkpoint_reader(fn):  # noqa: ANN001, ANN202
@@ -40,7 +49,10 @@ class Index:
     def __init__(self, tree: BTree, hot_cap: int) -> None:
         self.tree = tree
         self.hot_cap = hot_cap
-        self.bitmap = bytearray()
+        # the bitmap in chunks of BITMAP_CHUNK bytes, only those holding a set bit or
+        # written once: memory follows the chunks a volume really has, whatever a crafted
+        # chunk index says
+        self.chunks: dict[int, bytearray] = {}
         self.bitmap_dirty: set[int] = set()
         self.n_sessions = 0
         self.hot: OrderedDict[int, Session] = OrderedDict()  # clean sessions, LRU order
@@ -53,31 +65,43 @@ class Index:
         self.alive: weakref.WeakValueDictionary[int, Session] = weakref.WeakValueDictionary()
 
     # ---------------------------------------------------------------- bitmap
-    def load_bitmap(self) -> None:
-        bm = bytearray()
+    def load_bitmap(self, next_sno: int) -> None:
+        """The live-session bitmap from the checkpoint; IndexCorrupt for a chunk that is
+        not one (a key of the wrong length, a value over a chunk, a bit at or past
+        ``next_sno``, the superblock's next session number)."""
+        chunks: dict[int, bytearray] = {}
         for key, val in self.tree.scan(b"B"):
-            i = int.from_bytes(key[1:5], "big") * BITMAP_CHUNK
-            if len(bm) < i + len(val):
-                bm.extend(bytes(i + len(val) - len(bm)))
-            bm[i: i + len(val)] = val
-        self.bitmap = bm
-        self.n_sessions = int.from_bytes(bm, "little").bit_count()
+            if len(key) != 5 or len(val) > BITMAP_CHUNK:
+                raise IndexCorrupt(f"bitmap chunk key {key!r} with {len(val)} bytes")
+            i = int.from_bytes(key[1:5], "big")
+            c = bytearray(val.ljust(BITMAP_CHUNK, b"\0"))
+            top = int.from_bytes(c, "little").bit_length()  # highest set bit + 1
+            if top and i * BITS + top > next_sno:
+                raise IndexCorrupt(f"bitmap chunk {i} marks session {i * BITS + top - 1} live, "
+                                   f"past the next session number {next_sno}")
+            chunks[i] = c
+        self.chunks = chunks
+        self.n_sessions = sum(int.from_bytes(c, "little").bit_count() for c in chunks.values())
 
     def live(self, sno: int) -> bool:
-        i = sno >> 3
-        return i < len(self.bitmap) and bool(self.bitmap[i] & (1 << (sno & 7)))
+        c = self.chunks.get(sno // BITS)
+        b = sno % BITS
+        return c is not None and bool(c[b >> 3] & (1 << (b & 7)))
 
     def set_live(self, sno: int, live: bool) -> None:
-        i = sno >> 3
-        if i >= len(self.bitmap):
-            self.bitmap.extend(bytes(i + 1 - len(self.bitmap)))
-        was = self.live(sno)
+        i, b = divmod(sno, BITS)
+        c = self.chunks.get(i)
+        if c is None:
+            if not live:
+                return
+            c = self.chunks[i] = bytearray(BITMAP_CHUNK)
+        was = bool(c[b >> 3] & (1 << (b & 7)))
         if live:
-            self.bitmap[i] |= 1 << (sno & 7)
+            c[b >> 3] |= 1 << (b & 7)
         else:
-            self.bitmap[i] &= ~(1 << (sno & 7)) & 0xFF
+            c[b >> 3] &= ~(1 << (b & 7)) & 0xFF
         self.n_sessions += int(live) - int(was)
-        self.bitmap_dirty.add(i // BITMAP_CHUNK)
+        self.bitmap_dirty.add(i)
 
     # --------------------------------------------------------------- memory
     def cached(self, sno: int) -> Session | None:
@@ -142,10 +166,16 @@ class Index:
         if s is not None:  # evicted from the LRU but still in use: the same object
             self.remember(s)
             return s
-        parts = [v for _, v in self.tree.scan(session_prefix(nh, sno))]
+        parts = []
+        for i, (key, v) in enumerate(self.tree.scan(session_prefix(nh, sno))):
+            if key != chunk_key(nh, sno, i):
+                raise IndexCorrupt(f"session record {sno}: chunk key {key!r} out of sequence")
+            parts.append(v)
         if not parts:
             return None
         s = Session.decode(b"".join(parts))
+        if (s.sno, s.name_hash) != (sno, nh):
+            raise IndexCorrupt(f"session record under ({nh:x}, {sno}) says ({s.name_hash:x}, {s.sno})")
         self.remember(s)
         return s
 
@@ -158,7 +188,7 @@ class Index:
                 return s
         nh = name_hash(name)
         for key, val in self.tree.scan(session_prefix(nh)):
-            sno = int.from_bytes(key[9:17], "big")
+            sno = session_key_sno(key)
             if key[17:19] == b"\0\0" and self.live(sno) and chunk0_name(val) == name:
                 return self.load(nh, sno)
         return None
@@ -167,7 +197,7 @@ class Index:
     def list_names(self) -> list[str]:
         names: dict[int, str] = {}
         for key, val in self.tree.scan(b"S"):
-            sno = int.from_bytes(key[9:17], "big")
+            sno = session_key_sno(key)
             if key[17:19] == b"\0\0" and self.live(sno):
                 names[sno] = chunk0_name(val)
         for d in (self.hot, self.pinned):
@@ -195,7 +225,7 @@ class Index:
             for i, c in enumerate(chunks):
                 out[chunk_key(s.name_hash, s.sno, i)] = c
         for c in self.bitmap_dirty:
-            out[b"B" + c.to_bytes(4, "big")] = bytes(self.bitmap[c * BITMAP_CHUNK: (c + 1) * BITMAP_CHUNK])
+            out[b"B" + c.to_bytes(4, "big")] = bytes(self.chunks[c])
         return out
 
     def committed(self) -> None:

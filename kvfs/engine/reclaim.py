@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from .blocks import Encoded, decode_payload, encode_entries, parse_table
 from .errors import NoSpace
 from .format import F_COPY, T_DATA, T_DELS, T_FMETA, T_SMETA, T_TRUNC, entry_size
+from .quota import file_use, session_use
 from .records import Session, fmeta_payload, smeta_payload
 from .ring import RingFull, ScanItem, ScanReport
 
@@ -152,8 +153,11 @@ def _emit_trunc(store: Store, s: Session, f, length: int) -> bool:
         store.ring.append(T_TRUNC, 0, s.name_hash, s.sno, f.fno, length, 0)
     except RingFull:
         return False
+    before = file_use(f)
     f.truncate(length)
     store.mark_cut(s.sno)
+    store.quota.sub(s.uid, before)
+    store.quota.add(s.uid, file_use(f))
     store.idx.dirty(s)
     return True
 
@@ -165,6 +169,7 @@ def _drop(store: Store, s: Session, evicted: bool) -> bool:
         return False
     store.idx.drop(s)
     store.mark_cut(s.sno)
+    store.quota.sub(s.uid, session_use(s))
     key = "evicted_sessions" if evicted else "dropped_sessions"
     store.counters[key] += 1
     log.info("session %r %s at the ring tail", s.name, "evicted (volume full)" if evicted else

@@ -15,10 +15,11 @@ import struct
 from dataclasses import dataclass, field
 
 from .errors import BadName, Corrupt, NameTooLong
-from .format import FMETA_FMT, SMETA_FMT
+from .format import ALIGN, FMETA_FMT, MAX_ENTRY_RAW, SMETA_FMT
 
 CHUNK = 1000  # bytes of a record per B+ tree value
 MAX_NAME = 255
+MAX_FNO = 0xFFFFFFFF  # file numbers stay below it: a session's next one is a u32
 
 _SESS = struct.Struct("<QQIIIIqqqqI")  # sno, name_hash, mode, uid, gid, next_fno, c/m/atime ns, meta_pos, nfiles
 _FILE = struct.Struct("<IIIIqqqqI")  # fno, mode, uid, gid, c/m/atime ns, meta_pos, nextents
@@ -187,24 +188,34 @@ class Session:
 
     @classmethod
     def decode(cls, raw: bytes) -> Session:
+        """A session from its checkpoint record; Corrupt unless every field is one the
+        engine could have written: names valid exactly as on create, the name hash the
+        name's, file numbers and names unique, extents of whole aligned entries."""
         try:
             v = _SESS.unpack_from(raw, 0)
             p = _SESS.size
             (nl,) = struct.unpack_from("<H", raw, p)
             p += 2
-            s = cls(v[0], raw[p: p + nl].decode("utf-8", "surrogateescape"), v[1], v[2], v[3], v[4],
-                    v[6], v[7], v[8], v[9], v[5])
+            name = loaded_name(raw[p: p + nl], "session")
+            if name_hash(name) != v[1]:
+                raise Corrupt(f"session record {name!r}: name hash {v[1]:x} is not its name's")
+            s = cls(v[0], name, v[1], v[2], v[3], v[4], v[6], v[7], v[8], v[9], v[5])
             p += nl
             for _ in range(v[10]):
                 fv = _FILE.unpack_from(raw, p)
                 p += _FILE.size
                 (fl,) = struct.unpack_from("<H", raw, p)
                 p += 2
-                f = FileRec(fv[0], raw[p: p + fl].decode("utf-8", "surrogateescape"), fv[1], fv[2],
+                f = FileRec(fv[0], loaded_name(raw[p: p + fl], "file"), fv[1], fv[2],
                             fv[3], fv[4], fv[5], fv[6], fv[7])
+                if f.fno in s.files or f.name in s.by_name or f.fno >= MAX_FNO:
+                    raise Corrupt(f"session record {name!r}: file {f.name!r} ({f.fno}) twice")
                 p += fl
                 for _ in range(fv[8]):
-                    f.add(*_EXT.unpack_from(raw, p))
+                    pos, skip, length, esize = _EXT.unpack_from(raw, p)
+                    if not length or esize < ALIGN or esize % ALIGN or skip + length > MAX_ENTRY_RAW:
+                        raise Corrupt(f"session record {name!r}: bad extent in {f.name!r}")
+                    f.add(pos, skip, length, esize)
                     p += _EXT.size
                 s.add_file(f)
             if p != len(raw):
@@ -212,6 +223,18 @@ class Session:
             return s
         except (struct.error, UnicodeDecodeError, IndexError) as e:
             raise Corrupt(f"bad session record: {e}") from e
+
+
+def loaded_name(raw: bytes | memoryview, what: str) -> str:
+    """A name read back from the volume, held to the rules ``check_name`` sets on create
+    (a crafted or damaged record must not put ``..``, ``a/b`` or NUL in a listing);
+    Corrupt otherwise."""
+    name = bytes(raw).decode("utf-8", "surrogateescape")
+    try:
+        check_name(name)
+    except BadName as e:
+        raise Corrupt(f"{what} name {bytes(raw)[:64]!r} read back is not valid: {e}") from None
+    return name
 
 
 def smeta_payload(s: Session) -> bytes:
@@ -227,10 +250,20 @@ def fmeta_payload(f: FileRec) -> bytes:
 
 
 def chunk0_name(val: bytes) -> str:
-    """Session name from the first chunk of an encoded session record."""
+    """Session name from the first chunk of an encoded session record (Corrupt unless
+    it is a valid name)."""
     p = _SESS.size
     n = int.from_bytes(val[p: p + 2], "little")
-    return val[p + 2: p + 2 + n].decode("utf-8", "surrogateescape")
+    if len(val) < p + 2 + n:
+        raise Corrupt(f"session record chunk of {len(val)} bytes cut inside its name")
+    return loaded_name(val[p + 2: p + 2 + n], "session")
+
+
+def session_key_sno(key: bytes) -> int:
+    """The session number of a session record key; Corrupt for a key of another shape."""
+    if len(key) != 19:
+        raise Corrupt(f"session record key {key!r} is not 19 bytes")
+    return int.from_bytes(key[9:17], "big")
 
 
 def chunk_key(nh: int, sno: int, i: int) -> bytes:

@@ -10,13 +10,27 @@ tree: the checkpoint is a shortcut, never the only truth.
 from __future__ import annotations
 
 import logging
+import struct
 import time
 from typing import TYPE_CHECKING
 
 from .btree import BTree, TreeRoot
 from .errors import Corrupt
-from .format import F_COPY, FMETA_FMT, SMETA_FMT, T_DATA, T_DELF, T_DELS, T_FMETA, T_SMETA, T_TRUNC
-from .records import FileRec, Session
+from .format import (
+    F_COPY,
+    FMETA_FMT,
+    MAX_SNO,
+    NO_CKPT,
+    SMETA_FMT,
+    T_DATA,
+    T_DELF,
+    T_DELS,
+    T_FMETA,
+    T_SMETA,
+    T_TRUNC,
+)
+from .quota import session_use
+from .records import MAX_FNO, FileRec, Session, loaded_name, name_hash
 from .ring import ScanItem, ScanReport
 
 if TYPE_CHECKING:
@@ -28,12 +42,25 @@ log = logging.getLogger(__name__)
 def recover(store: Store) -> ScanReport:
     sb, ring = store.sb, store.ring
     full = not (sb.tail <= sb.ckpt_pos <= sb.tail + ring.size)
+    store.full_scan_why = "" if not full else "the checkpoint does not cover the ring"
+    if sb.ckpt_pos == NO_CKPT:
+        store.full_scan_why = "ring-only"
+        log.warning("%s: the index is kept in the ring only (it did not fit the tree region): "
+                    "scanning the whole ring", store.vol.path)
     if not full:
         try:
-            store.idx.load_bitmap()
-            report = _replay(store, sb.ckpt_pos, full=False)
+            store.idx.load_bitmap(sb.next_sno)
+            store.quota.load(store.tree.scan(b"U"))
+            if not store.quota.tracked and store.tree.root.count:
+                log.info("%s: the checkpoint has no usage records (written by an older kvfs): "
+                         "counting them by a full ring scan", store.vol.path)
+                store.full_scan_why = "no usage records"
+                full = True
+            else:
+                report = _replay(store, sb.ckpt_pos, full=False)
         except Corrupt as e:
             log.error("%s: checkpoint unusable (%s); recovering by a full ring scan", store.vol.path, e)
+            store.full_scan_why = f"checkpoint unusable: {e}"
             full = True
     if full:
         _reset(store)
@@ -52,6 +79,7 @@ def rebuild(store: Store, err: Exception) -> None:
     (the ring holds every change) and, if writable, write a fresh checkpoint."""
     log.error("%s: checkpoint unusable at run time (%s); rebuilding the index from the ring",
               store.vol.path, err)
+    store.full_scan_why = f"checkpoint unusable: {err}"
     store.ring.flush()
     store.drop_caches()  # the scan may end the log earlier: positions after it are reused
     _reset(store)
@@ -79,14 +107,77 @@ def _replay(store: Store, start: int, full: bool) -> ScanReport:
              else it for it in ring.scan(start, ring.tail + ring.size, report)]
     ring.head = report.end
     ring.flush()  # re-bases the (empty) write buffer at the new head
-    _apply(store, items, full)
+    before = None if full else _usage_before(store, items)
+    _apply(store, items, full, report)
+    if before is None:  # every live session is in memory after a full scan
+        store.quota.rebuild(store.idx.pinned.values())
+    else:
+        _usage_after(store, before)
     log.info("%s: replayed %d entries from %d (%s) in %.3f s", store.vol.path, len(items), start,
              "full scan" if full else "after checkpoint", time.perf_counter() - t0)
     return report
 
 
-def _apply(store: Store, items: list[ScanItem], full: bool) -> None:
+def _usage_before(store: Store, items: list[ScanItem]) -> dict[int, tuple[int, tuple | None]]:
+    """Per session the replay touches: its name hash and (owner, usage) as checkpointed."""
+    out: dict[int, tuple[int, tuple | None]] = {}
+    for it in items:
+        h = it.hdr
+        if h.sno not in out and h.sno < MAX_SNO:
+            s = store.idx.load(h.name_hash, h.sno)
+            out[h.sno] = (h.name_hash, None if s is None else (s.uid, session_use(s)))
+    return out
+
+
+def _usage_after(store: Store, before: dict[int, tuple[int, tuple | None]]) -> None:
+    """The checkpoint's usage records, moved on by what the replay changed."""
+    for sno, (nh, pre) in before.items():
+        if pre is not None:
+            store.quota.sub(*pre)
+        s = store.idx.load(nh, sno)
+        if s is not None:
+            store.quota.add(s.uid, session_use(s))
+
+
+def _named(it: ScanItem, fmt: struct.Struct, what: str, report: ScanReport
+           ) -> tuple[tuple, str] | None:
+    """The fields and name of a metadata entry, or None (reported as corrupt) when its
+    payload is not one the engine writes: too short, a name ``check_name`` refuses, a
+    session name whose hash is not the header's."""
+    p, h = it.payload, it.hdr
+    try:
+        if p is None or len(p) < fmt.size:
+            raise Corrupt(f"{what} entry payload of {0 if p is None else len(p)} bytes")
+        name = loaded_name(p[fmt.size:], what)
+        if what == "session" and name_hash(name) != h.name_hash:
+            raise Corrupt(f"session entry name {name!r} does not hash to its header's")
+        fields = fmt.unpack_from(p)
+        if max(fields[-2:]) >= 1 << 63:  # ctime, mtime: signed 64-bit in the index
+            raise Corrupt(f"{what} entry times {fields[-2:]} out of range")
+    except Corrupt as e:
+        log.error("ring entry at %d: %s; skipped", h.pos, e)
+        assert report.corrupt is not None
+        report.corrupt.append((h.pos, h.size))
+        return None
+    return fmt.unpack_from(p), name
+
+
+def _apply(store: Store, items: list[ScanItem], full: bool, report: ScanReport) -> None:
     base_next = store.sb.next_sno
+    ok = []
+    for it in items:
+        h = it.hdr
+        # fields the index keeps must fit its records: a session number below MAX_SNO, a
+        # file number below MAX_FNO (the next one is a u32), a time that is a signed 64-bit
+        # nanosecond count
+        if h.sno < MAX_SNO and h.ts_ns < 1 << 63 and h.fno < MAX_FNO:
+            ok.append(it)
+            continue
+        log.error("ring entry at %d: session %d, file %d, time %d; skipped", h.pos, h.sno,
+                  h.fno, h.ts_ns)
+        assert report.corrupt is not None
+        report.corrupt.append((h.pos, h.size))
+    items = ok
     dels = {it.hdr.sno for it in items if it.hdr.type == T_DELS}
     delf = {(it.hdr.sno, it.hdr.fno) for it in items if it.hdr.type == T_DELF}
     max_sno = base_next - 1
@@ -96,12 +187,14 @@ def _apply(store: Store, items: list[ScanItem], full: bool) -> None:
             max_sno = max(max_sno, h.sno)
             if it.payload is None or h.sno in dels:
                 continue
+            got = _named(it, SMETA_FMT, "session", report)
+            if got is None:
+                continue
+            (mode, uid, gid, next_fno, ctime, mtime), name = got
             s = store.idx.load(h.name_hash, h.sno)
-            mode, uid, gid, next_fno, ctime, mtime = SMETA_FMT.unpack_from(it.payload)
             if s is None:
                 if not full and h.sno < base_next:
                     continue  # deleted before the checkpoint was taken
-                name = bytes(it.payload[SMETA_FMT.size:]).decode("utf-8", "surrogateescape")
                 s = Session(h.sno, name, h.name_hash, mode, uid, gid, ctime, mtime, mtime, h.pos, next_fno)
                 store.idx.set_live(h.sno, True)
             s.mode, s.uid, s.gid, s.ctime = mode, uid, gid, ctime
@@ -113,13 +206,13 @@ def _apply(store: Store, items: list[ScanItem], full: bool) -> None:
         elif h.type == T_FMETA:
             if it.payload is None or (h.sno, h.fno) in delf:
                 continue
+            got = _named(it, FMETA_FMT, "file", report)
             s = store.idx.load(h.name_hash, h.sno)
-            if s is None:
+            if s is None or got is None:
                 continue
-            mode, uid, gid, ctime, mtime = FMETA_FMT.unpack_from(it.payload)
+            (mode, uid, gid, ctime, mtime), name = got
             f = s.files.get(h.fno)
             if f is None:
-                name = bytes(it.payload[FMETA_FMT.size:]).decode("utf-8", "surrogateescape")
                 f = FileRec(h.fno, name, mode, uid, gid, ctime, mtime, mtime, h.pos)
                 s.add_file(f)
             f.mode, f.uid, f.gid, f.meta_pos = mode, uid, gid, h.pos

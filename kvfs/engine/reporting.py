@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from .failsafe import FsckMark
     from .format import Superblock
     from .index import Index
+    from .quota import Ledger
     from .ring import Ring, ScanReport
     from .volume import VolumeFile
 
@@ -33,6 +34,8 @@ class Reporting:
     fsck_mark: FsckMark
     needs_fsck: bool
     tree: BTree
+    quota: Ledger
+    ring_only: bool
 
     def usage(self) -> Usage:
         with self._lock:
@@ -64,7 +67,8 @@ class Reporting:
                        "checkpoint_age_s": round(u.checkpoint_age_s, 3),
                        "needs_fsck": self.needs_fsck, "needs_fsck_reason": self.fsck_mark.reason},
             "index": {"hot_sessions": len(self.idx.hot), "pinned_sessions": len(self.idx.pinned),
-                      "tree": self.tree.stats()},
+                      "tree": self.tree.stats(), "ring_only": self.ring_only},
+            "quota": self.quota.stats(),
             "counters": dict(self.counters),
             "compression_ratio": round(raw / st, 4) if st else 1.0,
             "recovery": None if rep is None else {

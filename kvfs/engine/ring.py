@@ -340,9 +340,13 @@ class Ring:
         while pos < limit:
             h = reader.header(pos)
             if h is not None and h.type == T_PAD:
-                pos += self.lap_left(pos)
-                continue
-            if h is not None and pos + h.size <= limit:
+                if self.lap_left(pos) <= MAX_ENTRY:
+                    pos += self.lap_left(pos)
+                    continue
+                # a pad stands only where the next entry did not fit the lap: one further
+                # from the lap's end is not the engine's (read as no entry)
+                h = None
+            if h is not None and pos + h.size <= limit and h.size <= MAX_ENTRY:
                 payload = reader.read(pos + HDR_SIZE, h.stored_len)
                 ok = check_payload(h, payload)
                 if ok or self._resync(reader, pos + h.size, limit) is not None:

@@ -62,7 +62,8 @@ import uuid
 from collections.abc import Callable
 
 from .blocks import Encoded, encode_entries
-from .btree import BTree, TreeFull, TreeRoot
+from .btree import BTree, TreeRoot
+from .checkpoint import write_checkpoint
 from .codec import Codec
 from .errors import BadRange, Exists, FormatError, NeedsFsck, NoSpace, NotAppend, NotFound
 from .failsafe import FsckMark, guarded
@@ -70,6 +71,7 @@ from .format import (
     BLOCK,
     BLOCK_ENTRY,
     MAX_ENTRY_RAW,
+    NO_CKPT,
     SB_CLEAN,
     SB_NEEDS_FSCK,
     T_DELF,
@@ -81,9 +83,18 @@ from .format import (
     entry_size,
 )
 from .index import Index
+from .quota import EXTENT_BYTES, Ledger, Limits, file_base, file_use, session_base, session_use
 from .reads import ReadPath
 from .reclaim import reclaim
-from .records import FileRec, Session, check_name, fmeta_payload, name_hash, smeta_payload
+from .records import (
+    MAX_FNO,
+    FileRec,
+    Session,
+    check_name,
+    fmeta_payload,
+    name_hash,
+    smeta_payload,
+)
 from .recovery import recover
 from .reporting import Reporting
 from .ring import Ring, ScanReport
@@ -107,6 +118,10 @@ class Store(ReadPath, Reporting):
         self.ring = Ring(vol, sb.ring_offset, sb.ring_size, sb.head, sb.tail, config.write_buffer)
         tree = BTree(vol, sb.tree_offset, sb.tree_pages, TreeRoot.unpack(sb.tree_root))
         self.idx = Index(tree, config.hot_sessions)
+        self.quota = Ledger(Limits.resolve(config.quota_sessions, config.quota_bytes,
+                                           config.quota_index_share, config.shared,
+                                           config.index_fill, sb.tree_pages // 2, sb.ring_size))
+        self.full_at: int | None = None  # index estimate when the tree last could not take it
         self.codec = Codec(config.compression, config.zstd_level, config.min_ratio, config.plane_split)
         self.append_codec = Codec("none") if config.compress_on_copy else self.codec
         self.next_sno = sb.next_sno
@@ -121,6 +136,7 @@ class Store(ReadPath, Reporting):
         self.max_entry_raw = min(MAX_ENTRY_RAW, max(64 << 10, sb.ring_size // 32))
         self.reserve = 2 * entry_size(self.max_entry_raw + (self.max_entry_raw >> 6) + 64) + (64 << 10)
         self.open_report: ScanReport | None = None
+        self.full_scan_why = ""  # why the last recovery scanned the whole ring ("": it did not)
         self.fsck_mark = FsckMark(sb.flags)
         self.counters = dict(appends=0, reads=0, raw_written=0, stored_written=0, copied_forward=0,
                              reclaims=0, checkpoints=0, corrupt_reads=0, dropped_sessions=0,
@@ -130,11 +146,13 @@ class Store(ReadPath, Reporting):
     @classmethod
     def create(cls, path: str, size: int, config: StoreConfig | None = None,
                clock: Callable[[], float] = time.time, *, volume: type[VolumeFile] = VolumeFile,
-               observer: Observer | None = None, fill: bool = False) -> Store:
+               observer: Observer | None = None, fill: bool = False,
+               progress: Callable[[int, int], None] | None = None) -> Store:
         """Format a new volume at ``path`` (a new file, or a block device) and open it;
-        ``fill``: write zeros over a new file first (``VolumeFile.create``)."""
+        ``fill``: write zeros over a new file first (``VolumeFile.create``), calling
+        ``progress(done, total)`` as it goes."""
         tree_off, tree_pages, ring_off, ring_size = geometry(size)
-        vol = volume.create(path, size, fill)
+        vol = volume.create(path, size, fill, progress)
         now = time.time_ns()
         sb = Superblock(1, SB_CLEAN, vol.size, ring_off, ring_size, tree_off, tree_pages, 0, 0, 0, 1,
                         now, now, TreeRoot.empty().pack(), uuid.uuid4().bytes)
@@ -235,17 +253,30 @@ class Store(ReadPath, Reporting):
         check_name(name)
         if self.idx.find(name) is not None:
             raise Exists(f"session {name!r} exists")
+        self._admit(uid, sessions=1, index=session_base(name))
         now = time.time_ns()
         s = Session(self.next_sno, name, name_hash(name), mode, uid, gid, now, now, now, -1)
         self.emit_smeta(s)
         self.next_sno += 1
         self.idx.set_live(s.sno, True)
+        self.quota.add(uid, session_use(s))
 
     def delete_session(self, name: str) -> None:
         s = self._session(name)
         self._emit(T_DELS, s)
         self.idx.drop(s)
         self.mark_cut(s.sno)
+        self.quota.sub(s.uid, session_use(s))
+
+    def _admit(self, uid: int, **more: int) -> None:
+        """Quotas and the index budget (``quota.Ledger.admit``) before a change grows the
+        index; the bitmap chunks the tree holds count too."""
+        self.quota.bitmap_chunks = len(self.idx.chunks)
+        self.quota.admit(uid, **more)
+
+    def quota_room(self, session: str) -> int | None:
+        """Data bytes the owner of ``session`` may still add (None: no byte quota)."""
+        return self.quota.room(self._session(session).uid)
 
     def session_stat(self, name: str) -> SessionStat:
         s = self._session(name)
@@ -262,8 +293,10 @@ class Store(ReadPath, Reporting):
         s.mtime = s.mtime if mtime is None else _ns(mtime)
         if (mode, uid, gid) != (None, None, None):
             s.mode = s.mode if mode is None else mode & 0o7777
+            old = s.uid
             s.uid, s.gid = s.uid if uid is None else uid, s.gid if gid is None else gid
             self.emit_smeta(s)
+            self.quota.move(old, s.uid, session_use(s))
         self.idx.dirty(s)
 
     # ================================================================ files
@@ -275,15 +308,20 @@ class Store(ReadPath, Reporting):
         check_name(name)
         if s.file(name) is not None:
             raise Exists(f"file {name!r} exists in session {session!r}")
+        self._admit(s.uid, files=1, index=file_base(name))
+        if s.next_fno >= MAX_FNO:  # numbers are never reused: 2^32 - 1 files made in it
+            raise NoSpace(f"session {session!r} has used every file number")
         now = time.time_ns()
         f = FileRec(s.next_fno, name, mode & 0o7777, uid, gid, now, now, now, -1)
         s.add_file(f)
         s.mtime = now
         self.emit_fmeta(s, f)
+        self.quota.add(s.uid, file_use(f))
 
     def delete_file(self, session: str, name: str) -> None:
         s, f = self._file(session, name)
         self._emit(T_DELF, s, f.fno)
+        self.quota.sub(s.uid, file_use(f))
         s.drop_file(f.fno)
         self.mark_cut(s.sno)
         s.mtime = time.time_ns()
@@ -322,6 +360,7 @@ class Store(ReadPath, Reporting):
         need = sum(self.ring.cost(min(step, len(mv) - i) + BLOCK_ENTRY.size * (step // BLOCK + 1) + 64)
                    for i in range(0, len(mv), step))
         with self._lock:
+            self._admit(s.uid, nbytes=len(mv), index=EXTENT_BYTES * len(range(0, len(mv), step)))
             self._ensure_room(need, s)
         # Compressing needs no lock: only this writer touches the codec and the file's end.
         encs = encode_entries(self.append_codec, mv, step, (s.sno, f.fno))
@@ -347,6 +386,7 @@ class Store(ReadPath, Reporting):
     def _appended(self, s: Session, f: FileRec, pos: int, esize: int, enc: Encoded, last: bool) -> None:
         """Under the state lock: publish one written entry of an append."""
         f.add(pos, 0, enc.raw_len, esize)
+        self.quota.add(s.uid, (0, 0, enc.raw_len, EXTENT_BYTES))
         c = self.counters
         c["raw_written"] += enc.raw_len
         c["stored_written"] += enc.stored_len
@@ -362,8 +402,11 @@ class Store(ReadPath, Reporting):
         if length == f.size:
             return
         self._emit(T_TRUNC, s, f.fno, length)
+        before = file_use(f)
         f.truncate(length)
         self.mark_cut(s.sno)
+        self.quota.sub(s.uid, before)
+        self.quota.add(s.uid, file_use(f))
         f.mtime = s.mtime = time.time_ns()
         self.idx.dirty(s)
 
@@ -399,35 +442,16 @@ class Store(ReadPath, Reporting):
         self._wlock.release()
 
     def checkpoint(self, clean: bool = False) -> None:
-        """Persist the index (dirty sessions, purges, bitmap) and a superblock pointing at it."""
-        if self.readonly:
-            return
-        self.ring.sync()  # everything the checkpoint references is durable first
-        changes = self.idx.changes()
-        old_root = self.tree.root
-        try:
-            root = self.tree.commit(changes)
-        except TreeFull as e:
-            raise NoSpace(f"index region full, cannot checkpoint: {e}") from e
-        sb, mark = self.sb, self.fsck_mark.mark  # the mark before its flag: see FsckMark.set
-        new = Superblock(sb.seq + 1, self.fsck_mark.flags(clean), sb.volume_size, sb.ring_offset,
-                         sb.ring_size, sb.tree_offset, sb.tree_pages, self.ring.head,
-                         self.ring.tail, self.ring.head, self.next_sno, time.time_ns(),
-                         sb.created_ns, root.pack(), sb.uuid)
-        try:
-            self.vol.sync()
-            self.vol.write_superblock(new)
-        except BaseException:
-            # The durable superblock still names the old root: keep committing on top of it.
-            self.idx.tree = BTree(self.vol, sb.tree_offset, sb.tree_pages, old_root)
-            raise
-        self.sb, self.fsck_mark.written = new, mark
-        self.ring.durable_tail = self.ring.tail
-        if self.published is not None:  # before the head may write behind the old tail
-            self.published.set_tail(self.ring.durable_tail)
-        self.idx.committed()
-        self.last_ckpt = time.monotonic()
-        self.counters["checkpoints"] += 1
+        """Persist the index (dirty sessions, purges, bitmap, usage) and a superblock
+        pointing at it; an index too large for the tree region stays in the ring
+        (``checkpoint.write_checkpoint``)."""
+        if not self.readonly:
+            write_checkpoint(self, clean)
+
+    @property
+    def ring_only(self) -> bool:
+        """The index is not checkpointed (it did not fit the tree region): opens scan the ring."""
+        return self.sb.ckpt_pos == NO_CKPT
 
     def maybe_checkpoint(self) -> bool:
         """Checkpoint when the interval passed, replay would be long, or many sessions are pinned."""
@@ -437,8 +461,8 @@ class Store(ReadPath, Reporting):
         if u > self.cfg.cleanup_threshold and time.monotonic() - self.last_cleanup > 60:
             self.cleanup()
         due = (time.monotonic() - self.last_ckpt >= self.cfg.checkpoint_interval_s
-               or self.ring.head - self.sb.ckpt_pos > self.ring.size // 4
-               or len(self.idx.pinned) > 10 * self.cfg.hot_sessions)
+               or (not self.ring_only and (self.ring.head - self.sb.ckpt_pos > self.ring.size // 4
+                                           or len(self.idx.pinned) > 10 * self.cfg.hot_sessions)))
         if due and (self.idx.has_changes() or self.ring.head != self.sb.ckpt_pos):
             self.checkpoint()
             return True
@@ -455,6 +479,7 @@ class Store(ReadPath, Reporting):
                 self._emit(T_DELS, s)
                 self.idx.drop(s)
                 self.mark_cut(s.sno)
+                self.quota.sub(s.uid, session_use(s))
                 n += 1
         if n:
             log.info("cleanup: dropped %d sessions idle over %.0f s", n, self.cfg.retention_s)
@@ -484,7 +509,7 @@ for _mode, _names in (
                    "delete_file", "set_file_attrs", "truncate", "flush", "checkpoint",
                    "maybe_checkpoint", "cleanup")),
         ("writer", ("append", "sync")),
-        ("lookup", ("list_sessions", "session_stat", "list_files", "file_stat")),
+        ("lookup", ("list_sessions", "session_stat", "list_files", "file_stat", "quota_room")),
         ("read", ("read", "extents"))):
     for _name in _names:
         setattr(Store, _name, guarded(getattr(Store, _name), _mode))

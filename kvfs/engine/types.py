@@ -55,6 +55,14 @@ class StoreConfig:
     fadvise: bool = True  # POSIX_FADV_DONTNEED after cold reads
     writeback: int = 4 << 20  # bytes written in one run before their write-out to the disk
     # starts (an fsync then waits for the last run only); 0 leaves it to the kernel
+    # Quotas per uid other than root (kvfs.engine.quota): 0 none, -1 decided by ``shared``
+    # (none unless other users write the volume: a quarter of it each)
+    quota_sessions: int = 0
+    quota_bytes: int = 0
+    quota_index_share: float = 0.0  # of the index budget; 0 or 1: none
+    shared: bool = False  # other users write this volume (a mount with --allow-other)
+    index_fill: float = 0.5  # share of a tree half the index may fill; the rest is
+    # headroom for the copy-on-write commits after a compaction
 
 
 @dataclass

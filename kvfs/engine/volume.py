@@ -34,6 +34,7 @@ import queue
 import stat
 import threading
 import time
+from collections.abc import Callable
 
 from .errors import BadSuperblock, FormatError, VolumeBusy
 from .format import MIN_VOLUME, PAGE, RING_ALIGN, SB_SLOT, VOLUME_MAGIC, Superblock
@@ -62,10 +63,12 @@ def _sync_file_range() -> ctypes._CFuncPtr | None:
 _SYNC_FILE_RANGE = _sync_file_range()
 
 
-def fill_zeros(fd: int, size: int, path: str = "") -> None:
+def fill_zeros(fd: int, size: int, path: str = "",
+               progress: Callable[[int, int], None] | None = None) -> None:
     """Write zeros over ``[0, size)`` of ``fd`` and fsync. Each chunk's write-out starts as
     it is written; once the one before is on the disk its pages leave the page cache, so a
-    fill of any size holds about two chunks of it."""
+    fill of any size holds about two chunks of it. ``progress(done, size)`` after each
+    chunk (a bar for the operator: a large fill takes minutes)."""
     zeros = memoryview(bytes(FILL_CHUNK))
     t0 = last = time.monotonic()
     prev: tuple[int, int] | None = None
@@ -77,6 +80,8 @@ def fill_zeros(fd: int, size: int, path: str = "") -> None:
             if prev is not None and not _SYNC_FILE_RANGE(fd, *prev, SYNC_FILE_RANGE_WAIT):
                 _drop(fd, *prev)
         prev = (off, n)
+        if progress is not None:
+            progress(off + n, size)
         if time.monotonic() - last >= FILL_REPORT_S:
             last = time.monotonic()
             log.info("%s: filled %d of %d MiB with zeros (%.0f MiB/s)", path, (off + n) >> 20,
@@ -139,7 +144,8 @@ class VolumeFile:
 
     # ----------------------------------------------------------- open / create
     @classmethod
-    def create(cls, path: str, size: int, fill: bool = False) -> VolumeFile:
+    def create(cls, path: str, size: int, fill: bool = False,
+               progress: Callable[[int, int], None] | None = None) -> VolumeFile:
         """Create (file) or take over (block device) a volume; the caller formats it.
         ``fill`` writes zeros over a new file whose space ``posix_fallocate`` reserved (not
         a block device, not a filesystem without fallocate: neither has unwritten space)."""
@@ -162,7 +168,7 @@ class VolumeFile:
                     os.ftruncate(fd, size)
                 else:
                     if fill:
-                        fill_zeros(fd, size, path)
+                        fill_zeros(fd, size, path, progress)
         except BaseException:
             os.close(fd)
             if not is_blk:
@@ -215,9 +221,10 @@ class VolumeFile:
         out: list[Superblock | BadSuperblock] = []
         for slot in (0, 1):
             try:
-                out.append(Superblock.unpack(os.pread(self.fd, SB_SLOT, slot * SB_SLOT)))
+                sb = Superblock.unpack(os.pread(self.fd, SB_SLOT, slot * SB_SLOT))
+                sb.check_layout(self.size)
+                out.append(sb)
             except BadSuperblock as e:
-                log.warning("%s: superblock slot %d: %s", self.path, slot, e)
                 out.append(e)
         return out
 
@@ -226,6 +233,9 @@ class VolumeFile:
         slots = self.read_slots()
         good = [s for s in slots if isinstance(s, Superblock)]
         if good:
+            for i, e in enumerate(slots):  # the other slot is used: say why (no volume
+                if isinstance(e, BadSuperblock):  # at all says it in its one line)
+                    log.warning("%s: superblock slot %d: %s", self.path, i, e)
             return max(good, key=lambda s: s.seq)
         bad = [e for e in slots if isinstance(e, BadSuperblock)]
         version = [e for e in bad if e.kind == "version"]
@@ -233,6 +243,9 @@ class VolumeFile:
             raise FormatError(f"{self.path}: {version[0]}")
         if all(e.kind == "magic" for e in bad):
             raise FormatError(f"{self.path}: not a kvfs volume (no kvfs superblock)")
+        if all(e.kind == "layout" for e in bad):
+            raise FormatError(f"{self.path}: no superblock describes a volume that fits this "
+                              f"{self.size}-byte file ({bad[0]}); not repairable by kvfs-fsck")
         why = "; ".join(f"slot {i}: {e}" for i, e in enumerate(bad))
         raise FormatError(f"{self.path}: both superblocks are corrupt ({why}); "
                           f"run kvfs-fsck {self.path}")

@@ -136,6 +136,7 @@ class Pending:
     base: int
     buf: Tail
     lock: trio.Lock = field(default_factory=trio.Lock)
+    quota: int | None = None  # bytes its session's owner may still add (None: no quota)
 
     @property
     def size(self) -> int:
@@ -234,10 +235,11 @@ class WriteBuffers:
         n = len(buf)
         p = self._by_ino.get(node.ino)
         if p is None:
-            st = await self.call(on_live, node, self.store.file_stat, *node.key, changes=False)
+            st, room = await self.call(on_live, node, self._stat_and_room, node,
+                                       changes=False)
             p = self._by_ino.get(node.ino)  # another write may have made it meanwhile
             if p is None:
-                p = self._by_ino[node.ino] = Pending(node, st.size, Tail(self._total))
+                p = self._by_ino[node.ino] = Pending(node, st.size, Tail(self._total), quota=room)
         if not self._fits(n):
             if trio.current_time() < self._full_until:
                 raise errors.NoSpace("volume full")
@@ -254,7 +256,9 @@ class WriteBuffers:
                 raise FUSEError(errno.EPERM)
             if p.buf and (len(p.buf) + n > self.flush_at or not self._fits(n)):
                 await self._flush_locked(p)
-            through = not self._fits(n)  # no room to promise: store it before saying yes
+            # no room to promise (the volume's, or the owner's quota): store it before
+            # saying yes, so EDQUOT/ENOSPC is this write's answer, not a later close's
+            through = not self._fits(n) or (p.quota is not None and len(p.buf) + n > p.quota)
             p.buf.add(buf)
             accepted = n
             if through or len(p.buf) >= self.flush_at:
@@ -343,8 +347,10 @@ class WriteBuffers:
         each buffer; the rest stays for a retry. The last buffer's error (or ``then``'s)
         rises when ``own``; the others' are logged."""
         items = [(q.node, q.base, q.buf.data()) for q in batch]
-        results, headroom = await self.call(self._append_batch, items, then, here=here)
+        results, headroom, room = await self.call(self._append_batch, items, then, here=here)
         self._headroom = headroom
+        if batch[-1].quota is not None:  # the owner's room after this store
+            batch[-1].quota = room
         failure: BaseException | None = None
         for k, (q, (node, base, data), (done, err)) in enumerate(zip(batch, items, results, strict=True)):
             q.buf.drop_front(done)
@@ -365,10 +371,11 @@ class WriteBuffers:
 
     def _append_batch(self, items: list[tuple[Node, int, bytes]],
                       then: Callable[[], Any] | None = None
-                      ) -> tuple[list[tuple[int, BaseException | None]], int | None]:
+                      ) -> tuple[list[tuple[int, BaseException | None]], int | None, int | None]:
         """On the worker (or the trio thread, ``Worker.sync_here``): ``_append_pieces`` of each
         (node, base, data), then ``then`` if the last one was stored whole (its error is
-        reported as the last one's); with the headroom after."""
+        reported as the last one's); with the headroom after, and the last file's owner's
+        quota room."""
         results = [self._append_pieces(*item) for item in items]
         done, err = results[-1]
         if then is not None and err is None:
@@ -380,7 +387,18 @@ class WriteBuffers:
             headroom: int | None = self._headroom_now()
         except Exception:  # the next write looks again
             headroom = None
-        return results, headroom
+        return results, headroom, self._room(items[-1][0])
+
+    def _stat_and_room(self, node: Node) -> tuple[Any, int | None]:
+        """A file's stat and its session owner's byte quota room (on the worker)."""
+        return self.store.file_stat(*node.key), self._room(node)
+
+    def _room(self, node: Node) -> int | None:
+        room = getattr(self.store, "quota_room", None)
+        try:
+            return room(node.key[0]) if room is not None else None
+        except errors.KVFSError:
+            return None
 
     def _append_pieces(self, node: Node, base: int, data: bytes) -> tuple[int, BaseException | None]:
         """(bytes stored, error) of appending ``data`` as entries of at most ``entry_max``

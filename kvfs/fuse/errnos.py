@@ -33,6 +33,7 @@ ERRNO: list[tuple[type[errors.KVFSError], int]] = [
     (errors.NotAppend, errno.EPERM),
     (errors.BadRange, errno.EINVAL),
     (errors.NotEmpty, errno.ENOTEMPTY),
+    (errors.QuotaExceeded, errno.EDQUOT),
     (errors.NoSpace, errno.ENOSPC),
     (errors.Corrupt, errno.EIO),
 ]

@@ -279,18 +279,17 @@ def stats_body(store_stats: dict, usage: Any, fs: dict, needs_fsck: bool,
 
 def metrics_body(usage: Any, agent_totals: dict[str, dict[str, Any]] | None = None) -> bytes:
     """``/.kvfs/metrics``: the process registry, cold-tier gauges refreshed first, and the
-    hot and RAM-tier gauges set to what the volume's agent processes publish (the mount
-    holds neither tier itself)."""
-    refresh_cold_gauges(usage)
-    warm, hot = (agent_totals or {}).get("warm") or {}, (agent_totals or {}).get("hot") or {}
-    if warm:
-        metrics.warm_bytes.set(warm["bytes"])
-        metrics.warm_sessions.set(warm["sessions"])
-        metrics.warm_usage_ratio.set(warm["bytes"] / warm["cap"] if warm["cap"] else 0.0)
-    if hot:
-        metrics.hot_bytes.set(hot["bytes"])
-        metrics.hot_sessions.set(hot["sessions"])
+    hot and RAM-tier gauges set to what the volume's live agent processes publish (the
+    mount holds neither tier itself; zero when no agent is live)."""
+    set_gauges(usage, agent_totals)
     return metrics.text()
+
+
+def set_gauges(usage: Any, agent_totals: dict[str, dict[str, Any]] | None = None) -> None:
+    """The cold-tier gauges from a ``Store.usage()``, the hot and RAM-tier ones from the
+    live agents' totals (zero without any)."""
+    refresh_cold_gauges(usage)
+    metrics.set_agent_gauges(agent_totals or {})
 
 
 def refresh_cold_gauges(u: Any) -> None:

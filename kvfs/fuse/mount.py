@@ -179,8 +179,25 @@ def report(pipe: int | None, message: str) -> None:
     os.close(devnull)
 
 
+def fill_bar() -> Any:
+    """A progress bar on the terminal for a volume filled with zeros (minutes for a large
+    one); None when stderr is not a terminal (a log, a pipe, the daemon after start-up)."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    try:  # a terminal that does not say its size (0 x 0) still gets a bar
+        size = os.get_terminal_size(sys.stderr.fileno())
+        cols, rows = size.columns or 80, size.lines or 24
+    except OSError:
+        cols, rows = 80, 24
+    return tqdm(desc="creating volume", unit="B", unit_scale=True, unit_divisor=1024,
+                file=sys.stderr, ncols=cols, nrows=rows)
+
+
 def open_store(args: argparse.Namespace, size: int | None, profile: profiles.Profile) -> Any:
-    config = profile.store_config()
+    # other users reach an --allow-other mount: "auto" quotas apply there
+    config = profile.store_config(shared=args.allow_other)
     observer = metrics.EngineObserver()
     try:
         if os.path.exists(args.volume):
@@ -191,7 +208,19 @@ def open_store(args: argparse.Namespace, size: int | None, profile: profiles.Pro
         assert size is not None
         log.info("creating volume %s of %d bytes%s", args.volume, size,
                  "" if args.sparse else ", filled with zeros (--sparse skips it)")
-        return Store.create(args.volume, size, config, observer=observer, fill=not args.sparse)
+        bar = None if args.sparse else fill_bar()
+
+        def progress(done: int, total: int) -> None:
+            assert bar is not None
+            bar.total = total
+            bar.update(done - bar.n)
+
+        try:
+            return Store.create(args.volume, size, config, observer=observer,
+                                fill=not args.sparse, progress=None if bar is None else progress)
+        finally:
+            if bar is not None:
+                bar.close()
     except errors.NeedsFsck:
         raise Refused(f"{args.volume} needs fsck (an error was seen while it was mounted): "
                       f"run kvfs-fsck {args.volume}, or mount with --force") from None
@@ -201,6 +230,18 @@ def open_store(args: argparse.Namespace, size: int | None, profile: profiles.Pro
         raise Refused(f"{args.volume} is not a usable kvfs volume: {e}") from None
     except OSError as e:
         raise Refused(f"cannot open volume {args.volume}: {e.strerror or e}") from None
+
+
+def bind_metrics(args: argparse.Namespace) -> Any:
+    """The metrics port, bound but not serving yet (None without ``--metrics-port``);
+    ``Refused`` when it cannot be bound."""
+    if not args.metrics_port:
+        return None
+    try:
+        return metrics.serve(args.metrics_port, args.metrics_addr, start=False)
+    except OSError as e:
+        raise Refused(f"--metrics-addr {args.metrics_addr} --metrics-port {args.metrics_port}: "
+                      f"{e.strerror or e}") from None
 
 
 def node_id(volume: str) -> str:
@@ -421,12 +462,15 @@ def main(argv: list[str] | None = None) -> int:
         check_paths(args, size)
         if not args.foreground:
             pipe = daemonize()
+        server = bind_metrics(args)  # before the volume: a busy port must not create it
         tier = open_shared(args, profile)
         try:
             store = open_store(args, size, profile)
         except Refused:
             if tier is not None:
                 tier.close()
+            if server is not None:
+                server.close()
             raise
     except Refused as e:
         return refuse(args, pipe, str(e))
@@ -447,12 +491,10 @@ def main(argv: list[str] | None = None) -> int:
                                   ops.buffers.entry_max))
         elif not args.no_channel:  # a shared mount's clients use the files (channel.py)
             ops.channel = ChannelServer(ops, store, args.volume, allow_other=args.allow_other)
-        try:
-            if args.metrics_port:
-                metrics.serve(args.metrics_port, args.metrics_addr)
-        except OSError as e:
-            return refuse(args, pipe, f"--metrics-addr {args.metrics_addr} --metrics-port "
-                                      f"{args.metrics_port}: {e.strerror or e}")
+        if server is not None:
+            metrics.on_scrape(ops.refresh_gauges)  # agents that exited drop out of a scrape
+            stack.callback(server.close)
+            server.start()
         try:
             pyfuse3.init(ops, args.mountpoint, fuse_options(args))
         except RuntimeError as e:

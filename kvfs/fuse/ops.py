@@ -62,6 +62,7 @@ from .files import (
     metrics_body,
     negative,
     session_attr,
+    set_gauges,
     stats_body,
 )
 from .hooks import Local
@@ -233,15 +234,23 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         st = await self.call(on_live, node, self._stat_sync, key, changes=False)
         return self._dyn_attr(ino, key, st)
 
+    def agent_totals(self) -> dict[str, dict[str, Any]]:
+        """What the volume's live agents publish (``kvfs.ops.agents``), summed."""
+        warm_root = (self.profile or {}).get("warm_root")
+        return agents.totals(agents.read(warm_root, self.store.volume_id) if warm_root else [])
+
+    def refresh_gauges(self) -> None:
+        """The gauges of tiers and figures the registry does not follow by itself (cold
+        usage, live agents); run before every scrape (``metrics.on_scrape``). Thread-safe."""
+        set_gauges(self.store.usage(), self.agent_totals())
+
     async def _generate(self, ino: int, private: bool = False) -> bytes:
         """The body of a generated file; ``private``: for the mount's owner or root (with
         session names and paths, see ``stats_body``)."""
         def body() -> bytes:
             if ino != STATS:
                 self.shared.refresh_metrics()
-                warm_root = (self.profile or {}).get("warm_root")
-                docs = agents.read(warm_root, self.store.volume_id) if warm_root else []
-                return metrics_body(self.store.usage(), agents.totals(docs))
+                return metrics_body(self.store.usage(), self.agent_totals())
             fs = {**asdict(self.counters), "open_files": len(self._handles),
                   "inodes": len(self.inodes), "direct_io": self.direct_io,
                   "pending_bytes": self.buffers.pending_bytes,

@@ -4,7 +4,8 @@ Each agent process rewrites ``<warm_root>/<volume uuid>/proc-<pid>/stats.json`` 
 second (its RAM tier's bytes, sessions, cap, hits, misses, dirty bytes, and its router's
 hot-tier bytes and sessions). ``kvfs-stat`` and the mount's ``/.kvfs/metrics`` sum the
 fresh ones, so both show all three tiers. A file not rewritten for ``max_age_s`` belongs
-to a process that is gone and is left out.
+to a process that is gone and is left out. A root with ``{uid}`` in its last component (the
+per-user default) stands for every such directory owned by the uid its name says.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import time
 from typing import Any
 
@@ -29,12 +31,47 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def roots(warm_root: str) -> list[str]:
+    """The RAM-tier roots ``warm_root`` names: itself, or with ``{uid}`` in its last
+    component, each directory of that shape owned by the uid in its name."""
+    if "{uid}" not in warm_root:
+        return [warm_root]
+    parent, last = os.path.split(warm_root)
+    if "{uid}" in parent:
+        return []
+    shape = re.compile(re.escape(last).replace(re.escape("{uid}"), "([0-9]{1,10})"))
+    try:
+        names = sorted(os.listdir(parent or "."))
+    except OSError:
+        return []
+    out = []
+    for n in names:
+        m = shape.fullmatch(n)
+        if m is None:
+            continue
+        path = os.path.join(parent, n)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == int(m.group(1)):  # not someone's fake
+            out.append(path)
+    return out
+
+
 def read(warm_root: str, volume_id: str | None = None,
          max_age_s: float = 10.0) -> list[dict[str, Any]]:
     """The ``stats.json`` documents of the live agents of one volume (the RAM tier's root
     itself when ``volume_id`` is None), each with its ``pid``; none when unreadable."""
     if volume_id is not None and not _VOLUME.fullmatch(volume_id):
         return []
+    out: list[dict[str, Any]] = []
+    for root in roots(warm_root):
+        out += _read_root(root, volume_id, max_age_s)
+    return out
+
+
+def _read_root(warm_root: str, volume_id: str | None, max_age_s: float) -> list[dict[str, Any]]:
     base = os.path.join(warm_root, volume_id) if volume_id is not None else warm_root
     try:
         names = sorted(n for n in os.listdir(base) if _PROC.fullmatch(n))

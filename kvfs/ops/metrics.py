@@ -1,19 +1,28 @@
 """One Prometheus registry for every tier of this process.
 
 Each process (the mount, an agent) has its own registry; the mount serves its text in
-``/.kvfs/metrics``, an agent can serve its own over HTTP (``serve(port)``). Metric names
-are what dashboards and alert rules (deploy/) query; add new ones here so they stay in one
-list.
+``/.kvfs/metrics``, and either can serve it over HTTP (``serve(port)``: one bounded thread,
+``metrics_server``). Metric names are what dashboards and alert rules (deploy/) query; add
+new ones here so they stay in one list. Gauges that describe other processes (the mount's
+hot and RAM-tier figures, summed from its agents) are set by hooks run at every scrape
+(``on_scrape``), so a scrape never shows a process that is gone.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from .metrics_server import MetricsServer
+
+log = logging.getLogger("kvfs.metrics")
 REGISTRY = CollectorRegistry(auto_describe=True)
+_SCRAPE_HOOKS: list[Callable[[], None]] = []
 
 _MS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500)
 
@@ -134,9 +143,37 @@ def update_hot_hit_rate() -> None:
     hot_hit_rate.set(h / (h + m) if h + m else 1.0)
 
 
+def on_scrape(fn: Callable[[], None]) -> Callable[[], None]:
+    """Run ``fn`` before every scrape (``text``): gauges set from outside the process."""
+    _SCRAPE_HOOKS.append(fn)
+    return fn
+
+
+def off_scrape(fn: Callable[[], None]) -> None:
+    if fn in _SCRAPE_HOOKS:
+        _SCRAPE_HOOKS.remove(fn)
+
+
 def text() -> bytes:
-    """The registry in Prometheus text exposition format."""
+    """The registry in Prometheus text exposition format (scrape hooks run first; a
+    failing hook is logged and its gauges keep their last values)."""
+    for fn in list(_SCRAPE_HOOKS):
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - a scrape still answers
+            log.exception("metrics: a scrape hook failed")
     return generate_latest(REGISTRY)
+
+
+def set_agent_gauges(totals: dict[str, dict[str, Any]]) -> None:
+    """The hot and RAM-tier gauges from ``kvfs.ops.agents.totals`` of the live agents:
+    zero for a tier no live agent reports (never an exited agent's last figures)."""
+    warm, hot = totals.get("warm") or {}, totals.get("hot") or {}
+    warm_bytes.set(warm.get("bytes") or 0)
+    warm_sessions.set(warm.get("sessions") or 0)
+    warm_usage_ratio.set(warm["bytes"] / warm["cap"] if warm.get("cap") else 0.0)
+    hot_bytes.set(hot.get("bytes") or 0)
+    hot_sessions.set(hot.get("sessions") or 0)
 
 
 def histogram_totals(h: Histogram) -> tuple[float, float]:
@@ -160,10 +197,10 @@ def parse(text: str | bytes) -> dict[str, float]:
     return out
 
 
-def serve(port: int, addr: str = "127.0.0.1") -> None:
+def serve(port: int, addr: str = "127.0.0.1", *, start: bool = True, **bounds: Any) -> MetricsServer:
     """Serve this process's metrics over HTTP on ``addr:port`` (``--metrics-addr``,
-    ``--metrics-port``); loopback unless told otherwise. ``OSError`` when it cannot bind
-    (``socket.gaierror`` for an address that does not resolve)."""
-    from prometheus_client import start_http_server
-
-    start_http_server(port, addr=addr, registry=REGISTRY)
+    ``--metrics-port``); loopback unless told otherwise. Binds at once: ``OSError`` when it
+    cannot (``socket.gaierror`` for an address that does not resolve). ``start=False``
+    binds only (``MetricsServer.start`` later); ``bounds``: ``MetricsServer``'s limits."""
+    srv = MetricsServer(addr, port, text, **bounds)
+    return srv.start() if start else srv

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -182,6 +183,13 @@ class Profile:
     shared_tls_ca: str = _spec("file", "rediss://: the CA that signed the servers' certificates")
     shared_tls_cert: str = _spec("file", "rediss://: this node's client certificate")
     shared_tls_key: str = _spec("file", "rediss://: this node's client key")
+    # quotas of one uid on a volume other users write (kvfs.engine.quota; root has none).
+    # "auto": none on a private mount; with --allow-other a quarter of the volume each
+    quota_sessions: int = _spec("auto_int", "sessions one uid may own (0: no limit)", min=0)
+    quota_bytes: int = _spec("auto_size", "bytes of file data one uid's sessions may hold "
+                             "(0: no limit)", min=0)
+    quota_index_share: float = _spec("auto_share", "share of the volume's index one uid's "
+                                     "sessions may fill (0 or 1: no limit)")
     # alert rules
     alert_device_pct: float = _spec("fraction", "device_memory_high threshold")
     alert_device_for_s: float = _spec("seconds", "device_memory_high duration", min=0.0)
@@ -197,18 +205,23 @@ class Profile:
 
     # --- views for the components ----------------------------------------------------
     def store_config(self, **extra: Any) -> StoreConfig:
-        """The engine's ``StoreConfig`` for this profile (``extra`` sets the other fields)."""
+        """The engine's ``StoreConfig`` for this profile (``extra`` sets the other fields:
+        ``shared=True`` for a mount other users write, which resolves "auto" quotas)."""
         kw: dict[str, Any] = dict(hot_sessions=self.hot_sessions,
                                   checkpoint_interval_s=self.checkpoint_interval_s,
                                   cleanup_threshold=self.cleanup_threshold,
                                   retention_s=self.retention_s,
                                   evict_when_full=self.evict_when_full,
-                                  compress_on_copy=self.compress_on_copy)
+                                  compress_on_copy=self.compress_on_copy,
+                                  quota_sessions=self.quota_sessions,
+                                  quota_bytes=self.quota_bytes,
+                                  quota_index_share=self.quota_index_share)
         return StoreConfig(**{**kw, **extra})
 
     def warm_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of ``kvfs.warm.WarmTier`` (see docs/contracts/warm-api.md)."""
-        return {"root": self.warm_root, "cap_bytes": self.warm_cap_bytes,
+        """Keyword arguments of ``kvfs.warm.WarmTier`` (see docs/contracts/warm-api.md);
+        ``{uid}`` in ``warm_root`` is this process's effective uid."""
+        return {"root": user_path(self.warm_root), "cap_bytes": self.warm_cap_bytes,
                 "migrate_at": self.warm_migrate_at, "group": self.lru_group,
                 "shards": self.warm_shards, "shard_key": self.shard_key,
                 "summary_dim": self.summary_dim, "writebehind": self.writebehind,
@@ -227,10 +240,23 @@ FIELDS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(Pr
 KEYS = tuple(k for k in FIELDS if k != "name")
 
 
+def user_path(path: str, uid: int | None = None) -> str:
+    """``path`` with ``{uid}`` replaced by ``uid`` (default: this process's effective uid):
+    per-user defaults such as ``/dev/shm/kvfs-warm-{uid}``."""
+    return path.replace("{uid}", str(os.geteuid() if uid is None else uid))
+
+
+AUTO = -1  # an "auto" quota (kvfs.engine.quota.AUTO): decided by how the volume is mounted
+
+
 def _allowed(f: dataclasses.Field) -> str:
     md = f.metadata
     kind = md["kind"]
     lo, hi = md.get("min"), md.get("max")
+    if kind.startswith("auto_"):
+        base = {"auto_int": "an integer from 0", "auto_size": "a size, e.g. 0, 512M, 16G",
+                "auto_share": "a fraction from 0 to 1, e.g. 0.25 or 25%"}[kind]
+        return f"auto or {base}"
     if kind == "fraction":
         return "a fraction in (0, 1], e.g. 0.85 or 85%"
     if kind == "choice":
@@ -244,7 +270,7 @@ def _allowed(f: dataclasses.Field) -> str:
     if kind == "ms":
         return f"milliseconds, at least {lo:g}"
     if kind == "path":
-        return "an absolute path"
+        return "an absolute path ({uid} stands for the user's uid)"
     if kind == "file":
         return "an absolute path, or empty for none"
     if kind == "int":
@@ -264,7 +290,10 @@ def _check(f: dataclasses.Field, v: Any, origin: str, shown: Any) -> None:
     md = f.metadata
     kind = md["kind"]
     lo, hi = md.get("min"), md.get("max")
-    if kind == "bool":
+    if kind.startswith("auto_"):
+        ok = v == AUTO or (isinstance(v, float) and 0.0 <= v <= 1.0 if kind == "auto_share"
+                           else isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+    elif kind == "bool":
         ok = isinstance(v, bool)
     elif kind in ("name", "str"):
         ok = isinstance(v, str)
@@ -299,8 +328,20 @@ def _convert(f: dataclasses.Field, raw: Any, origin: str) -> Any:
     if isinstance(raw, bool) or raw is None or isinstance(raw, list | dict):
         raise _fail(f, raw, origin)
     try:
-        if kind in ("name", "str", "choice", "path", "file"):
-            v: Any = raw if isinstance(raw, str) else None
+        if kind.startswith("auto_") and (raw == AUTO or isinstance(raw, str)
+                                         and raw.strip().lower() == "auto"):
+            v: Any = AUTO  # as typed, or already converted (Profile re-checks its values)
+        elif kind == "auto_share":
+            v = (float(raw.strip()[:-1]) / 100.0 if isinstance(raw, str) and raw.strip().endswith("%")
+                 else float(raw))
+        elif kind == "auto_size":
+            v = parse_size(int(raw) if isinstance(raw, float) and raw.is_integer() else raw)
+        elif kind == "auto_int":
+            v = int(raw.replace("_", "")) if isinstance(raw, str) else int(raw)
+            if isinstance(raw, float) and not raw.is_integer():
+                raise ValueError
+        elif kind in ("name", "str", "choice", "path", "file"):
+            v = raw if isinstance(raw, str) else None
             if v is None:
                 raise ValueError
             v = v.strip()

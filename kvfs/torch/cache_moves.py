@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvfs.torch.fingerprint import KVCorrupt, check_meta, dtype_name
+from kvfs.torch.fingerprint import dtype_name
+from kvfs.torch.meta import reconcile
+from kvfs.torch.meta import stored as stored_meta
 from kvfs.torch.recall import read_spans, read_tokens
 
 if TYPE_CHECKING:
@@ -116,31 +118,19 @@ class MovesMixin:
     def load(self, device: torch.device | str = "cpu") -> TieredCache:
         """Rebuild this (empty) cache from the session's stored meta.json and layer files.
 
-        Checks the fingerprint (:class:`KVMismatch`) and every layer's length
-        (:class:`KVCorrupt`); layer bytes beyond meta.json's ``tokens`` (writes after the last
-        meta snapshot) are truncated away. The device holds the sinks and the last ``max_kv_len``
+        Checks meta.json field by field and the fingerprint (:class:`KVMismatch`), and every
+        layer's length (:class:`KVCorrupt`); layer bytes beyond meta.json's ``tokens`` are
+        cut only as a crash tail (:func:`kvfs.torch.meta.reconcile`). The device holds the sinks and the last ``max_kv_len``
         tokens again.
         """
         if self.warm is None:
             raise RuntimeError("resume needs a warm tier")
         sid = self.session_id
-        meta = self.warm.get_meta(sid)
+        meta = stored_meta(self.warm, sid)  # bounded and checked field by field
         if meta is None:
             raise KeyError(f"session {sid!r}: no meta.json in the warm or cold tier")
-        check_meta(meta, self.fingerprint, self.geo, sid)
-        tokens = meta["tokens"]
-        tb = self.geo.token_bytes
-        sizes = self.warm.layer_sizes(sid)
-        for layer in range(self.num_layers):
-            have = sizes.get(layer, 0)
-            if have < tokens * tb:
-                raise KVCorrupt(
-                    f"session {sid!r} layer_{layer}: {have} bytes, meta.json says {tokens} tokens x "
-                    f"{tb} B = {tokens * tb} B: the layer file is truncated")
-            if have > tokens * tb:
-                log.warning("session %r layer_%d: %d bytes past meta.json's %d tokens; truncating",
-                            sid, layer, have - tokens * tb, tokens)
-                self.warm.truncate(sid, layer, tokens * tb)
+        # against the model and the files; only a crash tail is cut (kvfs.torch.meta)
+        tokens = reconcile(self.warm, sid, meta, self.fingerprint, self.geo, self.num_layers)
         sinks = min(self.sink_tokens, tokens)
         start = 0 if self.max_kv_len is None else max(sinks, tokens - self.max_kv_len)
         spans = [(0, tokens)] if start <= sinks else [(0, sinks), (start, tokens)]

@@ -24,6 +24,8 @@ from kvfs.torch.cache import (
     TieredCache,
 )
 from kvfs.torch.fingerprint import KVCorrupt, KVMismatch, KVUnsupported, fingerprint, geometry
+from kvfs.torch.meta import acknowledge
+from kvfs.torch.meta import stored as stored_meta
 from kvfs.torch.rope import RopeShift
 from kvfs.torch.router_budget import BudgetMixin
 from kvfs.torch.spill import Spiller
@@ -122,6 +124,7 @@ class KVRouter(BudgetMixin):
         self.watermark_moves = 0
         self.move_ms_total = 0.0
         self._closed = False
+        self._acked: dict[str, int] = {}  # tokens recorded as acknowledged, per session
         log.info("router: device=%s max_kv_len=%s sinks=%d auto_recall=%s(k=%d) budget=%s "
                  "watermark=%.2f profile=%s", self.device, self.max_kv_len, self.sink_tokens,
                  self.auto_recall, self.recall_rounds, self.budget, self.watermark,
@@ -147,7 +150,7 @@ class KVRouter(BudgetMixin):
             self.spiller.wait()  # nothing of the old session may land after the delete
             if self.warm.where(session_id) is not None:
                 self.warm.delete(session_id)
-        elif self.warm.get_meta(session_id) is not None:
+        elif stored_meta(self.warm, session_id) is not None:
             return self.resume(session_id, model)
         elif self.warm.where(session_id) is not None and self.warm.size(session_id, 0) > 0:
             raise KVCorrupt(f"session {session_id!r} has stored layer bytes but no meta.json; "
@@ -172,7 +175,7 @@ class KVRouter(BudgetMixin):
         dev = device if device is not None else _model_device(model, self.device)
         self.spiller.wait()
         self.warm.clear_lost(session_id)  # continues from the mount's copy
-        meta = self.warm.get_meta(session_id)
+        meta = stored_meta(self.warm, session_id)  # KVCorrupt for any bad field
         if meta is None and self.warm.where(session_id) is not None:
             raise KVCorrupt(f"session {session_id!r} is stored but its meta.json is missing or "
                             "does not parse; nothing was loaded")
@@ -341,6 +344,7 @@ class KVRouter(BudgetMixin):
         self.warm.flush()
         if self.mount is not None:
             self.warm.sync()
+            acknowledge(self.warm, list(self._sessions), self._acked)  # durable: say so
 
     def save(self, session_id: str) -> None:
         """:meth:`flush` for one session."""
@@ -352,6 +356,8 @@ class KVRouter(BudgetMixin):
         self.warm.flush(session_id)
         if self.mount is not None:
             self.warm.sync(session_id)
+            if c is not None:
+                acknowledge(self.warm, [session_id], self._acked)
 
     def delete(self, session_id: str) -> None:
         """Remove a session from every tier: the device, the RAM tier and the mount."""
@@ -359,6 +365,7 @@ class KVRouter(BudgetMixin):
         self.release(session_id, flush=False)
         self.spiller.wait()  # nothing of the session may land after the delete
         self.warm.delete(session_id)
+        self._acked.pop(session_id, None)
 
     def close(self, to_cold: bool = False) -> None:
         """Flush, stop the spill thread, close the warm tier if this router built it.

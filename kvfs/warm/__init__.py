@@ -1,6 +1,6 @@
 """kvfs.warm: the RAM tier between the device window and the SSD volume.
 
-Owns ``.kvmap`` shard files under a RAM-backed directory (default ``/dev/shm/kvfs-warm``,
+Owns ``.kvmap`` shard files under a RAM-backed directory (default ``/dev/shm/kvfs-warm-<uid>``,
 one sub-directory per volume, one per process): per session and layer a byte "file"
 (token-major KV bytes; callers convert), the session's ``meta.json`` content and one
 float32 summary vector per round. It is a write-behind cache of the cold tier -- the files

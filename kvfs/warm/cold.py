@@ -50,6 +50,7 @@ META = "meta.json"
 # (or another one), so a RAM copy of the old session is never written back over it
 INCARNATION = ".incarnation"
 HOLD_WAIT_S = 1.0  # a hold refused with EBUSY is retried this long: a clean hand-over ends in it
+MAX_SMALL = 1 << 20  # meta.json and the like: far more than 100,000 rounds take
 
 APPEND, REPLACE, TRUNCATE = 1, 2, 3  # kinds of a change (the channel's WRITE items too)
 
@@ -220,7 +221,7 @@ def parse_meta(raw: bytes | None, sid: str) -> dict | None:
         return None
     try:
         meta = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         log.warning("cold %s/meta.json is not JSON; ignored", sid)
         return None
     return meta if isinstance(meta, dict) else None

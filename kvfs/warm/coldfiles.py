@@ -43,8 +43,10 @@ from .cold import (
     HOLD_WAIT_S,
     INCARNATION,
     LAYER_RE,
+    MAX_SMALL,
     META,
     REPLACE,
+    SUMMARIES,
     Changes,
     Written,
     cold_errors,
@@ -53,7 +55,7 @@ from .cold import (
     parse_incarnation,
     parse_meta,
 )
-from .ids import WarmBusy, WarmError
+from .ids import WarmBusy, WarmCorrupt, WarmError
 
 log = logging.getLogger("kvfs.warm")
 
@@ -245,14 +247,22 @@ class ColdStore:
 
     @_errors
     def read_small(self, sid: str, name: str) -> bytes | None:
+        """A small file's bytes; meta.json (and the other small files but summaries.f32)
+        only up to ``MAX_SMALL``: a larger one is none kvfs wrote (WarmCorrupt), and is
+        never read whole into memory."""
         try:
             fd = self.checked.open(sid, name, os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError):
             return None
+        limit = None if name == SUMMARIES else MAX_SMALL
         try:
-            parts = []
+            parts, n = [], 0
             while chunk := os.read(fd, 1 << 20):
                 parts.append(chunk)
+                n += len(chunk)
+                if limit is not None and n > limit:
+                    raise WarmCorrupt(f"cold {sid}/{name} is over {limit} bytes: not one kvfs "
+                                      "writes; refused")
             return b"".join(parts)
         finally:
             os.close(fd)

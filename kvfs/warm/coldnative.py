@@ -32,7 +32,9 @@ from .cold import (
     HOLD_WAIT_S,
     INCARNATION,
     LAYER_RE,
+    MAX_SMALL,
     META,
+    SUMMARIES,
     TRUNCATE,
     Changes,
     Written,
@@ -44,7 +46,7 @@ from .cold import (
     refusal,
 )
 from .coldfiles import ColdStore
-from .ids import WarmError
+from .ids import WarmCorrupt, WarmError
 
 log = logging.getLogger("kvfs.warm")
 
@@ -176,8 +178,22 @@ class NativeCold:
 
     @cold_errors
     def read_small(self, sid: str, name: str) -> bytes | None:
+        """A small file's bytes (one STAT); meta.json and the like only up to ``MAX_SMALL``
+        (a larger one is none kvfs wrote: WarmCorrupt), summaries.f32 of any size (a long
+        session's: read from the volume like a layer)."""
         info = self._stat(sid, [name])
-        return None if info is None else info.small.get(name)
+        if info is None or name not in info.files:
+            return None
+        raw = info.small.get(name)
+        if raw is not None:
+            return raw
+        size = info.files[name][0]
+        if name != SUMMARIES:
+            raise WarmCorrupt(f"cold {sid}/{name} is over {MAX_SMALL} bytes: not one kvfs "
+                              "writes; refused")
+        out = bytearray(size)
+        self.ch.read(sid, [(name, 0, memoryview(out))])
+        return bytes(out)
 
     def read_meta(self, sid: str) -> dict | None:
         return parse_meta(self.read_small(sid, META), sid)

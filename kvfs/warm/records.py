@@ -88,7 +88,7 @@ class WarmSession:
 def tokens_of(raw: bytes) -> int:
     try:
         t = json.loads(raw).get("tokens", 0)
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return 0
     return t if isinstance(t, int) and t >= 0 else 0
 

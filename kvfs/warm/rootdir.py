@@ -1,7 +1,10 @@
 """The warm root directory, opened once and checked, and file calls relative to it.
 
 The root holds every session's KV bytes, on a RAM filesystem whose parent (``/dev/shm``)
-anyone may write to and which is emptied at boot. So the root is created 0700, must be a
+anyone may write to and which is emptied at boot. Its default is per user
+(``DEFAULT_ROOT``, ``/dev/shm/kvfs-warm-<uid>``; ``{uid}`` in any root path stands for the
+effective uid), so one user creating it first never locks the others out. The root is
+created by one ``mkdir`` with mode 0700 (never a wider mode changed afterwards), must be a
 real directory (not a symlink) owned by this process's uid without group/other write
 bits, and everything inside is reached relative to its checked descriptor
 (``dir_fd``, ``O_NOFOLLOW``): a name planted as a symlink, or a file owned by someone
@@ -16,10 +19,13 @@ import logging
 import os
 import stat
 
+from kvfs.ops.profiles import user_path
+
 from .ids import WarmError
 
 log = logging.getLogger("kvfs.warm")
 _OPEN = os.O_NOFOLLOW | os.O_CLOEXEC
+DEFAULT_ROOT = "/dev/shm/kvfs-warm-{uid}"
 
 
 def _reason(e: OSError) -> str:
@@ -43,8 +49,8 @@ class RootDir:
     ``sub`` gives a checked directory inside it (the same rules)."""
 
     def __init__(self, path: str, fd: int | None = None) -> None:
-        self.path = os.path.abspath(path)
         self.uid = os.geteuid()
+        self.path = os.path.abspath(user_path(path, self.uid))
         if fd is not None:  # made by ``sub``: already checked
             self.fd = fd
             return

@@ -43,7 +43,7 @@ from .policy import EvictionPolicy, LRUGroups
 from .reads import Reader
 from .records import Slot
 from .resident import Resident
-from .rootdir import RootDir
+from .rootdir import DEFAULT_ROOT, RootDir
 from .shards import ShardStore
 from .validate import Validator
 from .writeback import WriteBehind
@@ -52,7 +52,7 @@ from .writeback import WriteBehind
 class WarmTier:
     """The warm tier. See ``docs/contracts/warm-api.md`` and the module docstring."""
 
-    def __init__(self, cold_root: str | None, root: str = "/dev/shm/kvfs-warm", *,
+    def __init__(self, cold_root: str | None, root: str = DEFAULT_ROOT, *,
                  cap_bytes: int = 16 << 30, migrate_at: float = 0.85, group: int = 10,
                  shards: int = 65536, shard_key: str = "session", summary_dim: int = 128,
                  clock: Callable[[], float] = time.time, max_open_shards: int = 512,

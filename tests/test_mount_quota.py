@@ -1,0 +1,147 @@
+"""Quotas through a real ``--allow-other`` mount: one unprivileged user cannot make the
+volume unmountable.
+
+The reproduction: 16,000 sessions with 255-byte names from one user filled the index
+region of a 256 MiB volume; every checkpoint then failed, closing failed, and every later
+mount crashed in ``recover -> checkpoint``. Now that user gets EDQUOT (the mount's default
+quotas), everyone else keeps working, and the owner can unmount, remount, read and delete.
+A volume an older kvfs filled that way mounts with every session (its index kept in the
+ring), and fsck and ``--repair`` agree about it."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import HAVE_FUSE, ROOT, Mount
+
+from kvfs.engine import quota
+from kvfs.engine.fsck import CLEAN, PROBLEMS, check_volume
+from kvfs.engine.store import Store
+
+pytestmark = pytest.mark.skipif(not HAVE_FUSE or os.geteuid() != 0 or not shutil.which("setpriv"),
+                                reason="needs /dev/fuse, root and setpriv")
+FLOODER, OTHER = 4301, 4302
+MB = 1 << 20
+
+
+def run_as(uid: int, code: str, timeout: float = 120) -> str:
+    p = subprocess.run(
+        ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable, "-c",
+         textwrap.dedent(code)],
+        capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stderr
+    return p.stdout.strip()
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A directory other uids can reach (pytest's own tmp tree is root-only)."""
+    d = Path(tempfile.mkdtemp(prefix="kvfs-quota-"))
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_one_user_filling_the_index_gets_edquot_and_the_volume_lives(shared_dir: Path) -> None:
+    m = Mount(shared_dir / "vol.kvfs", shared_dir / "mnt", "64M", ("--allow-other",)).start()
+    try:
+        out = run_as(FLOODER, f"""
+            import os
+            n = 0
+            try:
+                for n in range(16000):
+                    os.mkdir(os.path.join({str(m.sessions)!r}, f"{{n:05d}}".ljust(255, "x")))
+            except OSError as e:
+                print(n, e.errno)
+        """)
+        made, code = map(int, out.split())
+        assert code == errno.EDQUOT and 16 <= made < 16000, out  # not ENOSPC, not a dead mount
+        out = run_as(OTHER, f"""
+            import os
+            p = os.path.join({str(m.sessions)!r}, "other")
+            os.mkdir(p)
+            with open(os.path.join(p, "layer_0"), "wb") as f:
+                f.write(b"o" * 100_000)
+                os.fsync(f.fileno())
+            print("ok")
+        """)
+        assert out == "ok"
+        mine = m.sessions / "owner"
+        mine.mkdir()
+        (mine / "layer_0").write_bytes(b"w" * 300_000)
+        m.remount()  # the checkpoint at unmount and the recovery at mount both work
+        assert (mine / "layer_0").read_bytes() == b"w" * 300_000
+        assert len(os.listdir(m.sessions)) == made + 2
+        for name in os.listdir(m.sessions):
+            if name.startswith("0"):
+                os.rmdir(m.sessions / name)
+        assert sorted(os.listdir(m.sessions)) == ["other", "owner"]
+    finally:
+        assert m.stop() == 0, m.log_text()
+    assert check_volume(str(m.volume)).status == CLEAN
+
+
+def test_byte_quota_is_edquot_at_write(shared_dir: Path) -> None:
+    m = Mount(shared_dir / "vol.kvfs", shared_dir / "mnt", "64M",
+              ("--allow-other", "-o", "quota_bytes=4M")).start()
+    try:
+        out = run_as(FLOODER, f"""
+            import os
+            p = os.path.join({str(m.sessions)!r}, "big")
+            os.mkdir(p)
+            fd = os.open(os.path.join(p, "layer_0"), os.O_WRONLY | os.O_CREAT, 0o600)
+            done = 0
+            try:
+                while done < 16 << 20:
+                    done += os.write(fd, b"q" * (256 << 10))
+                print(done, 0)
+            except OSError as e:
+                print(done, e.errno)
+            os.close(fd)
+        """)
+        done, code = map(int, out.split())
+        assert code == errno.EDQUOT and done <= 4 * MB, out
+        assert (m.sessions / "big" / "layer_0").stat().st_size == done
+        (m.sessions / "root-data").mkdir()
+        (m.sessions / "root-data" / "l").write_bytes(b"r" * (8 * MB))  # root: no quota
+    finally:
+        assert m.stop() == 0, m.log_text()
+
+
+def test_a_volume_whose_index_overflowed_mounts_with_every_session(shared_dir: Path,
+                                                                    monkeypatch) -> None:
+    """Written by a kvfs without the index budget: 4,000 long-named sessions on 64 MiB."""
+    vol = shared_dir / "old.kvfs"
+    names = [f"{i:05d}".ljust(255, "x") for i in range(4000)]
+    with monkeypatch.context() as mp:
+        mp.setattr(quota.Ledger, "admit", lambda self, uid, **kw: None)
+        s = Store.create(str(vol), 64 * MB)
+        for n in names:
+            s.create_session(n, uid=FLOODER)
+        s.create_file(names[7], "layer_0")
+        s.append(names[7], "layer_0", 0, b"z" * 70_000)
+        s.close()
+    assert check_volume(str(vol)).status == PROBLEMS
+    res = check_volume(str(vol), repair=True)  # before: "unusable", exit 2
+    assert res.status == PROBLEMS and any("mounts with every session" in r for r in res.repaired)
+    m = Mount(vol, shared_dir / "mnt", None, ("--allow-other",)).start()
+    try:
+        assert len(os.listdir(m.sessions)) == len(names)
+        assert (m.sessions / names[7] / "layer_0").read_bytes() == b"z" * 70_000
+        os.unlink(m.sessions / names[7] / "layer_0")
+        for n in names[:3500]:
+            os.rmdir(m.sessions / n)
+        m.remount()
+        assert sorted(os.listdir(m.sessions)) == sorted(names[3500:])
+    finally:
+        assert m.stop() == 0, m.log_text()
+    assert check_volume(str(vol)).status == CLEAN
