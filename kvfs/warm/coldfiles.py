@@ -383,6 +383,16 @@ class ColdStore:
         finally:
             os.close(fd)
 
+    def write_meta(self, sid: str, raw: bytes, sync: bool = True, old: bytes | None = None,
+                   name: str = META) -> bool:
+        """Replace meta.json (or another small file ``name``) unless it already holds
+        ``raw`` (``old``: what it holds, when the caller knows; else it is read); durable
+        with ``sync``. True if it changed."""
+        if (old if old is not None else self.read_small(sid, name)) == raw:
+            return False
+        self.replace(sid, name, raw, sync)
+        return True
+
     @_errors
     def replace(self, sid: str, name: str, raw: bytes, sync: bool = True) -> None:
         """A small file's bytes replaced: truncate(0) + one write (+ fsync)."""

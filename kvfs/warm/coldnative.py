@@ -249,6 +249,16 @@ class NativeCold:
                 w.error = w.error or err
 
     @cold_errors
+    def write_meta(self, sid: str, raw: bytes, sync: bool = True, old: bytes | None = None,
+                   name: str = META) -> bool:
+        """Replace a small file unless it holds ``raw`` already (one request; durable with
+        ``sync``). True if it changed."""
+        if (old if old is not None else self.read_small(sid, name)) == raw:
+            return False
+        self.ch.write(sid, [P.Item(P.REPLACE, name, 0, raw)], sync=sync)
+        return True
+
+    @cold_errors
     def truncate(self, sid: str, name: str, length: int) -> None:
         """Cut a file shorter, durable when this returns."""
         try:
