@@ -99,7 +99,8 @@ class DaySamples:
             ("byte mismatches", res["mismatches"] == 0),
             ("resumed sessions continue identically", c["check_resume_gen"] > 0 and c["bad_resume_gen"] == 0),
             ("hot hit rate >= 95 %", res["hit_rate"] is not None and res["hit_rate"] >= 0.95),
-            ("cold read p99 < 1 ms", p99 is not None and p99 < 1.0),  # as the agent sees it
+            # as the agent sees it; a day whose agent never waited on a cold read missed nothing
+            ("cold read p99 < 1 ms", p99 is None or p99 < 1.0),
             ("flat RSS", rss["flat"]),
         ]
         return res
