@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: test demo lint bench bench-quick bench-vllm setup vllm-env clean
+.PHONY: test test-unit test-slow demo lint bench bench-quick bench-vllm setup vllm-env clean
 
 $(STAMP): setup.cfg tools/setup_env.sh
 	bash tools/setup_env.sh
@@ -22,6 +22,14 @@ vllm-env: $(VLLM_STAMP)
 
 test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q tests
+
+# the fast lane: no mounts, nothing slow (at most 90 s on two cores)
+test-unit: $(STAMP)
+	$(PY) -m pytest -q -m "not mount and not slow" tests
+
+# what the fast lane leaves out: mounts through /dev/fuse, models, long loops
+test-slow: $(STAMP) $(VLLM_STAMP)
+	$(PY) -m pytest -q -m "mount or slow" tests
 
 demo: $(STAMP)
 	$(PY) tools/demo.py

@@ -1,8 +1,11 @@
 """Shared fixtures: real kvfs mounts through /dev/fuse (see :mod:`kvfs.testing`), the
 warm-tier tests' directories and bytes, and the B+ tree tests' zeroed regions.
 
-Every test that uses a mount fixture is marked ``mount``, so ``pytest -m "not mount"`` is
-the fast unit lane. Mount tests are skipped only when /dev/fuse is absent.
+Every test that uses a mount fixture is marked ``mount``; the long ones (models run token
+by token, thousands of bit flips, the benchmark smoke run, a local Redis Cluster) are
+marked ``slow`` here, in one place. ``make test-unit`` (``pytest -m "not mount and not
+slow"``) is the fast lane: well under 90 s on two cores. ``make test`` runs everything.
+Mount tests are skipped only when /dev/fuse is absent.
 """
 
 from __future__ import annotations
@@ -28,6 +31,22 @@ ROOT = Path(__file__).resolve().parent.parent
 MOUNT_FIXTURES = {"make_mount", "kvfs", "shared_mount"}
 # modules whose tests start mounts themselves (kvfs.testing.Mount, the torture scenarios)
 MOUNT_MODULES = {"test_agent_day", "test_reliability"}
+# the slow lane: whole modules (real models step by step, a Redis Cluster, the benchmark
+# smoke run, model-based state machines) and single long tests (functions, any parameters)
+SLOW_MODULES = {"test_torch_router", "test_torch_rope", "test_torch_cache", "test_smollm2",
+                "test_bench_smoke", "test_engine_model", "test_shared", "test_shared_deploy"}
+SLOW_TESTS = {"test_ten_thousand_bit_flips_never_return_wrong_bytes",
+              "test_torn_last_entry_at_every_byte", "test_bit_flips_never_return_wrong_bytes",
+              "test_btree.py::test_model", "test_full_volume_with_eviction_drops_oldest_sessions_whole",
+              "test_reads_racing_writes_truncates_and_laps_return_right_bytes_only",
+              "test_fuzz_crafted_volumes_for_a_fixed_budget"}
+
+
+def _slow(item: pytest.Item, module: str) -> bool:
+    name = getattr(item, "originalname", None) or item.name.partition("[")[0]
+    parts = item.nodeid.split("::")[1:]  # a unittest case: its class, then runTest
+    return (module in SLOW_MODULES or name in SLOW_TESTS
+            or any(f"{module}.py::{p.partition('[')[0]}" in SLOW_TESTS for p in parts))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -36,6 +55,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if (MOUNT_FIXTURES & set(getattr(item, "fixturenames", ()))
                 or module.startswith("test_mount") or module in MOUNT_MODULES):
             item.add_marker(pytest.mark.mount)
+        if _slow(item, module):
+            item.add_marker(pytest.mark.slow)
 
 
 need_fuse = pytest.mark.skipif(not HAVE_FUSE, reason="/dev/fuse is absent")

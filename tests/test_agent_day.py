@@ -66,6 +66,7 @@ def test_agent_day_profile(day: tuple[dict, Path, str], profile: str) -> None:
     p99 = r["cold_read_p99_ms"]
     assert r["cold_reads"] == 0 or (isinstance(p99, float) and math.isfinite(p99) and p99 > 0)
     if HAVE_MOUNT:
+        assert r["cold_kind"] == "channel"  # the agent reads the mount's volume directly
         eng = r["engine_cold_read"]
         assert eng["reads"] == 0 or math.isfinite(eng["p99"])
         assert dict(r["goals"]).get("clean unmount", True)

@@ -68,12 +68,14 @@ def test_no_import_cycles() -> None:
 
 
 def test_layers_import_only_downwards() -> None:
-    """engine < fuse, warm < torch; ops may use engine types; nothing below imports cli."""
+    """engine < channel < fuse, warm < torch; ops may use engine types; nothing below
+    imports cli."""
     allowed = {
         "kvfs.engine": {"kvfs.engine"},
-        "kvfs.warm": {"kvfs.warm", "kvfs.ops"},
+        "kvfs.channel": {"kvfs.channel", "kvfs.engine"},
+        "kvfs.warm": {"kvfs.warm", "kvfs.ops", "kvfs.channel"},
         "kvfs.ops": {"kvfs.ops", "kvfs.engine"},
-        "kvfs.fuse": {"kvfs.fuse", "kvfs.engine", "kvfs.ops", "kvfs.shared"},
+        "kvfs.fuse": {"kvfs.fuse", "kvfs.engine", "kvfs.ops", "kvfs.shared", "kvfs.channel"},
         "kvfs.torch": {"kvfs.torch", "kvfs.warm", "kvfs.ops"},
         "kvfs.shared": {"kvfs.shared", "kvfs.engine"},
         "kvfs.vllm": {"kvfs.vllm", "kvfs.torch", "kvfs.warm", "kvfs.ops", "kvfs.testing"},
@@ -111,5 +113,66 @@ def test_vllm_package_root_is_light() -> None:
     assert not _loaded_after("import kvfs.vllm, kvfs.vllm.testing") & {"vllm", "torch"}
 
 
+def test_channel_client_loads_no_fuse() -> None:
+    assert not _loaded_after("import kvfs.channel") & {"pyfuse3", "trio", "torch"}
+
+
 def test_package_root_is_light() -> None:
     assert not _loaded_after("import kvfs") & {"pyfuse3", "torch", "numpy"}
+
+
+# the warm tier's modules, lowest first: each imports only modules before it (a new module
+# must be placed here, which is the point)
+WARM_ORDER = ("format", "ids", "extent", "space", "rootdir", "records", "summary", "owners",
+              "shard", "shardload", "shards", "cold", "checked", "coldfiles", "coldnative", "policy",
+              "health", "budget", "dirty", "held", "resident", "validate", "reads", "migrate",
+              "writeback", "tier")
+
+
+def test_warm_modules_import_only_downwards() -> None:
+    graph = _graph()
+    rank = {f"kvfs.warm.{m}": i for i, m in enumerate(WARM_ORDER)}
+    mods = {m for m in graph if m.startswith("kvfs.warm.")}
+    assert mods == set(rank), f"place these in WARM_ORDER: {sorted(mods ^ set(rank))}"
+    bad = [f"{m} imports {d}" for m in mods for d in graph[m]
+           if d in rank and rank[d] >= rank[m]]
+    assert not bad, "\n".join(sorted(bad))
+
+
+def _private_defined(tree: ast.AST) -> set[str]:
+    """Private names a file defines: functions, classes, attributes it assigns, names,
+    arguments and ``__slots__`` entries."""
+    out: set[str] = set()
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(n.name)
+        elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+            out.add(n.attr)
+        elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+            out.add(n.id)
+        elif isinstance(n, ast.arg):
+            out.add(n.arg)
+        elif isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__slots__"
+                                               for t in n.targets):
+            out |= {c.value for c in ast.walk(n.value)
+                    if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+    return {x for x in out if x.startswith("_") and not x.startswith("__")}
+
+
+def test_warm_reaches_no_private_name_of_another_file() -> None:
+    """The warm tier is built from parts with named seams: no module touches a private
+    attribute or imports a private name that another file defines (mixins sharing
+    private state across files are what this keeps out)."""
+    bad = []
+    for p in sorted((PKG / "warm").glob("*.py")):
+        tree = ast.parse(p.read_text(), str(p))
+        mine = _private_defined(tree)
+        for n in ast.walk(tree):
+            if (isinstance(n, ast.Attribute) and n.attr.startswith("_")
+                    and not n.attr.startswith("__") and n.attr not in mine):
+                bad.append(f"{p.name}:{n.lineno} .{n.attr}")
+            elif isinstance(n, ast.ImportFrom) and n.module is not None and (
+                    n.level or n.module.startswith("kvfs")):
+                bad += [f"{p.name}:{n.lineno} imports {a.name}" for a in n.names
+                        if a.name.startswith("_")]
+    assert not bad, "\n".join(bad)

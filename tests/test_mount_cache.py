@@ -8,6 +8,7 @@ import errno
 import json
 import mmap
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -156,3 +157,38 @@ def test_one_fsync_flushes_every_files_buffer(kvfs: Mount) -> None:
     kvfs.remount()
     for i, b in enumerate(data):
         assert (d / f"layer_{i}").read_bytes() == b
+
+
+def test_page_cache_drops_pages_of_a_session_reclaim_dropped(make_mount) -> None:
+    """keep_cache keeps a file's pages across opens; when reclaim drops an idle session
+    (behind the kernel's back), its pages go too: an open handle reads no cached bytes of
+    a file that is gone."""
+    m = make_mount(size="16M", extra=("--page-cache", "-o", "retention_s=1"))
+    (m.sessions / "old").mkdir()
+    data = os.urandom(1 << 20)
+    (m.sessions / "old" / "layer_0").write_bytes(data)
+    fd = os.open(m.sessions / "old" / "layer_0", os.O_RDONLY)
+    try:
+        assert os.pread(fd, len(data), 0) == data  # now in the page cache
+        time.sleep(1.5)  # idle past the retention
+        (m.sessions / "new").mkdir()
+        chunk = os.urandom(1 << 20)
+        for k in range(40):  # laps the ring: reclaim drops "old" whole
+            p = m.sessions / "new" / f"f{k % 4}"
+            with open(p, "wb") as f:
+                f.write(chunk)
+        assert not (m.sessions / "old").exists()
+        stats = json.loads((m.root / ".kvfs" / "stats").read_bytes())
+        assert stats["store"]["counters"]["dropped_sessions"] >= 1
+        deadline = time.monotonic() + 5
+        while True:  # the pages are dropped by a thread of the mount: at once, or nearly
+            try:
+                got = os.pread(fd, 4096, 0)
+            except OSError as e:
+                assert e.errno in (errno.ENOENT, errno.ESTALE, errno.EIO)
+                break
+            assert got == data[:4096]  # never other bytes
+            assert time.monotonic() < deadline, "cached pages of a dropped session still served"
+            time.sleep(0.05)
+    finally:
+        os.close(fd)

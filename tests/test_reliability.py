@@ -185,3 +185,18 @@ def test_fsck_reports_a_damaged_tree_page_it_meets_after_open(tmp_path: Path) ->
     finally:
         os.close(fd)
     assert check_volume(path).status == 0
+
+
+@need_fuse
+def test_native_reads_racing_laps_cuts_and_removals_never_return_wrong_bytes(tmp_path: Path) -> None:
+    r = run("nrace", tmp_path)
+    assert r.done >= torture.QUICK["nrace"] and r.counts["ring_laps"] >= 3
+    assert r.counts["bytes_verified"] > 0 and r.counts["truncates"] > 0
+    assert r.counts["sessions_removed"] > 0
+
+
+@need_fuse
+def test_kill_9_during_native_rounds_keeps_every_acknowledged_round(tmp_path: Path) -> None:
+    r = run("nkill9", tmp_path)
+    assert r.done == r.counts["kills"] == r.counts["fsck_clean"] == torture.QUICK["nkill9"]
+    assert r.counts["rounds_acked"] > 0 and r.counts["bytes_verified"] > 0

@@ -266,8 +266,8 @@ def test_no_window_router_matches_dynamic_cache(tmp_path, model):
 
 @pytest.mark.parametrize("rerotate,pipelined", [(False, False), (True, False), (False, True)])
 def test_resume_rebuilds_sinks_plus_last_w(tmp_path, model, rerotate, pipelined, monkeypatch):
-    if pipelined:  # layers read two at a time (from 256 KiB per layer in real sessions)
-        monkeypatch.setattr("kvfs.torch.recall.PIPELINE_MIN", 0)
+    if pipelined:  # one layer per batch, the next read while one is laid out
+        monkeypatch.setattr("kvfs.torch.recall.GROUP_BYTES", 1)
     window, sinks, new = 8, 4, 5
     r = make_router(tmp_path, max_kv_len=window, rope_rerotate=rerotate)
     ts = [prompt(60 + i, 7) for i in range(3)]

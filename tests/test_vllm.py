@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 from kvfs.testing import HAVE_FUSE, Mount
 from kvfs.torch.tokens import common_prefix, read_ids
 from kvfs.vllm.testing import VLLMServer, connector_config, have_vllm, model_dir
-from kvfs.warm.cold import ColdStore
+from kvfs.warm.coldfiles import ColdStore
 
 pytestmark = [
     pytest.mark.mount, pytest.mark.slow, pytest.mark.timeout(900),

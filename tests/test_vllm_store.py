@@ -14,7 +14,7 @@ from kvfs.torch.tokens import TOKENS, common_prefix, decode, encode, read_ids, r
 from kvfs.vllm.paged import probe_layout
 from kvfs.vllm.scheduler import parts_of, session_of
 from kvfs.vllm.store import SessionStore, agreed, prefix_keys
-from kvfs.warm.cold import ColdStore
+from kvfs.warm.coldfiles import ColdStore
 
 GEO = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
 

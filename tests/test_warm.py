@@ -189,7 +189,7 @@ def test_concurrent_readers_and_one_writer_per_session(dirs):
         t.join()
     assert not errors, errors[0]
     assert w.usage()["migrations"] > 0
-    files = [sl.file for sl in w._slots.values() if sl.file is not None]
+    files = [sl.file for sl in w.store.slots() if sl.file is not None]
     held = sum(s.held for f in files for s in f.sessions.values())
     assert w.usage()["bytes"] == held == sum(f.total_bytes for f in files)  # accounting exact
     for k, sid in enumerate(sids):

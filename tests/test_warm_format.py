@@ -149,7 +149,7 @@ def test_appends_never_move_written_bytes(dirs):
     cold, root = dirs
     with WarmTier(cold, root, shards=1) as w:
         w.append("s", 0, blob(1, 1000))
-        f = w._slots[0].file
+        f = w.store.file(0)
         offs = [g.off for g in f.sessions["s"].layers[0].segs]
         for i in range(50):
             w.append("s", 0, blob(i, 5000))
@@ -166,7 +166,7 @@ def test_index_table_grows_in_place_of_nothing(dirs):
         for i in range(150):  # > 64 entries: the table is moved and doubled (twice)
             w.append(f"s{i}", 0, blob(i, 100))
             w.put_summary(f"s{i}", 0, np.full(128, i, np.float32))
-        assert w._slots[0].file.index_cap >= 512
+        assert w.store.file(0).index_cap >= 512
     with WarmTier(cold, root, shards=1) as w:
         for i in range(150):
             assert np.array_equal(w.read(f"s{i}", 0, 0, 100), blob(i, 100))
@@ -177,7 +177,7 @@ def test_freed_space_is_reused(dirs):
     cold, root = dirs
     with WarmTier(cold, root, shards=1) as w:
         w.append("keep", 0, blob(0, 10))
-        path = w._slots[0].file.path
+        path = w.store.file(0).path
         for i in range(30):
             w.append(f"tmp{i}", 0, blob(i, 200_000))
             w.delete(f"tmp{i}")
@@ -190,7 +190,7 @@ def test_header_has_totals_and_two_slots(dirs):
     with WarmTier(cold, root, shards=1, clock=lambda: 1234.5) as w:
         w.append("s", 0, blob(0, 700))
         w.put_meta("s", {"tokens": 9})
-        path = w._slots[0].file.path
+        path = w.store.file(0).path
     head = open(path, "rb").read(2 * HEADER_SLOT)
     slots = [HEADER.unpack(head[o:o + HEADER.size]) for o in (0, HEADER_SLOT)]
     newest = max(slots, key=lambda f: f[3])
@@ -202,7 +202,7 @@ def test_torn_newest_header_slot_falls_back_to_the_other(dirs):
     cold, root = dirs
     with WarmTier(cold, root, shards=1) as w:
         w.append("s", 0, blob(0, 5000))
-        f = w._slots[0].file
+        f = w.store.file(0)
         path, newest = f.path, (f.seq % 2) * HEADER_SLOT
     with open(path, "r+b") as fh:
         fh.seek(newest + 20)
@@ -256,7 +256,7 @@ def test_unfinished_truncate_is_completed_on_load(dirs):
     with WarmTier(cold, root, shards=1) as w:
         for i in range(10):  # 16 KiB, 32 KiB, 64 KiB... segments
             w.append("s", 0, blob(0, 100_000)[i * 10_000:(i + 1) * 10_000])
-        f = w._slots[0].file
+        f = w.store.file(0)
         segs = f.sessions["s"].layers[0].segs
         assert len(segs) >= 3
         # a kill right after the first store of truncate(s, 0, 20_000): cut segment updated,
@@ -276,11 +276,11 @@ def test_unfinished_drop_leaves_orphans_that_are_reclaimed(dirs):
     with WarmTier(cold, root, shards=1) as w:
         w.append("gone", 0, blob(0, 50_000))
         w.append("kept", 0, blob(1, 50_000))
-        f = w._slots[0].file
+        f = w.store.file(0)
         f.tbl["state"][f.sessions["gone"].idx] = 2  # killed the name entry, then "crashed"
     with WarmTier(cold, root, shards=1) as w:
         assert w.sessions() == ["kept"]
-        f = w._slots[0].file
+        f = w.store.file(0)
         t = f.tbl
         live = [i for i in range(f.index_cap) if t["state"][i] == 1]
         assert sorted(int(t["kind"][i]) for i in live) == [K_NAME, K_LAYER]
@@ -419,7 +419,7 @@ def test_flipped_layer_bytes_are_read_from_cold_or_refused(dirs, caplog):
     layers, meta = _build_flip_fixture(cold, root)
     path = os.path.join(proc_dir(root), shard_file_name(0, 1))
     with WarmTier(cold, root, shards=1) as w:
-        f = w._slots[0].file
+        f = w.store.file(0)
         for sid in ("a", "b", "c"):
             g = f.sessions[sid].layers[0].segs[-1]
             fd = os.open(path, os.O_RDWR)
@@ -447,7 +447,7 @@ def test_flipped_used_field_is_not_a_shorter_layer(dirs, caplog):
     cold, root = dirs
     with WarmTier(cold, root, shards=1) as w:
         w.append("s", 0, blob(1, 100_000))
-        f = w._slots[0].file
+        f = w.store.file(0)
         g = f.sessions["s"].layers[0].segs[-1]
         f.tbl["seal"][g.idx] ^= 1 << 3  # 'used' 8 bytes shorter, checksum unchanged
     with caplog.at_level(logging.ERROR, logger="kvfs.warm"), WarmTier(cold, root, shards=1) as w:
@@ -461,7 +461,7 @@ def test_old_format_shards_are_discarded_with_a_log_line(dirs, caplog):
         w.append("s", 0, b"abc")
         w.migrate()
         w.append("s", 0, b"def")
-        path = w._slots[0].file.path
+        path = w.store.file(0).path
     raw = bytearray(open(path, "rb").read())
     for slot in HEADER_SLOTS:  # rewrite both header slots as version 1, valid checksums
         body = bytearray(raw[slot:slot + HEADER.size])

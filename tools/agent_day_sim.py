@@ -93,6 +93,7 @@ class Day(DayEvents, DaySamples):
             "bad_recall", "bad_window", "bad_stored", "bad_resume_gen", "restarts", "restart_ms",
             "alerts_in_drill", "alerts_outside"), 0)
         self.cold_lat = lib.Latencies()
+        self.cold_kind = "files"  # how the agent reaches the cold tier (the warm tier's choice)
         self.rows: list[dict[str, Any]] = []
         self.drill: str | None = None
         self.drill_start = self.drill_end = self.drill_peak = 0.0
@@ -113,16 +114,19 @@ class Day(DayEvents, DaySamples):
                      device_budget_bytes=self.budget,
                      warm_options={"cap_bytes": self.w.warm_cap, "clock": self.clock.wall})
         cold = r.warm.cold
-        if cold is not None:  # time every read of a layer file through the mount
-            orig = cold.read_into
-
-            def timed(sid: str, layer: int, off: int, out: Any, **kw: Any) -> None:
-                t = time.perf_counter()
-                orig(sid, layer, off, out, **kw)
-                self.cold_lat.add((time.perf_counter() - t) * 1e3)
-
-            cold.read_into = timed
+        if cold is not None:  # time every cold read the agent makes (one call: one read)
+            self.cold_kind = cold.kind
+            for name in ("read_into", "read_ranges"):
+                setattr(cold, name, self._timed(getattr(cold, name)))
         return r
+
+    def _timed(self, fn: Any) -> Any:
+        def timed(*a: Any, **kw: Any) -> None:
+            t = time.perf_counter()
+            fn(*a, **kw)
+            self.cold_lat.add((time.perf_counter() - t) * 1e3)
+
+        return timed
 
     def _migrate_hot(self) -> None:
         """Alert action: the router's watermark move, down to the profile's watermark."""

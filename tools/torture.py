@@ -7,10 +7,11 @@
 Scenarios (``docs/reliability.md`` says what each one checks): ``kill9``, ``faults``
 (``torture_crash.py``), ``flips``, ``full`` (``torture_mount.py``), ``badinput``, ``load``
 (``torture_input.py``), ``stale``, ``race``, ``buffers`` (``torture_hardening.py``),
-``quota``, ``flood`` (``torture_limits.py``). Each is bounded by a count -- its full-run
-default, ``--quick`` for the pytest-sized one, or ``--trials`` (kills, power cuts, flipped
-bits, rounds; for ``load``, seconds; for ``flood``, idle connections) -- and by
-``--seconds``, a time cap per scenario; it stops by itself. A
+``nrace``, ``nkill9`` (the native channel: ``torture_native.py``), ``quota``, ``flood``
+(``torture_limits.py``). Each is bounded by a count -- its full-run default, ``--quick``
+for the pytest-sized one, or ``--trials`` (kills, power cuts, flipped bits, rounds; for
+``load``, seconds; for ``flood``, idle connections) -- and by ``--seconds``, a time cap per
+scenario; it stops by itself. A
 summary table is printed; the exit status is 1 when any check failed.
 ``tests/test_reliability.py`` calls the same functions with small counts. The mount-level
 scenarios use the real-mount helper of ``kvfs.testing`` (``kvfs-mount --foreground`` in a
@@ -37,13 +38,14 @@ import torture_hardening as th
 import torture_input as ti
 import torture_limits as tl
 import torture_mount as tm
+import torture_native as tn
 from torture_common import FULL, QUICK, Result
 
 log = logging.getLogger("kvfs.torture")
 
 Scenario = Callable[[Path, int, float, random.Random], Result]
 NAMES = ("kill9", "faults", "flips", "full", "badinput", "load", "stale", "race", "buffers",
-         "quota", "flood")
+         "nrace", "nkill9", "quota", "flood")
 
 
 def scenarios() -> dict[str, Scenario]:
@@ -51,7 +53,8 @@ def scenarios() -> dict[str, Scenario]:
     ``torture_input.py``, 7-9 in ``torture_hardening.py``, 10-11 in ``torture_limits.py``."""
     return {"kill9": tc.kill9, "faults": tc.faults, "flips": tm.flips, "full": tm.full,
             "badinput": ti.badinput, "load": ti.load, "stale": th.stale, "race": th.race,
-            "buffers": th.buffers, "quota": tl.quota, "flood": tl.flood}
+            "buffers": th.buffers, "nrace": tn.nrace, "nkill9": tn.nkill9, "quota": tl.quota,
+            "flood": tl.flood}
 
 
 def table(results: list[Result]) -> str:

@@ -29,9 +29,11 @@ log = logging.getLogger("kvfs.torture")
 # kill9: kills; faults: power cuts/failpoints; flips: bits; full, quota: rounds; load:
 # seconds; flood: idle connections
 FULL = {"kill9": 200, "faults": 10_000, "flips": 10_000, "full": 3, "badinput": 1, "load": 60,
-        "stale": 2_000, "race": 20_000, "buffers": 3, "quota": 10, "flood": 5_000}
+        "stale": 2_000, "race": 20_000, "buffers": 3, "nrace": 20_000, "nkill9": 100,
+        "quota": 10, "flood": 5_000}
 QUICK = {"kill9": 5, "faults": 60, "flips": 300, "full": 1, "badinput": 1, "load": 10,
-         "stale": 40, "race": 1_000, "buffers": 1, "quota": 2, "flood": 1_000}
+         "stale": 40, "race": 1_000, "buffers": 1, "nrace": 600, "nkill9": 4, "quota": 2,
+         "flood": 1_000}
 MB = 1 << 20
 _COUNT_LOCK = threading.Lock()
 

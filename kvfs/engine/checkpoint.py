@@ -61,6 +61,8 @@ def write_checkpoint(store: Store, clean: bool = False) -> None:
         raise
     store.sb, store.fsck_mark.written = new, mark
     store.ring.durable_tail = store.ring.tail
+    if store.published is not None:  # before the head may write behind the old tail
+        store.published.set_tail(store.ring.durable_tail)
     if root is not None:
         if store.full_at is not None:
             log.warning("%s: the index fits the tree region again", store.vol.path)

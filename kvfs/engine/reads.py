@@ -11,13 +11,16 @@ last, partly read block of each read are kept for the next reads.
 from __future__ import annotations
 
 import time
+from bisect import bisect_right
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from .blocks import Table, decode_payload
+from .direct import FileExtents
 from .errors import BadRange, Corrupt
 from .format import T_DATA, Header
-from .records import FileRec
+from .published import Published
+from .records import FileRec, check_name
 
 if TYPE_CHECKING:
     import threading
@@ -34,6 +37,7 @@ TABLE_CACHE = 4096  # block tables kept: a read of a known entry reads just its 
 READ_AHEAD = 4 << 20  # bytes advised ahead of a sequential reader
 READ_GAP = 64 << 10  # a file's next entry this close after the last is "sequential" on disk
 READ_RETRIES = 64  # lookups a read may redo because reclaim moved its entries meanwhile
+EXTENTS_MAX = 4096  # extents of one file per ``extents`` answer (a range beyond: ask again)
 
 
 class ReadPath:
@@ -51,6 +55,66 @@ class ReadPath:
         self._decoded: OrderedDict[tuple[int, int], bytes | memoryview] = OrderedDict()
         self._decoded_bytes = 0
         self._tables: OrderedDict[int, tuple[Header, Table]] = OrderedDict()
+        self.published: Published | None = None
+        self.on_cut: Callable[[int], None] | None = None  # told of every cut (must not wait)
+
+    # ------------------------------------------------------------ reads by other processes
+    def publish(self) -> Published:
+        """The block readers in other processes map (``published``): made on first call,
+        then kept current by checkpoints (the durable tail) and cuts."""
+        with self._lock:
+            if self.published is None:
+                r = self.ring
+                self.published = Published(r.offset, r.size, r.durable_tail)
+            return self.published
+
+    def mark_cut(self, sno: int) -> None:
+        """Under the state lock: session ``sno`` lost bytes (truncate, delete, drop)."""
+        if self.published is not None:
+            self.published.cut(sno)
+        if self.on_cut is not None:
+            self.on_cut(sno)
+
+    def extents(self, session: str, files: list[tuple[str, int, int]]
+                ) -> tuple[tuple[int, int, int], list[FileExtents | None]]:
+        """Where the bytes of some files of a session lie, for a reader in another process
+        (``direct.DirectReader``): the session's (mode, uid, gid), and per (name, offset,
+        length) its ``FileExtents``: the whole file's when it has at most ``EXTENTS_MAX``,
+        else from ``offset`` (length < 0: to the end; at most ``EXTENTS_MAX``), None for a
+        missing file. Every extent is on the volume
+        when this returns (the ring's write buffer is written first if it holds one); the
+        read counts as a use of the session, as ``read`` does (retention, the hot index)."""
+        with self._lock:
+            s = self._session(session)
+            out: list[FileExtents | None] = []
+            flush = False
+            for name, offset, length in files:
+                f = s.file(name) if type(name) is str else None
+                if f is None:
+                    check_name(name)
+                    out.append(None)
+                    continue
+                size = f.size
+                lo = min(max(offset, 0), size)
+                hi = size if length < 0 else min(size, lo + length)
+                if len(f.ext) <= EXTENTS_MAX:  # all of it: a reader keeps it for the next reads
+                    i, j = 0, len(f.ext)
+                else:
+                    i = max(f.find(lo), 0)
+                    j = min(bisect_right(f.off, hi - 1), i + EXTENTS_MAX) if hi > lo else i
+                fe = FileExtents(s.sno, f.fno, size, self.published.cuts(s.sno) if self.published else 0,
+                                 lo, lo, f.off[i:j], f.ext[i:j], f.mode, f.uid, f.gid)
+                if j > i:
+                    fe.lo = f.off[i]
+                    fe.hi = f.off[j - 1] + f.ext[j - 1][2]
+                    flush = flush or any(not self.ring.on_disk(e[0]) for e in fe.ext)
+                f.atime = time.time_ns()
+                out.append(fe)
+            if flush:
+                self.ring.flush()
+            s.atime = time.time_ns()
+            self.idx.touched(s)
+            return (s.mode, s.uid, s.gid), out
 
     def read(self, session: str, name: str, offset: int, length: int) -> bytes:
         if offset < 0 or length < 0:

@@ -155,6 +155,7 @@ def _emit_trunc(store: Store, s: Session, f, length: int) -> bool:
         return False
     before = file_use(f)
     f.truncate(length)
+    store.mark_cut(s.sno)
     store.quota.sub(s.uid, before)
     store.quota.add(s.uid, file_use(f))
     store.idx.dirty(s)
@@ -167,6 +168,7 @@ def _drop(store: Store, s: Session, evicted: bool) -> bool:
     except RingFull:
         return False
     store.idx.drop(s)
+    store.mark_cut(s.sno)
     store.quota.sub(s.uid, session_use(s))
     key = "evicted_sessions" if evicted else "dropped_sessions"
     store.counters[key] += 1

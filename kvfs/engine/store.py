@@ -34,6 +34,9 @@ Contract (the FUSE layer, tools and tests rely on it):
   set_file_attrs(session, name, mode=None, uid=None, gid=None, atime=None, mtime=None)
   append(session, name, offset, data)      # offset must equal size else NotAppend
   read(session, name, offset, length) -> bytes   # short at EOF; Corrupt on checksum failure
+  extents(session, [(name, offset, length)]) -> ((mode, uid, gid), [FileExtents | None])
+                                           # for readers in other processes (direct.py)
+  publish() -> Published                   # the block those readers map (published.py)
   truncate(session, name, length)          # shorter or equal only, else BadRange
   flush()                                  # write buffered entries to the volume (no fsync)
   sync()                                   # flush + fsync: durability point
@@ -191,6 +194,8 @@ class Store(ReadPath, Reporting):
                     self.checkpoint(clean=True)
             finally:
                 self.vol.close()
+                if self.published is not None:  # readers keep their own mapping of it
+                    self.published.close()
 
     def crash(self) -> None:
         """Drop the fd as a killed process would: unflushed entries are lost. For tests."""
@@ -260,6 +265,7 @@ class Store(ReadPath, Reporting):
         s = self._session(name)
         self._emit(T_DELS, s)
         self.idx.drop(s)
+        self.mark_cut(s.sno)
         self.quota.sub(s.uid, session_use(s))
 
     def _admit(self, uid: int, **more: int) -> None:
@@ -317,6 +323,7 @@ class Store(ReadPath, Reporting):
         self._emit(T_DELF, s, f.fno)
         self.quota.sub(s.uid, file_use(f))
         s.drop_file(f.fno)
+        self.mark_cut(s.sno)
         s.mtime = time.time_ns()
         self.idx.dirty(s)
 
@@ -397,6 +404,7 @@ class Store(ReadPath, Reporting):
         self._emit(T_TRUNC, s, f.fno, length)
         before = file_use(f)
         f.truncate(length)
+        self.mark_cut(s.sno)
         self.quota.sub(s.uid, before)
         self.quota.add(s.uid, file_use(f))
         f.mtime = s.mtime = time.time_ns()
@@ -470,6 +478,7 @@ class Store(ReadPath, Reporting):
             if s is not None and s.last_use_ns() < cutoff:
                 self._emit(T_DELS, s)
                 self.idx.drop(s)
+                self.mark_cut(s.sno)
                 self.quota.sub(s.uid, session_use(s))
                 n += 1
         if n:
@@ -501,6 +510,6 @@ for _mode, _names in (
                    "maybe_checkpoint", "cleanup")),
         ("writer", ("append", "sync")),
         ("lookup", ("list_sessions", "session_stat", "list_files", "file_stat", "quota_room")),
-        ("read", ("read",))):
+        ("read", ("read", "extents"))):
     for _name in _names:
         setattr(Store, _name, guarded(getattr(Store, _name), _mode))

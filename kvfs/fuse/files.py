@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import stat
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -156,6 +158,35 @@ def drop_kernel_pages(inos: list[int]) -> None:
             pyfuse3.invalidate_inode(ino)
         except OSError as e:  # ENOENT: the kernel no longer holds the inode, nor its pages
             log.debug("invalidate inode %d: %r", ino, e)
+
+
+class KernelPages:
+    """With the page cache: the kernel's pages of a session's files are dropped when the
+    engine cuts the session behind the kernel's back -- reclaim drops an idle session,
+    retention cleanup, a truncate through the native channel -- so a handle never reads
+    cached bytes of a file that lost them. The engine calls ``cut`` under its lock, so it
+    only queues; a thread of its own drops the pages (an invalidation waits for pages
+    locked by reads that the FUSE loop answers)."""
+
+    def __init__(self, inodes: Any) -> None:
+        self.inodes = inodes
+        self._q: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._t = threading.Thread(target=self._run, name="kvfs-kernel-pages", daemon=True)
+        self._t.start()
+        self.dropped = 0
+
+    def cut(self, sno: int) -> None:
+        self._q.put(sno)
+
+    def _run(self) -> None:
+        while (sno := self._q.get()) is not None:
+            inos = self.inodes.files_of(sno)
+            drop_kernel_pages(inos)
+            self.dropped += len(inos)
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._t.join(timeout=10)
 
 
 @dataclass

@@ -36,6 +36,7 @@ import trio
 from kvfs.engine import errors
 from kvfs.engine.store import Store
 from kvfs.fuse.buffers import default_max_pending
+from kvfs.fuse.channel import ChannelServer
 from kvfs.fuse.files import refresh_cold_gauges
 from kvfs.fuse.ops import Operations
 from kvfs.ops import alerts, metrics, profiles
@@ -83,6 +84,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--offload-syncs", action="store_true",
                    help="run every fsync on the engine threads, small ones too (the FUSE loop "
                         "never waits for a device flush)")
+    p.add_argument("--read-ahead-kb", type=int, default=READ_AHEAD_KB, metavar="KB",
+                   help=f"with --page-cache: the kernel's readahead of the mount (default "
+                        f"{READ_AHEAD_KB}; docs/mount.md has the measurements)")
+    p.add_argument("--no-channel", action="store_true",
+                   help="do not serve the native channel (kvfs's own clients then use the "
+                        "files, like any program)")
     p.add_argument("--write-buffer-max", type=profiles.parse_size, metavar="SIZE",
                    help="bound on the mount's unflushed written bytes (default: 256M, at "
                         "most 1/8 of RAM)")
@@ -409,18 +416,21 @@ def _unescape(field: str) -> str:
 
 
 async def serve(ops: Operations, store: Any, profile: profiles.Profile,
-                alert_engine: Any, mountpoint: str | None = None) -> None:
+                alert_engine: Any, mountpoint: str | None = None,
+                read_ahead_kb: int = READ_AHEAD_KB) -> None:
     """The FUSE loop and its companions; returns after ``umount`` or a signal."""
     # what start-up built (the index, modules) is never garbage: keep the collector's full
     # passes, which would stall requests, from walking it again and again
     gc.collect()
     gc.freeze()
+    if ops.channel is not None:  # its clients' threads call back into this loop
+        ops.channel.start(trio.lowlevel.current_trio_token())
     async with trio.open_nursery() as nursery:
         ops.readahead.nursery = nursery
         nursery.start_soon(unmount_on_signal)
         nursery.start_soon(checkpointer, ops, store)
         if mountpoint is not None and not ops.direct_io:
-            nursery.start_soon(tune_readahead, mountpoint)
+            nursery.start_soon(tune_readahead, mountpoint, read_ahead_kb)
         if alert_engine is not None:
             nursery.start_soon(alert_loop, alert_engine, profile.alert_interval_s)
         try:
@@ -433,9 +443,13 @@ async def serve(ops: Operations, store: Any, profile: profiles.Profile,
                         eg.exceptions[0])
         ops.readahead.nursery = None
         nursery.cancel_scope.cancel()
+    if ops.channel is not None:
+        await trio.to_thread.run_sync(ops.channel.close)
     await ops.flush_all()
     await ops.shared.close()  # pushes what is queued (bounded), hands the leases back
     ops.worker.close()
+    if ops.pages is not None:
+        ops.pages.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -475,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
             ops.use_shared(Remote(tier, store, ops.call, ops.worker.engine_lock,
                                   profile.shared_queue_bytes, profile.shared_fsync_wait_s,
                                   ops.buffers.entry_max))
+        elif not args.no_channel:  # a shared mount's clients use the files (channel.py)
+            ops.channel = ChannelServer(ops, store, args.volume, allow_other=args.allow_other)
         if server is not None:
             metrics.on_scrape(ops.refresh_gauges)  # agents that exited drop out of a scrape
             stack.callback(server.close)
@@ -488,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("mounted %s on %s (profile %s)", args.volume, args.mountpoint, profile.name)
         report(pipe, "OK")
         try:
-            trio.run(serve, ops, store, profile, alert_engine, args.mountpoint)
+            trio.run(serve, ops, store, profile, alert_engine, args.mountpoint, args.read_ahead_kb)
         except Exception:  # a bug: still unmount and close the volume on the way out
             log.exception("the mount loop failed; unmounting")
             return 1

@@ -127,6 +127,14 @@ class InodeTable:
             self._by_ino[ino] = Node(ino, key)
         return ino
 
+    def files_of(self, sno: int) -> list[int]:
+        """File inodes of the session the engine numbers ``sno``: a snapshot, safe to take
+        from another thread (the dicts are copied whole, under the interpreter's lock)."""
+        items = list(self._by_key.items())
+        nodes = self._by_ino.copy()
+        names = {k[0] for k, ino in items if len(k) == 1 and ino in nodes and nodes[ino].sno == sno}
+        return [ino for k, ino in items if len(k) == 2 and k[0] in names]
+
     def find(self, key: Key) -> Node | None:
         """The node of ``key`` if the table holds one (allocates nothing)."""
         ino = self._by_key.get(key)

@@ -54,6 +54,7 @@ from .errnos import Stale, handler
 from .files import (
     FIXED_TIMEOUT,
     Counters,
+    KernelPages,
     ReadAhead,
     drop_kernel_pages,
     file_attr,
@@ -132,6 +133,11 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         # with allow_other anyone may create a session; the sticky bit keeps them apart
         self._sessions_mode = stat.S_IFDIR | (0o1777 if allow_other else 0o755)
         self.shared: Any = Local()  # the shared tier's hooks (``remote.Remote`` with --shared)
+        self.channel: Any = None  # the native channel's server (``channel.py``), if serving
+        # cached pages of files the engine cuts behind the kernel's back are dropped
+        self.pages = KernelPages(self.inodes) if not direct_io else None
+        if self.pages is not None:
+            store.on_cut = self.pages.cut
 
     def use_shared(self, shared: Any) -> None:
         """Replicate to and read through from the shared tier (``remote.Remote``)."""
@@ -248,7 +254,8 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
             fs = {**asdict(self.counters), "open_files": len(self._handles),
                   "inodes": len(self.inodes), "direct_io": self.direct_io,
                   "pending_bytes": self.buffers.pending_bytes,
-                  "max_pending": self.buffers.max_pending, "device_syncs": self.worker.syncs}
+                  "max_pending": self.buffers.max_pending, "device_syncs": self.worker.syncs,
+                  "channel": self.channel.info() if self.channel is not None else None}
             return stats_body(self.store.stats(), self.store.usage(), fs, self.needs_fsck,
                               self.alerts_state, self.shared.stats(), self.profile, private)
 
@@ -372,6 +379,10 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         node.truncated = True
         node.cuts += 1
         ReadAhead.forget(self._handles.values(), node.ino)
+
+    def cut(self, node: Node) -> None:
+        """``node``'s file was truncated from outside the kernel (the native channel)."""
+        self._cut(node)
 
     async def _drop_pages(self) -> None:
         """Drop the kernel's pages of the file inodes just detached (page-cache mode)."""

@@ -4,9 +4,8 @@ Owns: the use of the per-round summary vector (the mean key of a round, projecte
 fixed seeded matrix and L2-normalised: ``kvfs.warm.summarize_keys``, one definition for
 both tiers), ranking rounds by similarity to a query, and
 reading token ranges of a session's layer files from the warm tier into K/V tensors with
-every length checked (a short file raises :class:`KVCorrupt`, never yields garbage), and a
-read-ahead hint for the cold copies a resume is about to read. Reads go through the warm
-tier only; the hint is the one place that names a cold file (advisory ``fadvise``).
+every length checked (a short file raises :class:`KVCorrupt`, never yields garbage). Reads
+go through the warm tier's API only, never a path under the mount.
 
 Which key feeds a summary: the keys of the model's *last* layer, flattened per token to
 ``num_kv_heads * head_dim`` values (post-RoPE, as cached). Summaries guide recall only;
@@ -16,7 +15,6 @@ the model never attends to them.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -29,7 +27,7 @@ from kvfs.warm import summarize_keys as warm_summarize_keys
 
 log = logging.getLogger("kvfs.torch.recall")
 
-PIPELINE_MIN = 256 << 10  # bytes per layer from which read_spans reads layers two at a time
+GROUP_BYTES = 8 << 20  # layer bytes read_spans reads in one batch (the next while this one is laid out)
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
@@ -128,50 +126,65 @@ def read_spans(warm: Any, sid: str, geo: KVGeometry, spans: list[tuple[int, int]
                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """For each layer, K/V of the concatenated token ``spans`` (in the order given).
 
-    From ``PIPELINE_MIN`` bytes per layer, layers are read two at a time: one layer's bytes
-    come in (a read that waits on the disk or the mount) while the previous one is laid
-    out as K and V (a copy); both release the GIL. ``checked``: see :func:`read_tokens`."""
-    def one(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ks, vs = [], []
-        for a, b in spans:
-            if b > a:
-                k, v = read_tokens(warm, sid, layer, geo, a, b, device, promote, checked)
-                ks.append(k)
-                vs.append(v)
-        if not ks:
-            empty = torch.empty(1, geo.num_kv_heads, 0, geo.head_dim, dtype=geo.dtype, device=device)
-            return empty, empty.clone()
-        return (torch.cat(ks, dim=-2) if len(ks) > 1 else ks[0],
-                torch.cat(vs, dim=-2) if len(vs) > 1 else vs[0])
+    Layers are read in batches of about ``GROUP_BYTES`` (``WarmTier.read_many``: what is on
+    the cold tier comes in one request per batch, its reads running together), the next
+    batch coming in while this one is laid out as K and V (a copy); both release the GIL.
+    ``checked``: see :func:`read_tokens`."""
+    spans = [(a, b) for a, b in spans if b > a]
+    tb = geo.token_bytes
+    per_layer = sum(b - a for a, b in spans) * tb
+    if not spans:
+        empty = torch.empty(1, geo.num_kv_heads, 0, geo.head_dim, dtype=geo.dtype, device=device)
+        return [(empty, empty.clone()) for _ in range(geo.num_layers)]
+    if not checked:
+        end = max(b for _, b in spans)
+        sizes = warm.layer_sizes(sid)
+        for layer in range(geo.num_layers):
+            have = sizes.get(layer, 0)
+            if have < end * tb:
+                raise KVCorrupt(
+                    f"session {sid!r} layer_{layer}: holds {have} bytes ({have // tb} whole "
+                    f"tokens), needs tokens up to {end} = {end * tb} bytes: the layer file is "
+                    "truncated")
+    per_group = max(1, GROUP_BYTES // per_layer)
+    groups = [range(i, min(geo.num_layers, i + per_group)) for i in range(0, geo.num_layers, per_group)]
 
-    per_layer = sum(max(0, b - a) for a, b in spans) * geo.token_bytes
-    if geo.num_layers > 1 and per_layer >= PIPELINE_MIN:
-        return list(_layer_pool().map(one, range(geo.num_layers)))
-    return [one(layer) for layer in range(geo.num_layers)]
-
-
-def prefetch_cold(cold_root: str | None, sid: str, layers: int, start: int, end: int) -> int:
-    """Ask the kernel to read ``[start, end)`` of each cold layer file ahead, all at once.
-
-    ``posix_fadvise(WILLNEED)`` on ``cold_root/sessions/<sid>/layer_<n>`` (the layout the warm
-    tier's contract names): the reads that follow, one layer at a time, then find the bytes
-    in the page cache instead of waiting for the disk layer by layer. Advisory only: missing
-    files (a session in the warm tier) and errors are ignored. Returns the files advised.
-    """
-    if not cold_root or end <= start or not hasattr(os, "posix_fadvise"):
-        return 0
-    n = 0
-    base = os.path.join(cold_root, "sessions", sid)
-    for layer in range(layers):
+    def fetch(k: int) -> np.ndarray:
+        buf = _buffer(k % 2, len(groups[k]) * per_layer)
+        jobs, o = [], 0
+        for layer in groups[k]:
+            for a, b in spans:
+                n = (b - a) * tb
+                jobs.append((layer, a * tb, b * tb, buf[o:o + n]))
+                o += n
         try:
-            fd = os.open(os.path.join(base, f"layer_{layer}"), os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
-            n += 1
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return n
+            warm.read_many(sid, jobs, promote=promote)
+        except ValueError as e:
+            raise KVCorrupt(f"session {sid!r}: cannot read layers {groups[k].start}.."
+                            f"{groups[k].stop - 1} tokens {spans}: {e}") from e
+        return buf
+
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+    pool = _layer_pool()
+    ahead = pool.submit(fetch, 0) if len(groups) > 1 else None
+    for k, group in enumerate(groups):
+        buf = ahead.result() if ahead is not None else fetch(k)
+        ahead = pool.submit(fetch, k + 1) if k + 1 < len(groups) else None
+        tokens = per_layer // tb
+        for j in range(len(group)):
+            out.append(kv_from_bytes(buf[j * per_layer:(j + 1) * per_layer], geo, tokens, device))
+    return out
+
+
+def _buffer(which: int, n: int) -> np.ndarray:
+    """One of two reused scratch buffers of the calling thread's reads (its pages faulted
+    in once, not per read: 4 MiB of fresh memory costs about a millisecond of page
+    faults); a new array past ``SCRATCH_MAX``."""
+    if n > SCRATCH_MAX:
+        return np.empty(n, np.uint8)
+    bufs = getattr(_scratch, "pair", None)
+    if bufs is None:
+        bufs = _scratch.pair = [np.empty(0, np.uint8), np.empty(0, np.uint8)]
+    if bufs[which].size < n:
+        bufs[which] = np.empty(max(n, 1 << 20), np.uint8)
+    return bufs[which][:n]

@@ -13,9 +13,7 @@ only other thread, and it touches nothing but the warm tier.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from collections import OrderedDict
 from typing import Any
 
@@ -28,10 +26,10 @@ from kvfs.torch.cache import (
 from kvfs.torch.fingerprint import KVCorrupt, KVMismatch, KVUnsupported, fingerprint, geometry
 from kvfs.torch.meta import acknowledge
 from kvfs.torch.meta import stored as stored_meta
-from kvfs.torch.recall import prefetch_cold
 from kvfs.torch.rope import RopeShift
 from kvfs.torch.router_budget import BudgetMixin
 from kvfs.torch.spill import Spiller
+from kvfs.warm import mount_info
 
 log = logging.getLogger("kvfs.torch.router")
 
@@ -41,21 +39,6 @@ _UNSET: Any = object()
 def load_profile(name: str | Any) -> Any:
     """A :class:`kvfs.ops.profiles.Profile` by name (a Profile object is returned as is)."""
     return profiles.load(name) if isinstance(name, str) else name
-
-
-def mount_info(mount: str | None) -> dict[str, Any] | None:
-    """What a kvfs mount publishes in ``/.kvfs/stats`` (its profile and the volume's
-    identity); None for a plain directory (tests, benchmarks) or no mount."""
-    if mount is None:
-        return None
-    try:
-        with open(os.path.join(mount, ".kvfs", "stats"), "rb") as f:
-            stats = json.loads(f.read())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        raise OSError(f"{mount}: cannot read .kvfs/stats of the mount: {e}") from e
-    return stats if isinstance(stats, dict) else None
 
 
 def mount_profile(info: dict[str, Any] | None) -> Any:
@@ -202,7 +185,7 @@ class KVRouter(BudgetMixin):
             self.reserve(c, n * c.geo.session_token_bytes)
             tb = c.geo.token_bytes
             if self._prefetch:
-                prefetch_cold(self.mount, session_id, c.num_layers, (total - n) * tb, total * tb)
+                self.warm.prefetch(session_id, range(c.num_layers), (total - n) * tb, total * tb)
         c.load(dev)
         self._register(c)
         self.after_step(c)

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import crc32c
 import numpy as np
 
-from kvfs.warm.cold import ColdStore
+from kvfs.warm.cold import Changes, ColdBackend
 
 log = logging.getLogger("kvfs.torch.tokens")
 
@@ -83,13 +83,13 @@ def common_prefix(a: np.ndarray | Sequence[int], b: np.ndarray | Sequence[int]) 
     return int(diff[0]) if diff.size else n
 
 
-def read_ids(cold: ColdStore, sid: str) -> np.ndarray:
+def read_ids(cold: ColdBackend, sid: str) -> np.ndarray:
     """The stored ids of session ``sid`` (empty when it has none)."""
     raw = cold.read_small(sid, TOKENS)
     return decode(raw, f"session {sid!r} {TOKENS}")[0] if raw else np.empty(0, np.uint32)
 
 
-def record_ids(cold: ColdStore, sid: str, ids: Sequence[int] | np.ndarray,
+def record_ids(cold: ColdBackend, sid: str, ids: Sequence[int] | np.ndarray,
                sync: bool = True) -> int:
     """Make the session's stored ids start with ``ids``: nothing when they already do,
     else one record from the first id that differs (a damaged tail is cut off first, so
@@ -106,5 +106,11 @@ def record_ids(cold: ColdStore, sid: str, ids: Sequence[int] | np.ndarray,
         cold.truncate(sid, TOKENS, good)
     else:
         cold.ensure_dir(sid)
-    cold.append(sid, TOKENS, good, [np.frombuffer(encode(p, new[p:]), np.uint8)], sync)
+    changes = Changes()
+    changes.append(TOKENS, good, [np.frombuffer(encode(p, new[p:]), np.uint8)])
+    written = cold.write(sid, changes)
+    if sync:
+        cold.sync([written])
+    else:
+        cold.forget(written)
     return p

@@ -33,7 +33,8 @@ import numpy as np
 from kvfs.torch.fingerprint import KVCorrupt, KVGeometry, KVMismatch, build_meta, check_meta
 from kvfs.torch.tokens import TOKENS, common_prefix, read_ids, record_ids
 from kvfs.warm import WarmError, summarize_keys
-from kvfs.warm.cold import META, ColdStore
+from kvfs.warm.cold import META, Changes
+from kvfs.warm.coldfiles import ColdStore
 
 log = logging.getLogger("kvfs.vllm.store")
 
@@ -188,7 +189,9 @@ class SessionStore:
         old = self.cold.read_small(sid, "summaries.f32") or b""
         keep = old[: min(len(old) // row, idx) * row]
         pad = b"\0" * (idx * row - len(keep))  # rounds without a vector: zeros rank last
-        self.cold.sync_summaries(sid, keep + pad + vec.astype("<f4").tobytes(), sync=True, old=old)
+        changes = Changes()
+        if changes.rewrite("summaries.f32", keep + pad + vec.astype("<f4").tobytes(), old):
+            self.cold.sync([self.cold.write(sid, changes)])
 
     def _cut_summaries(self, sid: str, rounds: int) -> None:
         old = self.cold.read_small(sid, "summaries.f32")

@@ -1,25 +1,26 @@
-"""The cold tier as the warm tier sees it: plain files under ``cold_root/sessions/<sid>/``.
+"""The cold tier as the warm tier sees it: one seam, ``ColdBackend``, two ways through it.
 
-``cold_root`` is normally a mounted KVFS volume; tests use any directory with the same
-layout. Only ordinary file calls are used (open, os.pread/preadv, os.write, os.fsync,
-os.ftruncate, os.listdir, os.stat), never engine internals, and the mount's rules are
-kept everywhere: layer files and summaries.f32 are only appended to (a write at an offset
-other than the current size fails with EPERM on the mount) or cut shorter; meta.json is
-replaced by truncate(0) + one write.
+The cold copy of a session is ``sessions/<sid>/`` on a mounted kvfs volume (tests use any
+directory of that layout): ``layer_<n>`` files of token-major KV bytes, ``summaries.f32``,
+``meta.json`` and ``.incarnation``. Layer files and summaries are only appended to or cut
+shorter (the mount refuses a write anywhere but at the end); small files are replaced by
+a cut to zero and one write. Everything the warm tier, recall and resume do with the cold
+tier goes through the ``ColdBackend`` protocol below; ``open_cold`` picks, once at
+start-up, how:
 
-On a mount with a shared tier (``--shared``) a session is served by one node at a time: the
-mount holds the session's lease in the cluster while any of its files is open for writing.
-``hold`` keeps one such descriptor (meta.json, opened for writing, never written through)
-for as long as this process serves the session, so the lease stays with this node between
-turns, and another node's agent is refused (``WarmBusy`` naming the owner, which the mount
-tells through the session directory's ``user.kvfs.lease`` attribute).
+- ``coldfiles.ColdStore``: plain file calls through any mount (open, preadv, write,
+  fsync), each checked (a file or directory that is not ours, or that others may write,
+  is refused);
+- ``coldnative.NativeCold``: the mount's native channel (``kvfs.channel``) when the mount
+  serves one this process may use -- reads straight from the volume with extents the
+  mount hands out, a pass's changes of a session as one request, one durability point
+  for all of them; names (make, list, remove a session) and the shared tier's hold still
+  through the files. Anything else (another uid, a remote mount, ``--no-channel``, a
+  shared mount) gets the plain files, without being told.
 
-A shared mount (``--allow-other``) has a world-writable, sticky ``sessions/``: anyone may
-make a session directory there, also under a name this process will use. So a session
-directory is made with ``mkdir`` 0700 and checked, and every access goes through its
-checked descriptor: a directory or file that is not ours (another uid) or that group or
-other may write to, or a symlink, is refused with a WarmError -- never read as our KV,
-never written into. Files are created 0600 and opened with ``O_NOFOLLOW``.
+Writes come in ``Changes`` (one session's appends, replacements and truncations, applied
+in order by ``write``, durable only after ``sync`` of what ``write`` returned), so a pass
+over many sessions writes them all, then makes them durable together.
 """
 
 from __future__ import annotations
@@ -31,34 +32,78 @@ import logging
 import os
 import re
 import stat
-import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 
-from .ids import WarmBusy, WarmCorrupt, WarmError
+from .ids import WarmBusy, WarmError
 
 log = logging.getLogger("kvfs.warm")
 
-_LAYER_RE = re.compile(r"layer_(0|[1-9][0-9]{0,9})")
+LAYER_RE = re.compile(r"layer_(0|[1-9][0-9]{0,9})")
 SUMMARIES = "summaries.f32"
 META = "meta.json"
 # the session's incarnation id, 16 hex digits and a newline, written by the warm tier with
 # the first bytes of a session: a copy removed (or made anew) through the mount has none
 # (or another one), so a RAM copy of the old session is never written back over it
 INCARNATION = ".incarnation"
-MAX_SMALL = 1 << 20  # meta.json and the like: far more than 100,000 rounds take
-_CHUNK = 8 << 20  # bytes per os.write: bounded kernel/FUSE requests, no big copies
-_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
-LEASE_XATTR = "user.kvfs.lease"
 HOLD_WAIT_S = 1.0  # a hold refused with EBUSY is retried this long: a clean hand-over ends in it
+MAX_SMALL = 1 << 20  # meta.json and the like: far more than 100,000 rounds take
+
+APPEND, REPLACE, TRUNCATE = 1, 2, 3  # kinds of a change (the channel's WRITE items too)
 
 
-def _errors(fn):
+def layer_name(layer: int) -> str:
+    return f"layer_{layer}"
+
+
+def incarnation_bytes(inc: int) -> bytes:
+    return f"{inc:016x}\n".encode()
+
+
+def parse_incarnation(raw: bytes | None) -> int | None:
+    try:
+        return int(raw, 16) if raw and len(raw) == 17 and raw.endswith(b"\n") else None
+    except ValueError:
+        return None
+
+
+def mount_info(root: str | None) -> dict[str, Any] | None:
+    """What a kvfs mount publishes in ``/.kvfs/stats`` (its profile, the volume's identity,
+    its shared tier and native channel); None for a plain directory or no mount."""
+    if root is None:
+        return None
+    try:
+        with open(os.path.join(root, ".kvfs", "stats"), "rb") as f:
+            stats = json.loads(f.read())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise OSError(f"{root}: cannot read .kvfs/stats of the mount: {e}") from e
+    return stats if isinstance(stats, dict) else None
+
+
+def refusal(path: str, mode: int, uid: int, want_dir: bool, me: int) -> str | None:
+    """Why a cold file or directory may not be used as ours (None: it may): not of the
+    kind wanted (a symlink or other), another uid's, or writable by group or other."""
+    kind = "directory" if want_dir else "file"
+    if not (stat.S_ISDIR(mode) if want_dir else stat.S_ISREG(mode)):
+        return f"cold {path!r} is not a {kind} (a symlink or other): refused"
+    if uid != me:
+        return f"cold {kind} {path!r} is owned by uid {uid}, not by this process (uid {me}): refused"
+    if mode & 0o022:
+        return (f"cold {kind} {path!r} is writable by group/other (mode "
+                f"{stat.S_IMODE(mode):04o}): refused")
+    return None
+
+
+def cold_errors(fn):  # noqa: ANN001, ANN201 - a decorator of both backends' methods
     """OSErrors of a cold call become WarmErrors naming the cold path (errno kept as the
-    cause): the tier's callers see one kind of error."""
+    cause): the tier's callers see one kind of error; EBUSY is another node's lease."""
     @functools.wraps(fn)
-    def run(self: ColdStore, *args, **kw):
+    def run(self, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
         try:
             return fn(self, *args, **kw)
         except OSError as e:
@@ -71,418 +116,134 @@ def _errors(fn):
     return run
 
 
-def _replicated(root: str) -> bool:
-    """Whether ``root`` is a kvfs mount with a shared tier (its /.kvfs/stats says so)."""
-    try:
-        with open(os.path.join(root, ".kvfs", "stats"), "rb") as f:
-            stats = json.loads(f.read())
-    except (OSError, ValueError):
-        return False
-    return isinstance(stats, dict) and stats.get("shared") is not None
+@dataclass
+class Change:
+    kind: int
+    name: str
+    arg: int = 0  # APPEND: the file's size before; TRUNCATE: the new length
+    pieces: list[Any] = field(default_factory=list)  # APPEND / REPLACE: bytes-like pieces
 
 
-def layer_name(layer: int) -> str:
-    return f"layer_{layer}"
+class Changes:
+    """One session's changes to its cold copy, applied in order by ``ColdBackend.write``."""
 
+    def __init__(self) -> None:
+        self.items: list[Change] = []
 
-def _fsync_fd(fd: int) -> None:
-    try:
-        os.fsync(fd)
-    except OSError as e:  # some FUSE filesystems do not implement fsyncdir
-        if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
-            raise
+    def __bool__(self) -> bool:
+        return bool(self.items)
 
+    def append(self, name: str, expect: int, pieces: Iterable[Any]) -> None:
+        """Append ``pieces`` to ``name`` (made if missing), whose size must be ``expect``."""
+        self.items.append(Change(APPEND, name, expect, list(pieces)))
 
-class ColdStore:
-    """File-level access to ``cold_root/sessions``. Stateless apart from the path."""
+    def replace(self, name: str, raw: bytes) -> None:
+        """Replace a small file's bytes (made if missing): a cut to zero, then one write."""
+        self.items.append(Change(REPLACE, name, 0, [raw]))
 
-    def __init__(self, root: str) -> None:
-        # A mounted volume always has sessions/; an empty mountpoint (volume not mounted)
-        # does not, and writing into it would silently put "cold" data on the root disk.
-        self.root = root
-        self.dir = os.path.join(root, "sessions")
-        self.uid = os.geteuid()
-        if not os.path.isdir(self.dir):
-            raise WarmError(f"cold tier {root!r} has no sessions/ directory: is the volume mounted?")
-        self.shared = _replicated(root)
+    def truncate(self, name: str, length: int) -> None:
+        self.items.append(Change(TRUNCATE, name, length))
 
-    # ---- the session's lease (a mount with a shared tier) ---------------------------
-    def hold(self, sid: str, wait_s: float = HOLD_WAIT_S) -> int | None:
-        """Keep the session's lease for this process (see the module docstring): a
-        descriptor to give to ``unhold``. None without a shared tier, or when the session
-        has no directory yet (then ``hold`` once it is made). ``WarmBusy`` when another
-        node holds the lease after ``wait_s`` (a node that just let it go hands it over
-        within moments)."""
-        if not self.shared:
-            return None
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                return self._open(sid, META, os.O_WRONLY, create=True)
-            except (FileNotFoundError, NotADirectoryError):
-                return None
-            except OSError as e:
-                if e.errno != errno.EBUSY:
-                    raise WarmError(f"cold {self.path(sid)!r}: cannot hold the session: "
-                                    f"{e.strerror or e}") from e
-                if time.monotonic() >= deadline:
-                    raise WarmBusy(sid, self.lease_owner(sid)) from None
-                time.sleep(0.05)
-
-    @staticmethod
-    def unhold(fd: int | None) -> None:
-        if fd is not None:
-            try:
-                os.close(fd)
-            except OSError as e:  # the mount went away: its lease ends with it
-                log.warning("closing a session hold: %s", e)
-
-    def lease_owner(self, sid: str) -> str | None:
-        """The node the mount says holds the session's lease (None: it cannot say)."""
-        try:
-            return os.getxattr(self.path(sid), LEASE_XATTR).decode(errors="replace")
-        except OSError:
-            return None
-
-    def path(self, sid: str, name: str | None = None) -> str:
-        d = os.path.join(self.dir, sid)
-        return d if name is None else os.path.join(d, name)
-
-    # ---- checked access -----------------------------------------------------------
-    def _refuse(self, path: str, st: os.stat_result, want_dir: bool) -> None:
-        kind = "directory" if want_dir else "file"
-        if not (stat.S_ISDIR(st.st_mode) if want_dir else stat.S_ISREG(st.st_mode)):
-            raise WarmError(f"cold {path!r} is not a {kind} (a symlink or other): refused")
-        if st.st_uid != self.uid:
-            raise WarmError(f"cold {kind} {path!r} is owned by uid {st.st_uid}, not by this "
-                            f"process (uid {self.uid}): refused")
-        if st.st_mode & 0o022:
-            raise WarmError(f"cold {kind} {path!r} is writable by group/other "
-                            f"(mode {stat.S_IMODE(st.st_mode):04o}): refused")
-
-    def _sdir(self, sid: str, flags: int = os.O_PATH) -> int:
-        """A checked descriptor of the session directory; FileNotFoundError if none."""
-        d = self.path(sid)
-        try:
-            fd = os.open(d, flags | os.O_DIRECTORY | _NOFOLLOW)
-        except NotADirectoryError:
-            st = os.lstat(d)
-            self._refuse(d, st, True)
-            raise
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise WarmError(f"cold {d!r} is a symbolic link: refused") from e
-            raise
-        try:
-            self._refuse(d, os.fstat(fd), True)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
-
-    def _open(self, sid: str, name: str, flags: int, create: bool = False) -> int:
-        """A checked descriptor of a session's file (created 0600 with ``create``)."""
-        return self._open_stat(sid, name, flags, create)[0]
-
-    def _open_stat(self, sid: str, name: str, flags: int,
-                   create: bool = False) -> tuple[int, os.stat_result]:
-        """``_open`` and the descriptor's checked stat."""
-        dfd = self._sdir(sid)
-        try:
-            fd = os.open(name, flags | _NOFOLLOW | (os.O_CREAT if create else 0), 0o600,
-                         dir_fd=dfd)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise WarmError(f"cold {self.path(sid, name)!r} is a symbolic link: refused") from e
-            raise
-        finally:
-            os.close(dfd)
-        try:
-            st = os.fstat(fd)
-            self._refuse(self.path(sid, name), st, False)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd, st
-
-    # ---- reads --------------------------------------------------------------------
-    def reachable(self) -> None:
-        """WarmError unless the volume is still there (an unmounted volume leaves an empty
-        mountpoint: no sessions/)."""
-        try:
-            st = os.stat(self.dir)
-        except OSError as e:
-            raise WarmError(f"cold tier {self.root!r} cannot be reached ({e.strerror}): is "
-                            f"the volume mounted?") from e
-        if not stat.S_ISDIR(st.st_mode):
-            raise WarmError(f"cold tier {self.root!r}: sessions is not a directory")
-
-    def exists(self, sid: str) -> bool:
-        """Whether the session's directory is on the mount; WarmError when the mount itself
-        is gone (an unmounted volume is not a removed session)."""
-        try:
-            return stat.S_ISDIR(os.lstat(self.path(sid)).st_mode)
-        except FileNotFoundError:
-            self.reachable()
+    def rewrite(self, name: str, new: bytes, old: bytes) -> bool:
+        """Make an append-only file holding ``old`` hold ``new``: cut back to the common
+        prefix, append the rest (usually just the new rounds). False when equal."""
+        if new == old:
             return False
-
-    @_errors
-    def list(self) -> list[str]:
-        try:
-            return os.listdir(self.dir)
-        except FileNotFoundError:
-            return []
-
-    @_errors
-    def layer_sizes(self, sid: str) -> dict[int, int] | None:
-        """{layer: size} of the cold copy, None when there is no cold copy."""
-        try:
-            dfd = self._sdir(sid, os.O_RDONLY)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        try:
-            out = {}
-            for n in os.listdir(dfd):
-                m = _LAYER_RE.fullmatch(n)
-                if m:
-                    st = os.stat(n, dir_fd=dfd, follow_symlinks=False)
-                    self._refuse(self.path(sid, n), st, False)
-                    out[int(m.group(1))] = st.st_size
-            return out
-        finally:
-            os.close(dfd)
-
-    @_errors
-    def state(self, sid: str) -> tuple[dict[int, int], int | None] | None:
-        """(layer sizes, incarnation id or None) of the cold copy; None when there is none."""
-        sizes = self.layer_sizes(sid)
-        if sizes is None:
-            self.reachable()  # an unmounted volume is an error, never "the session was removed"
-            return None
-        return sizes, self.read_incarnation(sid)
-
-    def read_incarnation(self, sid: str) -> int | None:
-        """The cold copy's incarnation id; None when it has none (or not one we can read)."""
-        raw = self.read_small(sid, INCARNATION)
-        try:
-            return int(raw, 16) if raw and len(raw) == 17 and raw.endswith(b"\n") else None
-        except ValueError:
-            return None
-
-    @_errors
-    def size(self, sid: str, layer: int) -> int:
-        try:
-            dfd = self._sdir(sid)
-        except (FileNotFoundError, NotADirectoryError):
-            return 0
-        try:
-            st = os.stat(layer_name(layer), dir_fd=dfd, follow_symlinks=False)
-        except FileNotFoundError:
-            return 0
-        finally:
-            os.close(dfd)
-        self._refuse(self.path(sid, layer_name(layer)), st, False)
-        return st.st_size
-
-    @_errors
-    def read_into(self, sid: str, layer: int, off: int, out: np.ndarray,
-                  missing_is_empty: bool = False) -> None:
-        """Fill ``out`` (uint8, contiguous) from layer bytes at ``off``; ValueError when
-        the file ends before, WarmError if it is missing (unless ``missing_is_empty``: then
-        it holds 0 bytes) or a read comes back short."""
-        try:
-            fd, st = self._open_stat(sid, layer_name(layer), os.O_RDONLY)
-        except (FileNotFoundError, NotADirectoryError) as e:
-            if missing_is_empty:
-                raise ValueError(f"read [{off}, {off + len(out)}) past the end (0) of "
-                                 f"{sid}/layer_{layer}") from e
-            raise WarmError(f"cold {sid}/layer_{layer} is missing") from e
-        try:
-            if off + len(out) > st.st_size:
-                raise ValueError(f"read [{off}, {off + len(out)}) past the end ({st.st_size}) "
-                                 f"of {sid}/layer_{layer}")
-            view = memoryview(out).cast("B")
-            done = 0
-            while done < len(view):
-                n = os.preadv(fd, [view[done:]], off + done)
-                if n <= 0:
-                    raise WarmError(f"cold {sid}/layer_{layer}: short read at {off + done}")
-                done += n
-        finally:
-            os.close(fd)
-
-    @_errors
-    def read_small(self, sid: str, name: str) -> bytes | None:
-        """A small file's bytes; meta.json (and the other small files but summaries.f32)
-        only up to ``MAX_SMALL``: a larger one is none kvfs wrote (WarmCorrupt), and is
-        never read whole into memory."""
-        try:
-            fd = self._open(sid, name, os.O_RDONLY)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        limit = None if name == SUMMARIES else MAX_SMALL
-        try:
-            parts, n = [], 0
-            while chunk := os.read(fd, 1 << 20):
-                parts.append(chunk)
-                n += len(chunk)
-                if limit is not None and n > limit:
-                    raise WarmCorrupt(f"cold {sid}/{name} is over {limit} bytes: not one kvfs "
-                                      "writes; refused")
-            return b"".join(parts)
-        finally:
-            os.close(fd)
-
-    def read_meta(self, sid: str) -> dict | None:
-        raw = self.read_small(sid, META)
-        if not raw:
-            return None
-        try:
-            meta = json.loads(raw)
-        except (ValueError, RecursionError):
-            log.warning("cold %s/meta.json is not JSON; ignored", sid)
-            return None
-        return meta if isinstance(meta, dict) else None
-
-    # ---- writes -------------------------------------------------------------------
-    @_errors
-    def ensure_dir(self, sid: str) -> bool:
-        """Make the session directory (0700) unless it exists; either way it must then be
-        ours and private. True when made (then ``sync_sessions_dir``)."""
-        try:
-            os.mkdir(self.path(sid), 0o700)
-            made = True
-        except FileExistsError:
-            made = False
-        os.close(self._sdir(sid))
-        return made
-
-    @_errors
-    def sync_sessions_dir(self) -> None:
-        fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            _fsync_fd(fd)
-        finally:
-            os.close(fd)
-
-    @_errors
-    def sync_dir(self, sid: str) -> None:
-        fd = self._sdir(sid, os.O_RDONLY)
-        try:
-            _fsync_fd(fd)
-        finally:
-            os.close(fd)
-
-    @_errors
-    def fsync_file(self, sid: str, name: str) -> None:
-        """fsync a file written earlier through another descriptor (the data is the
-        inode's, not the descriptor's; on the mount, close flushed it and fsync syncs)."""
-        fd = self._open(sid, name, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    @_errors
-    def append(self, sid: str, name: str, expect: int, pieces: Iterable[np.ndarray],
-               sync: bool = True, keep: list[int] | None = None) -> int:
-        """Append ``pieces`` to file ``name`` whose size must be ``expect`` (fsync unless
-        ``sync`` is False: the caller then calls ``fsync_file``, or ``fsync_close`` on the
-        descriptor left open in ``keep``). Writes go at the current end (the mount's
-        append-only rule); returns the new size."""
-        fd = self._open(sid, name, os.O_WRONLY, create=True)
-        if keep is not None:
-            keep.append(fd)
-        try:
-            pos = os.lseek(fd, 0, os.SEEK_END)
-            if pos != expect:
-                raise WarmError(f"cold {sid}/{name}: size {pos}, expected {expect} (written "
-                                "meanwhile by another process or node)")
-            for piece in pieces:
-                view = memoryview(piece).cast("B")
-                done = 0
-                while done < len(view):
-                    done += os.write(fd, view[done:done + _CHUNK])
-                pos += len(view)
-            if sync:
-                os.fsync(fd)
-            return pos
-        finally:
-            if keep is None:
-                os.close(fd)
-
-    def fsync_close(self, sid: str, name: str, fd: int) -> None:
-        try:
-            os.fsync(fd)
-        except OSError as e:
-            raise WarmError(f"cold {self.path(sid, name)!r}: {e.strerror or e}") from e
-        finally:
-            os.close(fd)
-
-    @_errors
-    def truncate(self, sid: str, name: str, length: int) -> None:
-        """Cut a file shorter (allowed on the mount) and make it durable."""
-        fd = self._open(sid, name, os.O_WRONLY)
-        try:
-            os.ftruncate(fd, length)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    @_errors
-    def sync_summaries(self, sid: str, data: bytes, sync: bool = True,
-                       old: bytes | None = None) -> bool:
-        """Make summaries.f32 equal ``data`` by cutting back to the common prefix and
-        appending the rest (usually: append the new rounds only). True if it changed.
-        ``old``: what the file holds, when the caller knows it (else it is read)."""
-        if old is None:
-            old = self.read_small(sid, SUMMARIES)
-        if old == data:
-            return False
-        old = old or b""
-        limit = min(len(old), len(data))
-        diff = np.nonzero(np.frombuffer(old, np.uint8, limit) != np.frombuffer(data, np.uint8, limit))[0]
+        limit = min(len(old), len(new))
+        diff = np.nonzero(np.frombuffer(old, np.uint8, limit) != np.frombuffer(new, np.uint8, limit))[0]
         p = int(diff[0]) if len(diff) else limit
-        if old:
-            self.truncate(sid, SUMMARIES, p)
-        self.append(sid, SUMMARIES, p, [np.frombuffer(data[p:], np.uint8)], sync)
+        if len(old) > p:
+            self.truncate(name, p)
+        if len(new) > p:
+            self.append(name, p, [np.frombuffer(new, np.uint8)[p:]])
         return True
 
-    @_errors
+
+@dataclass
+class Written:
+    """What ``write`` did to one session: each file's size after it, the names to make
+    durable (a caller may add names written by earlier passes), whether the session's
+    directory was made, and descriptors a plain backend keeps for the fsyncs."""
+
+    sid: str
+    sizes: dict[str, int] = field(default_factory=dict)
+    names: set[str] = field(default_factory=set)
+    made_dir: bool = False
+    fds: dict[str, int] = field(default_factory=dict)
+    error: BaseException | None = None  # set by ``sync`` when this session's part failed
+
+
+class ColdBackend(Protocol):
+    """The cold tier's seam (module doc). Every failure is a ``WarmError`` naming the path;
+    ``WarmBusy`` when another node holds the session's lease."""
+
+    root: str
+    dir: str
+    shared: bool  # a mount with a shared tier: sessions are held (``hold``)
+    kind: str  # "files" or "channel"
+
+    # the session's lease on a shared mount
+    def hold(self, sid: str, wait_s: float = HOLD_WAIT_S) -> Any: ...
+    def unhold(self, h: Any) -> None: ...
+    def lease_owner(self, sid: str) -> str | None: ...
+
+    # names
+    def path(self, sid: str, name: str | None = None) -> str: ...
+    def reachable(self) -> None: ...
+    def exists(self, sid: str) -> bool: ...
+    def list(self) -> list[str]: ...
+    def ensure_dir(self, sid: str) -> bool: ...
+    def delete(self, sid: str) -> bool: ...
+
+    # sizes and reads
+    def state(self, sid: str) -> tuple[dict[int, int], int | None] | None: ...
+    def layer_sizes(self, sid: str) -> dict[int, int] | None: ...
+    def size(self, sid: str, layer: int) -> int: ...
+    def read_into(self, sid: str, layer: int, off: int, out: np.ndarray,
+                  missing_is_empty: bool = False) -> None: ...
+    def read_ranges(self, sid: str, ranges: list[tuple[int, int, np.ndarray]],
+                    missing_is_empty: bool = False) -> None: ...
+    def read_small(self, sid: str, name: str) -> bytes | None: ...
+    def read_meta(self, sid: str) -> dict | None: ...
+    def read_incarnation(self, sid: str) -> int | None: ...
+    def prefetch(self, sid: str, layers: Iterable[int], start: int, end: int) -> int: ...
+
+    # writes: none durable until ``sync`` (but ``truncate``, durable at once)
+    def write(self, sid: str, changes: Changes) -> Written: ...
+    def sync(self, written: list[Written]) -> None: ...
+    def forget(self, written: Written) -> None: ...
+    def truncate(self, sid: str, name: str, length: int) -> None: ...
     def write_meta(self, sid: str, raw: bytes, sync: bool = True, old: bytes | None = None,
-                   name: str = META) -> bool:
-        """Replace meta.json (or another small file ``name``): truncate(0) + one write
-        (+ fsync), the mount's rule for it. True if it changed. ``old``: what the file
-        holds, when the caller knows it (else it is read)."""
-        if (old if old is not None else self.read_small(sid, name)) == raw:
-            return False
-        fd = self._open(sid, name, os.O_WRONLY, create=True)
-        try:
-            os.ftruncate(fd, 0)
-            view = memoryview(raw)
-            done = 0
-            while done < len(view):
-                done += os.write(fd, view[done:])
-            if sync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        return True
+                   name: str = META) -> bool: ...
+    def close(self) -> None: ...
 
-    def write_incarnation(self, sid: str, inc: int, sync: bool = True) -> None:
-        self.write_meta(sid, f"{inc:016x}\n".encode(), sync, name=INCARNATION)
 
-    @_errors
-    def delete(self, sid: str) -> bool:
-        try:
-            dfd = self._sdir(sid, os.O_RDONLY)  # refuses a directory that is not ours
-        except (FileNotFoundError, NotADirectoryError):
-            return False
-        try:
-            for n in os.listdir(dfd):
-                os.unlink(n, dir_fd=dfd)
-        finally:
-            os.close(dfd)
-        os.rmdir(self.path(sid))
-        self.sync_sessions_dir()
-        return True
+def parse_meta(raw: bytes | None, sid: str) -> dict | None:
+    if not raw:
+        return None
+    try:
+        meta = json.loads(raw)
+    except (ValueError, RecursionError):
+        log.warning("cold %s/meta.json is not JSON; ignored", sid)
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def open_cold(root: str, native: bool | None = None) -> ColdBackend:
+    """The cold tier at ``root``: through the mount's native channel when it serves one
+    this process may use (``native`` None: when available; False: never; True: required,
+    else WarmError), else plain files."""
+    from .coldfiles import ColdStore  # noqa: PLC0415 - the implementations import this module
+
+    files = ColdStore(root)
+    if native is False:
+        return files
+    from .coldnative import NativeCold  # noqa: PLC0415
+
+    cold = NativeCold.open(files)
+    if cold is None:
+        if native:
+            raise WarmError(f"cold tier {root!r}: no native channel this process may use")
+        return files
+    return cold
+

@@ -1,60 +1,75 @@
-"""The warm tier's read calls: size, layer_sizes, layers, read, read_into, read_layers
-(a mixin of WarmTier).
+"""The warm tier's reads: size, layer_sizes, layers, read, read_into, read_many, read_layers.
 
 A layer's range splits at its base: bytes below it come from the cold copy (always a
-prefix of the content, tier.py), the rest from the shard's mapping. A checksum mismatch in
-RAM is served from the cold copy when that holds the bytes. A read of a whole layer that is
-partly on cold promotes the session back to RAM first (migrate.py). Separate from tier.py,
-which owns the state, the locks and the writes; these only look up and copy out.
-Never imports torch.
+prefix of the content, resident.py), the rest from the shard's mapping; the cold parts of
+many layers go to the ``ColdBackend`` as one batch. A checksum mismatch in RAM is served
+from the cold copy when that holds the bytes. A read of a whole layer that is partly on
+cold promotes the session back to RAM first (``promote``: the mover's, given at
+construction). These only look up and copy out. Never imports torch.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import numpy as np
 
-from kvfs.ops import metrics
-
-from .cold import ColdStore
+from .cold import ColdBackend
 from .ids import WarmCorrupt, WarmError, check_layer
-from .records import WarmSession
+from .records import Slot, WarmSession
+from .resident import Resident
 from .shard import ShardFile
 
 log = logging.getLogger("kvfs.warm")
 
 
-class Reads:
-    """WarmTier's read methods; its state, locks and helpers are the tier's (tier.py)."""
+class Reader:
+    """The reads, over the RAM copies (``Resident``); ``own`` takes a session for this
+    process before a read (``Validator.own``), ``promote(slot, sid, soft)`` brings a
+    session back from cold under its shard lock and ``after_promote(sid)`` lets the tier
+    migrate what that pushed over the threshold (the mover's and the evictor's)."""
 
-    cold: ColdStore | None
-    stats: dict[str, int]
+    def __init__(self, res: Resident, cold: ColdBackend | None, own: Callable[[str], None],
+                 promote: Callable[[Slot, str, bool], bool],
+                 after_promote: Callable[[str], None]) -> None:
+        self.res, self.cold, self.own = res, cold, own
+        self.promote, self.after_promote = promote, after_promote
+
+    def _locked(self, sid: str) -> AbstractContextManager[Slot]:
+        self.own(sid)
+        return self.res.locked(sid)
 
     def size(self, sid: str, layer: int) -> int:
         layer = check_layer(layer)
         with self._locked(sid) as slot:
-            _, s = self._warm(slot, sid)
+            _, s = self.res.warm(slot, sid)
             if s is not None:
-                return self._span(s, layer)[1]
+                return self.res.span(s, layer)[1]
             return self.cold.size(sid, layer) if self.cold else 0
 
     def layer_sizes(self, sid: str) -> dict[int, int]:
         """{layer: size} of every layer the session has, in warm or cold (addition to the
         contract; one listing of the cold directory instead of a lookup per layer)."""
         with self._locked(sid) as slot:
-            _, s = self._warm(slot, sid)
+            _, s = self.res.warm(slot, sid)
             if s is not None:
-                return {n: self._span(s, n)[1] for n in sorted(set(s.layers) | set(s.cold or ()))}
+                return {n: self.res.span(s, n)[1] for n in sorted(set(s.layers) | set(s.cold or ()))}
             return dict(sorted(((self.cold.layer_sizes(sid) or {}) if self.cold else {}).items()))
 
     def layers(self, sid: str) -> list[int]:
         """Layer numbers the session has, in warm or cold (addition to the contract)."""
         with self._locked(sid) as slot:
-            _, s = self._warm(slot, sid)
+            _, s = self.res.warm(slot, sid)
             if s is not None:
                 return sorted(set(s.layers) | set(s.cold or ()))
             return sorted((self.cold.layer_sizes(sid) or {}) if self.cold else ())
+
+    def prefetch(self, sid: str, layers: list[int] | range, start: int, end: int) -> int:
+        """Ask the cold tier to read bytes [start, end) of these layers ahead (advisory: a
+        resume about to read them one layer at a time); returns the files advised."""
+        return self.cold.prefetch(sid, layers, start, end) if self.cold is not None else 0
 
     def read(self, sid: str, layer: int, start: int, end: int, *,
              promote: bool | None = None) -> np.ndarray:
@@ -80,19 +95,19 @@ class Reads:
             raise ValueError(f"out must be {end - start} contiguous uint8 bytes")
         promoted = False
         with self._locked(sid) as slot:
-            f, s = self._warm(slot, sid)
+            f, s = self.res.warm(slot, sid)
             if self.cold is not None and promote is not False:
-                base, size = self._span(s, layer) if s is not None else (self.cold.size(sid, layer),) * 2
+                base, size = self.res.span(s, layer) if s is not None else (self.cold.size(sid, layer),) * 2
                 whole = start == 0 and end == size and start < base  # a whole layer, partly cold
                 if promote or whole:
-                    promoted = self._promote_locked(slot, sid, soft=True)
-                    f, s = self._warm(slot, sid)
+                    promoted = self.promote(slot, sid, True)
+                    f, s = self.res.warm(slot, sid)
             hit = self._fill(f, s, sid, layer, start, end, out)
             if s is not None:
-                self._touch(f, s)
-        self._count(hit)
+                self.res.touch(f, s)
+        self.res.count(hit)
         if promoted:
-            self._maybe_migrate(exclude={sid})
+            self.after_promote(sid)
 
     def read_layers(self, sid: str, layers: list[int] | range, start: int, end: int, *,
                     promote: bool = False) -> np.ndarray:
@@ -105,47 +120,88 @@ class Reads:
         out = np.empty((len(layers), end - start), np.uint8)
         promoted = hit = False
         with self._locked(sid) as slot:
-            f, s = self._warm(slot, sid)
+            f, s = self.res.warm(slot, sid)
             if promote and self.cold is not None:
-                promoted = self._promote_locked(slot, sid, soft=True)
-                f, s = self._warm(slot, sid)
-            hit = all([self._fill(f, s, sid, layer, start, end, out[k]) for k, layer in enumerate(layers)])
+                promoted = self.promote(slot, sid, True)
+                f, s = self.res.warm(slot, sid)
+            hit = self._fill_many(f, s, sid, [(layer, start, end, out[k]) for k, layer in enumerate(layers)])
             if s is not None:
-                self._touch(f, s)
-        self._count(hit)
+                self.res.touch(f, s)
+        self.res.count(hit)
         if promoted:
-            self._maybe_migrate(exclude={sid})
+            self.after_promote(sid)
         return out
+
+    def read_many(self, sid: str, ranges: list[tuple[int, int, int, np.ndarray]], *,
+                  promote: bool | None = False) -> None:
+        """``read_into`` of many (layer, start, end, out) of one session in one call: what
+        is on the cold tier is read in one batch (with the native channel: one request for
+        every layer's extents, reads that run together), so a resume or a recall of many
+        layers waits for the disk once, not once per layer (addition to the contract)."""
+        jobs = []
+        for layer, start, end, out in ranges:
+            if not 0 <= start <= end:
+                raise ValueError(f"bad range [{start}, {end})")
+            if out.dtype != np.uint8 or out.shape != (end - start,) or not out.flags.c_contiguous:
+                raise ValueError(f"out must be {end - start} contiguous uint8 bytes")
+            jobs.append((check_layer(layer), start, end, out))
+        promoted = False
+        with self._locked(sid) as slot:
+            f, s = self.res.warm(slot, sid)
+            if promote is None and self.cold is not None and s is not None:
+                # as ``read_into``: a whole layer partly on cold brings the session back
+                promote = any(start == 0 and end == self.res.span(s, layer)[1]
+                              and start < self.res.span(s, layer)[0] for layer, start, end, _ in jobs)
+            if promote and self.cold is not None:
+                promoted = self.promote(slot, sid, True)
+                f, s = self.res.warm(slot, sid)
+            hit = self._fill_many(f, s, sid, jobs)
+            if s is not None:
+                self.res.touch(f, s)
+        self.res.count(hit)
+        if promoted:
+            self.after_promote(sid)
 
     def _fill(self, f: ShardFile | None, s: WarmSession | None, sid: str, layer: int,
               start: int, end: int, out: np.ndarray) -> bool:
         """Copy layer bytes [start, end) into ``out``; True when all came from warm."""
-        if s is not None or self.cold is None or start == end:
-            if s is not None:
-                base, size = self._span(s, layer)
-            else:
-                base = size = self.cold.size(sid, layer) if self.cold else 0
-            if end > size:
-                raise ValueError(f"read [{start}, {end}) past the end ({size}) of {sid}/layer_{layer}")
-        else:  # all of it is on cold, whose read checks the end (one lookup less)
-            base = end
-        split = min(max(base, start), end)  # [start, split) from cold, [split, end) from warm
-        if split > start:
-            if self.cold is None:
-                raise WarmError(f"{sid}/layer_{layer}: bytes below {base} are on a cold tier not configured")
-            self.cold.read_into(sid, layer, start, out[:split - start], missing_is_empty=s is None)
-        if end > split:
+        return self._fill_many(f, s, sid, [(layer, start, end, out)])
+
+    def _fill_many(self, f: ShardFile | None, s: WarmSession | None, sid: str,
+                   jobs: list[tuple[int, int, int, np.ndarray]]) -> bool:
+        """Copy each (layer, start, end) into its ``out``: the parts below each layer's base
+        from cold, in one batch, then the rest from the shard. True when all came from warm."""
+        cold: list[tuple[int, int, np.ndarray]] = []
+        warm: list[tuple[int, int, int, np.ndarray]] = []
+        for layer, start, end, out in jobs:
+            if s is not None or self.cold is None or start == end:
+                if s is not None:
+                    base, size = self.res.span(s, layer)
+                else:
+                    base = size = self.cold.size(sid, layer) if self.cold else 0
+                if end > size:
+                    raise ValueError(f"read [{start}, {end}) past the end ({size}) of {sid}/layer_{layer}")
+            else:  # all of it is on cold, whose read checks the end (one lookup less)
+                base = end
+            split = min(max(base, start), end)  # [start, split) from cold, [split, end) from warm
+            if split > start:
+                if self.cold is None:
+                    raise WarmError(f"{sid}/layer_{layer}: bytes below {base} are on a cold tier not configured")
+                cold.append((layer, start, out[:split - start]))
+            if end > split:
+                warm.append((layer, split, end, out[split - start:]))
+        if len(cold) == 1:
+            self.cold.read_into(sid, *cold[0], missing_is_empty=s is None)
+        elif cold:
+            self.cold.read_ranges(sid, cold, missing_is_empty=s is None)
+        hit = not cold
+        for layer, split, end, out in warm:
             try:
-                f.read_into(s, s.layers[layer], split, end, out[split - start:], f"layer {layer}")
+                f.read_into(s, s.layers[layer], split, end, out, f"layer {layer}")
             except WarmCorrupt as e:  # the cold copy is a prefix of the content: use it
                 if self.cold is None or self.cold.size(sid, layer) < end:
                     raise
                 log.error("%s; served from the cold copy", e)
-                self.cold.read_into(sid, layer, split, out[split - start:])
-                return False
-        return split == start
-
-    def _count(self, hit: bool) -> None:
-        with self._lock:
-            self.stats["hits" if hit else "misses"] += 1
-        (metrics.warm_hits if hit else metrics.warm_misses).inc()
+                self.cold.read_into(sid, layer, split, out)
+                hit = False
+        return hit

@@ -52,7 +52,7 @@ from .format import (
 from .ids import WarmCorrupt, WarmError
 from .records import Seg, Stream, WarmSession, tokens_of
 from .rootdir import RootDir
-from .space import PAGE, Space, _up, reserve_fd
+from .space import PAGE, Space, reserve_fd, round_up
 
 log = logging.getLogger("kvfs.warm")
 DATA_START = HEADER_SLOT * len(HEADER_SLOTS)
@@ -90,7 +90,7 @@ class ShardFile(Space):
         sh.created, sh.shard, sh.shards, sh.key, sh.dim = now, shard, shards, key, dim
         sh.free = [(DATA_START, FIRST_TABLE - DATA_START)]  # rest of the header page
         sh.end = FIRST_TABLE + FIRST_TABLE_ENTRIES * ENTRY_SIZE
-        sh.fsize = max(_up(sh.end, PAGE), 64 << 10)  # sparse: costs no RAM until written
+        sh.fsize = max(round_up(sh.end, PAGE), 64 << 10)  # sparse: costs no RAM until written
         sh.free_slots = list(range(FIRST_TABLE_ENTRIES))
         # build under a temporary name and rename: a crash never leaves a half-made shard
         tmp = f"{name}.tmp.{os.getpid()}"
@@ -186,7 +186,7 @@ class ShardFile(Space):
     def _grow_table(self) -> None:
         old_off, old_cap = self.index_off, self.index_cap
         new_cap = old_cap * 2
-        off = self._alloc_reserved(new_cap * ENTRY_SIZE, [(0, new_cap * ENTRY_SIZE)])
+        off = self.alloc_reserved(new_cap * ENTRY_SIZE, [(0, new_cap * ENTRY_SIZE)])
         mm = self.map()
         n = old_cap * ENTRY_SIZE
         mm[off:off + n] = mm[old_off:old_off + n]
@@ -196,7 +196,7 @@ class ShardFile(Space):
         # header copy still points at the old table once its space can be reused.
         self._write_header()
         self._write_header()
-        self._add_free(old_off, n)
+        self.add_free(old_off, n)
         for i in range(old_cap, new_cap):
             heapq.heappush(self.free_slots, i)
 
@@ -226,14 +226,14 @@ class ShardFile(Space):
         """Allocate, fill, checksum and publish an extent holding ``data`` (only the data
         written and the block checksums are reserved: unused capacity stays sparse)."""
         size = footprint(kind, cap)
-        off = self._alloc_reserved(size, [(0, len(data)), (cap, size - cap)])
+        off = self.alloc_reserved(size, [(0, len(data)), (cap, size - cap)])
         try:
             mm = self.map()
             mm[off:off + len(data)] = data
             fill_blocks(mm, off, cap, 0, len(data))
             i = self._put_entry(uid, kind, layer, start, off, cap, seal_of(mm, off, cap, len(data)))
         except BaseException:
-            self._add_free(off, size)
+            self.add_free(off, size)
             raise
         self._live(i)
         return Seg(i, start, off, cap, len(data))
@@ -270,13 +270,13 @@ class ShardFile(Space):
         is written before (meta and summaries loaded from a cold copy) is all there or,
         after a crash, all orphaned."""
         nb = name.encode("utf-8")
-        off = self._alloc_reserved(len(nb), [(0, len(nb))])
+        off = self.alloc_reserved(len(nb), [(0, len(nb))])
         try:
             self.map()[off:off + len(nb)] = np.frombuffer(nb, np.uint8)
             uid = self.next_uid
             i = self._put_entry(uid, K_NAME, 0, inc, off, len(nb), name_seal(0), now, extra=nb)
         except BaseException:
-            self._add_free(off, len(nb))
+            self.add_free(off, len(nb))
             raise
         self.next_uid += 1
         if live:
@@ -298,7 +298,7 @@ class ShardFile(Space):
         self.kill_entry(s.idx)
         # the last session: the caller unlinks the file, which frees the pages at once
         advise = len(self.sessions) > 1
-        self._add_free(int(t["off"][s.idx]), int(t["cap"][s.idx]), advise)
+        self.add_free(int(t["off"][s.idx]), int(t["cap"][s.idx]), advise)
         for st in [*s.layers.values(), s.summary]:
             self._release(st.segs, advise)
         if s.meta is not None:
@@ -313,7 +313,7 @@ class ShardFile(Space):
     def _release(self, segs: list[Seg], advise: bool = True) -> None:
         for g in reversed(segs):
             self.kill_entry(g.idx)
-            self._add_free(g.off, footprint(K_LAYER, g.cap), advise)
+            self.add_free(g.off, footprint(K_LAYER, g.cap), advise)
 
     def set_last_used(self, s: WarmSession, t: float) -> None:
         s.last_used = t
@@ -391,7 +391,7 @@ class ShardFile(Space):
             for start in range(0, data_len, MAX_EXTENT):  # data_len > 0: empty prefixes skipped
                 n = min(MAX_EXTENT, data_len - start)
                 size = footprint(K_LAYER, n)
-                off = self._alloc_reserved(size, [(0, size)])
+                off = self.alloc_reserved(size, [(0, size)])
                 out.append((Seg(-1, start, off, n, n), self.map()[off:off + n]))
         except BaseException:
             self.abandon(out)
@@ -401,7 +401,7 @@ class ShardFile(Space):
     def abandon(self, pieces: list[tuple[Seg, np.ndarray]]) -> None:
         """Give back prepared segments that will not be published (a failed cold read)."""
         for g, _ in pieces:
-            self._add_free(g.off, footprint(K_LAYER, g.cap))
+            self.add_free(g.off, footprint(K_LAYER, g.cap))
 
     def publish(self, s: WarmSession, layer: int, pieces: list[tuple[Seg, np.ndarray]]) -> None:
         mm = self.map()

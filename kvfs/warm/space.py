@@ -30,7 +30,7 @@ PAGE = mmap.PAGESIZE
 _NO_FALLOCATE = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 
-def _up(x: int, a: int) -> int:
+def round_up(x: int, a: int) -> int:
     return (x + a - 1) // a * a
 
 
@@ -82,20 +82,20 @@ class Space:
 
     def _alloc(self, size: int) -> int:
         """A free range of ``size`` bytes (not yet reserved: the caller reserves what it
-        writes, and gives the range back with ``_add_free`` if that fails)."""
+        writes, and gives the range back with ``add_free`` if that fails)."""
         align = PAGE if size >= PAGE else ALIGN
         for k, (off, n) in enumerate(self.free):
-            a = _up(off, align)
+            a = round_up(off, align)
             if a + size <= off + n:
                 del self.free[k]
                 if a > off:
-                    self._add_free(off, a - off, advise=False)
+                    self.add_free(off, a - off, advise=False)
                 if off + n > a + size:
-                    self._add_free(a + size, off + n - a - size, advise=False)
+                    self.add_free(a + size, off + n - a - size, advise=False)
                 return a
-        a = _up(self.end, align)
+        a = round_up(self.end, align)
         if a + size > self.fsize:  # grow first: a failure leaves the allocation untouched
-            new = _up(max(a + size, min(self.fsize * 2, self.fsize + MAX_GROW)), PAGE)
+            new = round_up(max(a + size, min(self.fsize * 2, self.fsize + MAX_GROW)), PAGE)
             fd = self.open_fd()
             try:
                 os.ftruncate(fd, new)  # sparse growth; remapped on next access
@@ -106,17 +106,17 @@ class Space:
             self.fsize = new
             self._mm = self._buf = self._tbl = None
         if a > self.end:
-            self._add_free(self.end, a - self.end, advise=False)
+            self.add_free(self.end, a - self.end, advise=False)
         self.end = a + size
         return a
 
-    def _add_free(self, off: int, n: int, advise: bool = True) -> None:
+    def add_free(self, off: int, n: int, advise: bool = True) -> None:
         if n <= 0:
             return
         if advise:
             # give the pages back to tmpfs now (page-aligned interior only); other
             # filesystems may refuse, then the pages are simply reused later
-            a, b = _up(off, PAGE), (off + n) // PAGE * PAGE
+            a, b = round_up(off, PAGE), (off + n) // PAGE * PAGE
             if b > a:
                 self.map()
                 with contextlib.suppress(AttributeError, OSError, ValueError):
@@ -133,7 +133,7 @@ class Space:
             return
         self.free.insert(k, (off, n))
 
-    def _alloc_reserved(self, size: int, ranges: list[tuple[int, int]]) -> int:
+    def alloc_reserved(self, size: int, ranges: list[tuple[int, int]]) -> int:
         """Allocate ``size`` bytes and reserve ``ranges`` (offsets relative to the new
         extent); all or nothing."""
         off = self._alloc(size)
@@ -141,6 +141,6 @@ class Space:
             for a, n in ranges:
                 self.reserve(off + a, n)
         except BaseException:
-            self._add_free(off, size)
+            self.add_free(off, size)
             raise
         return off

@@ -1,73 +1,56 @@
-"""WarmTier: sessions in RAM shards, a global LRU, the locks and the writes. Its reads
-(reads.py), write-behind to cold (writeback.py, validate.py), migration to and promotion
-from cold (migrate.py) and housekeeping (lifecycle.py) are mixins of it.
+"""WarmTier: the RAM tier's API, built from parts with named seams.
 
-State of a session, per layer: the warm shard holds bytes [base, size) and the cold copy
-(``cold_root/sessions/<sid>/layer_<n>``) holds at least [0, base). The cold copy is always
-a *prefix* of the true content: migration appends only the missing tail, truncate cuts
-cold before warm. So a session in both tiers reads correctly from either side, and after
-a crash "the cold copy is complete" is just "its sizes match" (``_cold_complete``).
+The parts, bottom up: the shard files (``shards.ShardStore``), the order sessions leave
+RAM in (``policy.EvictionPolicy``, LRU groups by default), the bytes held and the cap
+(``budget.Budget``), the sessions with changes cold lacks (``dirty.DirtySet``), the
+sessions this process holds (``held.HeldSessions``) and the cold tier
+(``cold.ColdBackend``: the mount's files or its native channel). ``resident.Resident``
+composes them into the RAM copies of sessions; above it ``validate.Validator`` checks a
+copy against the mount, ``reads.Reader`` reads, ``migrate.Mover`` migrates and promotes,
+``migrate.Evictor`` decides when a group leaves RAM, ``writeback.WriteBehind`` writes
+behind. This class builds them and owns the writes (append, truncate, meta, summaries)
+and the session calls (sessions, where, delete, sync, release, flush, usage, close).
 
-Locks: one lock per shard, held around every file and memmap access of that shard
-(cold reads included; a migration's cold writes too, not write-behind's); a session's
-cold-I/O lock taken before it (writeback.py); one global lock for the LRU, the byte
-count and the shard table, only ever taken briefly and never while waiting for a shard
-lock; one migration lock, so that a single thread migrates at a time (the appending
-thread that crossed the threshold, or ``migrate``). Migrations start only after the
-caller's shard lock is released. Contract: one writer per session, any number of
-readers; one process at a time per session (owners.py).
-
-Room: the cap is at most what the RAM filesystem can hold (``os.statvfs``: free space
-plus what the tier holds, less a margin), and every range is reserved before it is
-written through a mapping (space.py): a full tmpfs means eviction to the mount, or a
-WarmError, never a SIGBUS.
+Contract: one writer per session, any number of readers; one process at a time per
+session (owners.py). ``sync`` is the durable point (every byte on the mount, fsynced, or
+a WarmError); ``flush`` only msyncs the RAM shards; ``close`` runs a last write-behind
+pass, so a closed tier leaves complete sessions on the mount (raising, after closing
+everything, when the mount refused them: their RAM copies then stay for the next start-up
+to write). Room: every range is reserved before it is written through a mapping (a full
+tmpfs means eviction to the mount, or a WarmError, never a SIGBUS).
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
-import os
-import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from typing import TypeVar
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from kvfs.ops import metrics
-
-from .cold import META, SUMMARIES, ColdStore, layer_name
-from .format import FLAG_CLEAN, FLAG_ON_COLD, K_LAYER, K_SUMMARY, KEY_DEVICE, KEY_SESSION
-from .ids import (
-    WarmError,
-    WarmFull,
-    as_u8,
-    check_layer,
-    check_shards,
-    check_sid,
-    shard_file_name,
-    shard_of,
-)
-from .lifecycle import Lifecycle
-from .migrate import Mover
+from .budget import Budget
+from .cold import SUMMARIES, ColdBackend, layer_name, open_cold
+from .dirty import DirtySet
+from .format import K_LAYER, K_SUMMARY, KEY_DEVICE, KEY_SESSION
+from .health import ColdHealth
+from .held import HeldSessions
+from .ids import WarmError, as_u8, check_layer, check_shards, check_sid
+from .migrate import Evictor, Mover
 from .owners import SessionLocks, adopt_dead, check_volume_id, claim_dir
-from .reads import Reads
-from .records import Slot, WarmSession
+from .policy import EvictionPolicy, LRUGroups
+from .reads import Reader
+from .records import Slot
+from .resident import Resident
 from .rootdir import DEFAULT_ROOT, RootDir
-from .shard import ShardFile
-from .space import PAGE
+from .shards import ShardStore
 from .validate import Validator
-from .writeback import WriteBehind, new_incarnation
-
-T = TypeVar("T")
-MARGIN_MAX = 8 << 20  # room left free on the RAM filesystem: at most 8 MiB, at most 5%
+from .writeback import WriteBehind
 
 
-class WarmTier(Reads, Mover, WriteBehind, Validator, Lifecycle):
-    """The warm tier. See ``docs/contracts/warm-api.md`` and the package docstring."""
+class WarmTier:
+    """The warm tier. See ``docs/contracts/warm-api.md`` and the module docstring."""
 
     def __init__(self, cold_root: str | None, root: str = DEFAULT_ROOT, *,
                  cap_bytes: int = 16 << 30, migrate_at: float = 0.85, group: int = 10,
@@ -75,53 +58,58 @@ class WarmTier(Reads, Mover, WriteBehind, Validator, Lifecycle):
                  clock: Callable[[], float] = time.time, max_open_shards: int = 512,
                  retry_s: float = 1.0, retry_max_s: float = 300.0, writebehind: bool = True,
                  writebehind_s: float = 2.0, writebehind_bytes: int = 64 << 20,
-                 volume_id: str | None = None) -> None:
+                 volume_id: str | None = None, native: bool | None = None,
+                 policy: EvictionPolicy | None = None) -> None:
         if shard_key not in ("session", "device"):
             raise WarmError(f"shard_key must be 'session' or 'device', got {shard_key!r}")
-        self.key = KEY_SESSION if shard_key == "session" else KEY_DEVICE
-        check_shards(shards, self.key)
+        key = KEY_SESSION if shard_key == "session" else KEY_DEVICE
+        check_shards(shards, key)
         if cap_bytes <= 0 or not 0 < migrate_at <= 1 or group < 1 or summary_dim < 1 or max_open_shards < 1:
             raise WarmError("cap_bytes, group, summary_dim, max_open_shards must be > 0 and 0 < migrate_at <= 1")
         if not 0 < retry_s <= retry_max_s:
             raise WarmError("retry_s must be > 0 and at most retry_max_s")
+        if writebehind_s <= 0 or writebehind_bytes <= 0:
+            raise WarmError("writebehind_s and writebehind_bytes must be > 0")
         self.volume_id = check_volume_id(volume_id) if volume_id is not None else None
-        self.cold = ColdStore(cold_root) if cold_root is not None else None  # WarmError if absent
-        self.root, self.cap, self.migrate_at, self.group = root, int(cap_bytes), float(migrate_at), int(group)
-        self.cap_bytes = self.cap  # the configured cap; ``cap`` is what the RAM filesystem allows
-        self.shards, self.dim, self.clock, self.max_open = shards, int(summary_dim), clock, max_open_shards
-        self._row = 4 * self.dim  # bytes of one round summary
+        self.root, self.dim = root, int(summary_dim)
+        self.stats_extra: Callable[[], dict] | None = None  # the hot tier's figures (its router)
         self._dirs: list[RootDir] = []
+        self.cold: ColdBackend | None = None
         try:  # each a WarmError if it is not safely ours
             top = self._keep(RootDir(root))
             base = self._keep(top.sub(self.volume_id)) if self.volume_id is not None else top
-            self.locks = SessionLocks(self._keep(base.sub("locks")))
+            locks = SessionLocks(self._keep(base.sub("locks")))
             self.rootdir = self._keep(claim_dir(base))  # this process's shards (flock'ed)
             adopt_dead(base, self.rootdir, legacy=self.volume_id is None)
+            # the mount's native channel when it serves one this process may use (``native``
+            # None), never (False), or required (True); WarmError if the mount is absent
+            self.cold = open_cold(cold_root, native) if cold_root is not None else None
+            self.health = ColdHealth(retry_s, retry_max_s)
+            self.budget = Budget(self.rootdir, cap_bytes, migrate_at)
+            held = self.held = HeldSessions(locks, self.cold, self.rootdir.path)
+            dirty = DirtySet(writebehind_s, writebehind_bytes, bool(writebehind) and self.cold is not None)
+            store = ShardStore(self.rootdir, root, shards, key, self.dim, clock, max_open_shards)
+            self.res = res = Resident(store, policy or LRUGroups(), self.budget, dirty, held,
+                                      self.cold, clock, self.dim)
+            self.valid = Validator(res, held, self.cold)
+            self.mover = Mover(res, self.health, self.cold, held, self.valid.own, root)
+            self.evictor = Evictor(res, self.health, self.cold, int(group), root)
+            self.mover.after_promote = self.evictor.after_promote
+            self.reader = Reader(res, self.cold, self.valid.own, self.mover.promote_locked,
+                                 self.evictor.after_promote)
+            self.wb = WriteBehind(res, self.cold, self.valid, self.health, self.rootdir,
+                                  writebehind, self.mover.drop_damaged, self.usage,
+                                  lambda: self.stats_extra)
+            self.evictor.move = self.wb.evict_group if self.wb.on else self.mover.migrate_group
+            self.mover.scan(self.wb.on)
         except BaseException:
+            if self.cold is not None:
+                self.cold.close()
             self._close_dirs()
             raise
-        self.retry_s, self.retry_max_s = float(retry_s), float(retry_max_s)
-        self._backoff = 0.0  # current retry interval after failed migrations; 0: healthy
-        self._retry_at = 0.0  # time.monotonic() before which no migration is tried
-        self._cold_error: str | None = None  # why the last migration failed
-        self._lock = threading.RLock()
-        self._mig_lock = threading.Lock()
-        self._slots: dict[int, Slot] = {}
-        self._mapped: OrderedDict[int, None] = OrderedDict()
-        self._lru: OrderedDict[str, None] = OrderedDict()  # least recently used first
-        self._bytes = 0
-        self._closed = False
-        self._warned_full = False
-        self.stats = {"migrations": 0, "promotions": 0, "hits": 0, "misses": 0, "groups": 0}
-        try:
-            self._init_writebehind(writebehind, writebehind_s, writebehind_bytes)
-            self._scan()
-        except BaseException:
-            self._close_dirs()
-            raise
-        self._refresh_cap()
-        self._gauges()
-        self._start_writer()
+        self.budget.refresh()
+        res.gauges()
+        self.wb.start()
 
     def _keep(self, d: RootDir) -> RootDir:
         self._dirs.append(d)
@@ -131,190 +119,66 @@ class WarmTier(Reads, Mover, WriteBehind, Validator, Lifecycle):
         for d in reversed(self._dirs):  # the process directory's flock goes with its fd
             d.close()
 
-    def _refresh_cap(self) -> None:
-        """Cap at what the RAM filesystem can hold: free space plus what we hold, less a
-        margin (min(8 MiB, 5%) of it, at least 64 KiB)."""
-        try:
-            st = os.fstatvfs(self.rootdir.fd)
-        except OSError:
-            return
-        total = st.f_blocks * st.f_frsize
-        room = st.f_bavail * st.f_frsize + self._bytes - max(64 << 10, min(MARGIN_MAX, total // 20))
-        self.cap = max(PAGE, min(self.cap_bytes, room))
+    # ---- settings others read or change ---------------------------------------------------
+    @property
+    def migrate_at(self) -> float:
+        return self.budget.migrate_at
 
-    # ---- plumbing -------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _locked(self, sid: str, own: bool = True) -> Iterator[Slot]:
-        """Validate ``sid``, take it for this process (``own``; internal passes do not),
-        and hold its shard's lock; unmaps the least recently used shards beyond
-        ``max_open_shards`` on the way (skipping any that are busy)."""
-        check_sid(sid)
-        if own:
-            self._own(sid)
-        shard = shard_of(sid, self.shards, self.key)
-        with self._lock:
-            if self._closed:
-                raise WarmError("warm tier is closed")
-            slot = self._slots.get(shard)
-            if slot is None:
-                slot = self._slots[shard] = Slot(shard)
-            self._mapped[shard] = None
-            self._mapped.move_to_end(shard)
-            over = list(itertools.islice(self._mapped, max(0, len(self._mapped) - self.max_open)))
-        with slot.lock:
-            for k in over:
-                self._try_unmap(k)
-            try:
-                yield slot
-            except OSError as e:  # every failure of the tier is a WarmError
-                where = e.filename if e.filename else f"warm tier {self.root}"
-                raise WarmError(f"{where!r}: {e.strerror or e}") from e
+    @migrate_at.setter
+    def migrate_at(self, v: float) -> None:
+        self.budget.migrate_at = float(v)
 
-    def _try_unmap(self, shard: int) -> None:
-        slot = self._slots.get(shard)
-        if slot is None or not slot.lock.acquire(blocking=False):
-            return
-        try:
-            if slot.file is not None:
-                slot.file.unmap()
-            with self._lock:
-                self._mapped.pop(shard, None)
-        finally:
-            slot.lock.release()
+    @property
+    def cap(self) -> int:
+        return self.budget.cap
 
-    def _remove_file(self, slot: Slot, later: bool = False) -> None:
-        """Remove a shard file without sessions. ``later``: renamed out of the way now,
-        unlinked by a pool thread (freeing a big tmpfs file's pages takes milliseconds)."""
-        f, slot.file = slot.file, None
-        if not later:
-            f.unmap(flush=False)
-            self.rootdir.unlink(f.name)
-            return
-        self._fsync_pool().submit(self._discard, slot, f)
+    @property
+    def store(self) -> ShardStore:
+        """The shard files (tests and tools look inside: ``store.file(shard)``)."""
+        return self.res.shards
 
-    def _discard(self, slot: Slot, f: ShardFile) -> None:
-        f.discard()  # unmapping a big mapping takes milliseconds too
-        with slot.lock, contextlib.suppress(OSError, WarmError):
-            if slot.file is None and self.rootdir.lstat(f.name).st_ino == f.ino:
-                self.rootdir.unlink(f.name)  # not a new file of this shard made meanwhile
+    @property
+    def stats(self) -> dict[str, int]:
+        return self.res.stats
 
-    def _warm(self, slot: Slot, sid: str, create: bool = False) -> tuple[ShardFile | None, WarmSession | None]:
-        """The shard file and warm record of ``sid``; with ``create``, make them, loading
-        meta and summaries of a cold copy so the warm record is whole for them."""
-        f = slot.file
-        s = f.sessions.get(sid) if f is not None else None
-        if s is not None or not create:
-            return f, s
-        if f is None:
-            name = shard_file_name(slot.shard, self.shards)
-            f = slot.file = ShardFile.create(self.rootdir, name, slot.shard, self.shards,
-                                             self.key, self.dim, self.clock())
-        cs = self.cold.state(sid) if self.cold else None
-        cold, inc = cs if cs is not None else (None, None)
-        s = f.new_session(sid, self.clock(), live=cold is None, inc=inc or new_incarnation())
-        s.cold, held = cold, 0
-        if cold is not None:  # the warm record must be whole before it is published
-            try:
-                raw = self.cold.read_small(sid, META)
-                if raw and self.cold.read_meta(sid) is not None:
-                    held += f.put_meta(s, raw)
-                summ = self.cold.read_small(sid, SUMMARIES) or b""
-                n = len(summ) // self._row * self._row
-                if n:
-                    held += f.write(s, K_SUMMARY, 0, 0, np.frombuffer(summ, np.uint8, n))
-                s.cmeta, s.csumm = raw or None, summ
-                if inc is not None and n == len(summ):  # what cold has, and its id
-                    f.set_flags(s, FLAG_ON_COLD | FLAG_CLEAN)
-            except BaseException:
-                f.drop(s)
-                raise
-            f.publish_session(s)
-        with self._lock:
-            self._lru[sid] = None
-            self._bytes += held
-        return f, s
+    def _locked(self, sid: str) -> contextlib.AbstractContextManager[Slot]:
+        self.valid.own(sid)
+        return self.res.locked(sid)
 
-    def _touch(self, f: ShardFile, s: WarmSession) -> None:
-        f.set_last_used(s, self.clock())
-        with self._lock:
-            self._lru[s.name] = None
-            self._lru.move_to_end(s.name)
-
-    def _account(self, delta: int) -> None:
-        with self._lock:
-            self._bytes += delta
-        self._gauges()
-
-    def _gauges(self) -> None:
-        metrics.warm_bytes.set(self._bytes)
-        metrics.warm_sessions.set(len(self._lru))
-        metrics.warm_usage_ratio.set(self._bytes / self.cap)
-
-    def _summary_bytes(self, f: ShardFile, s: WarmSession) -> bytes:
-        out = np.empty(s.summary.end, np.uint8)
-        f.read_into(s, s.summary, 0, s.summary.end, out, "summaries")
-        return out.tobytes()
-
-    @staticmethod
-    def _span(s: WarmSession, layer: int) -> tuple[int, int]:
-        """(base, size) of a layer of a warm session: bytes below base are on cold."""
-        st = s.layers.get(layer)
-        if st is not None and st.segs:
-            return st.base, st.end
-        c = (s.cold or {}).get(layer, 0)
-        return c, c
-
-    # ---- bytes ----------------------------------------------------------------------
+    # ---- bytes ----------------------------------------------------------------------------
     def append(self, sid: str, layer: int, data: bytes | memoryview | np.ndarray) -> int:
         """Append token-major bytes to a layer; returns its new size. May then migrate the
         least recently used group to cold if usage passed the threshold."""
         layer, buf = check_layer(layer), as_u8(data)
-        self._check_lost(sid)
-        self._admit(len(buf))
+        self.held.check_lost(sid)
+        self.evictor.admit(len(buf))
+        res = self.res
 
         def write() -> int:
             with self._locked(sid) as slot:
-                f, s = self._warm(slot, sid, create=True)
-                base, size = self._span(s, layer)
+                f, s = res.warm(slot, sid, create=True)
+                base, size = res.span(s, layer)
                 if len(buf):
-                    self._mark_dirty(f, s, len(buf))
-                    self._account(f.write(s, K_LAYER, layer, size, buf, base=base))
-                self._touch(f, s)
+                    res.mark_dirty(f, s, len(buf))
+                    res.account(f.write(s, K_LAYER, layer, size, buf, base=base))
+                res.touch(f, s)
                 return size + len(buf)
 
-        new = self._with_room(sid, write)
-        self._maybe_migrate()
+        new = self.evictor.with_room(sid, write)
+        self.evictor.maybe_migrate()
         return new
-
-    def _with_room(self, sid: str, fn: Callable[[], T]) -> T:
-        """Run a write; when the RAM filesystem is full (nothing changed), evict a group
-        to the cold tier and try once more, else a WarmError that says so."""
-        try:
-            return fn()
-        except WarmFull as e:
-            self._refresh_cap()
-            if self.cold is None:
-                raise WarmError(f"{e}; no cold tier to evict to") from e
-            with self._mig_lock:
-                freed = (self._evict_group if self.wb_on else self._migrate_group)(self.group, {sid}, True)
-            if not freed:
-                raise WarmError(f"{e}; nothing could be evicted to the cold tier"
-                                + (f" ({self._cold_error})" if self._cold_error else "")) from e
-        try:
-            return fn()
-        except WarmFull as e:
-            raise WarmError(f"{e} (after evicting a group to the cold tier)") from e
 
     def truncate(self, sid: str, layer: int, length: int) -> None:
         """Shorten a layer (an agent retrying a turn). Cold is cut first, then warm, so
         cold stays a prefix of the content whatever the moment of a crash."""
         layer = check_layer(layer)
-        self._own(sid)
-        self._check_lost(sid)
-        with self._io_lock(sid), self._locked(sid, own=False) as slot:
-            f, s = self._warm(slot, sid)
+        self.valid.own(sid)
+        self.held.check_lost(sid)
+        res = self.res
+        with res.io_lock(sid), res.locked(sid) as slot:
+            f, s = res.warm(slot, sid)
             if s is not None:
-                size, cold_size = self._span(s, layer)[1], (s.cold or {}).get(layer, 0)
+                size, cold_size = res.span(s, layer)[1], (s.cold or {}).get(layer, 0)
             else:
                 size = cold_size = self.cold.size(sid, layer) if self.cold else 0
             if not 0 <= length <= size:
@@ -326,34 +190,35 @@ class WarmTier(Reads, Mover, WriteBehind, Validator, Lifecycle):
                 if s is not None:
                     s.cold[layer] = length
             if s is not None:
-                self._account(-f.truncate(s, K_LAYER, layer, length))
-                self._touch(f, s)
+                res.account(-f.truncate(s, K_LAYER, layer, length))
+                res.touch(f, s)
 
-    # ---- meta and summaries ---------------------------------------------------------
+    # ---- meta and summaries ---------------------------------------------------------------
     def put_meta(self, sid: str, meta: dict) -> None:
         if not isinstance(meta, dict):
             raise TypeError("meta must be a dict")
         raw = json.dumps(meta, separators=(",", ":")).encode()
-        self._check_lost(sid)
-        self._admit(len(raw))
+        self.held.check_lost(sid)
+        self.evictor.admit(len(raw))
+        res = self.res
 
         def write() -> None:
             with self._locked(sid) as slot:
-                f, s = self._warm(slot, sid, create=True)
-                self._mark_dirty(f, s, len(raw))
-                self._account(f.put_meta(s, raw))
-                self._touch(f, s)
+                f, s = res.warm(slot, sid, create=True)
+                res.mark_dirty(f, s, len(raw))
+                res.account(f.put_meta(s, raw))
+                res.touch(f, s)
 
-        self._with_room(sid, write)
-        self._maybe_migrate()
+        self.evictor.with_room(sid, write)
+        self.evictor.maybe_migrate()
 
     def get_meta(self, sid: str) -> dict | None:
         with self._locked(sid) as slot:
-            f, s = self._warm(slot, sid)
+            f, s = self.res.warm(slot, sid)
             if s is None:
                 return self.cold.read_meta(sid) if self.cold else None
             raw = f.meta_bytes(s)
-            self._touch(f, s)
+            self.res.touch(f, s)
             return json.loads(raw) if raw is not None else None
 
     def put_summary(self, sid: str, round_idx: int, vec: np.ndarray) -> None:
@@ -363,46 +228,205 @@ class WarmTier(Reads, Mover, WriteBehind, Validator, Lifecycle):
             raise ValueError(f"summary must have {self.dim} floats, got {v.size}")
         if isinstance(round_idx, bool) or not isinstance(round_idx, (int, np.integer)) or round_idx < 0:
             raise ValueError(f"bad round index {round_idx!r}")
-        self._check_lost(sid)
-        self._admit(self._row)
+        self.held.check_lost(sid)
+        row = self.res.row
+        self.evictor.admit(row)
+        res = self.res
 
         def write() -> None:
             with self._locked(sid) as slot:
-                f, s = self._warm(slot, sid, create=True)
+                f, s = res.warm(slot, sid, create=True)
                 have = s.summary.end
-                pos = int(round_idx) * self._row
+                pos = int(round_idx) * row
                 buf = v.view(np.uint8)
                 if pos > have:
                     buf = np.concatenate([np.zeros(pos - have, np.uint8), buf])
                     pos = have
-                self._mark_dirty(f, s, len(buf))
-                self._account(f.write(s, K_SUMMARY, 0, pos, buf))
-                self._touch(f, s)
+                res.mark_dirty(f, s, len(buf))
+                res.account(f.write(s, K_SUMMARY, 0, pos, buf))
+                res.touch(f, s)
 
-        self._with_room(sid, write)
-        self._maybe_migrate()
+        self.evictor.with_room(sid, write)
+        self.evictor.maybe_migrate()
 
     def summaries(self, sid: str) -> np.ndarray:
         """float32 [rounds, summary_dim] (a copy; empty when none)."""
         with self._locked(sid) as slot:
-            f, s = self._warm(slot, sid)
+            f, s = self.res.warm(slot, sid)
             if s is not None:
-                raw = self._summary_bytes(f, s)
-                self._touch(f, s)
+                raw = self.res.summary_bytes(f, s)
+                self.res.touch(f, s)
             else:
                 raw = (self.cold.read_small(sid, SUMMARIES) if self.cold else None) or b""
-        n = len(raw) // self._row
+        n = len(raw) // self.res.row
         return np.frombuffer(raw, np.float32, n * self.dim).reshape(n, self.dim).copy()
 
     def truncate_summaries(self, sid: str, rounds: int) -> None:
         """Keep the first ``rounds`` summaries (addition: pairs with truncate)."""
+        res = self.res
         with self._locked(sid) as slot:
-            f, s = self._warm(slot, sid)
+            f, s = res.warm(slot, sid)
             if s is None and self.cold is not None and self.cold.exists(sid):
-                f, s = self._warm(slot, sid, create=True)  # the cold file is cut at migration
-            if s is not None and rounds * self._row < s.summary.end:
-                self._mark_dirty(f, s, 0)
-                self._account(-f.truncate(s, K_SUMMARY, 0, rounds * self._row))
+                f, s = res.warm(slot, sid, create=True)  # the cold file is cut at migration
+            if s is not None and rounds * res.row < s.summary.end:
+                res.mark_dirty(f, s, 0)
+                res.account(-f.truncate(s, K_SUMMARY, 0, rounds * res.row))
+
+    # ---- reads (reads.py) ------------------------------------------------------------------
+    def size(self, sid: str, layer: int) -> int:
+        return self.reader.size(sid, layer)
+
+    def layer_sizes(self, sid: str) -> dict[int, int]:
+        return self.reader.layer_sizes(sid)
+
+    def layers(self, sid: str) -> list[int]:
+        return self.reader.layers(sid)
+
+    def read(self, sid: str, layer: int, start: int, end: int, *,
+             promote: bool | None = None) -> np.ndarray:
+        return self.reader.read(sid, layer, start, end, promote=promote)
+
+    def read_into(self, sid: str, layer: int, start: int, end: int, out: np.ndarray, *,
+                  promote: bool | None = None) -> None:
+        self.reader.read_into(sid, layer, start, end, out, promote=promote)
+
+    def read_many(self, sid: str, ranges: list[tuple[int, int, int, np.ndarray]], *,
+                  promote: bool | None = False) -> None:
+        self.reader.read_many(sid, ranges, promote=promote)
+
+    def read_layers(self, sid: str, layers: list[int] | range, start: int, end: int, *,
+                    promote: bool = False) -> np.ndarray:
+        return self.reader.read_layers(sid, layers, start, end, promote=promote)
+
+    def prefetch(self, sid: str, layers: list[int] | range, start: int, end: int) -> int:
+        return self.reader.prefetch(sid, layers, start, end)
+
+    # ---- moves ---------------------------------------------------------------------------
+    def migrate(self, n: int | None = None) -> list[str]:
+        """Move the ``n`` (default: group) least recently used sessions to cold now (also
+        while backing off); WarmError when the cold tier refused and nothing moved."""
+        return self.evictor.migrate(n)
+
+    def promote(self, sid: str) -> None:
+        """Bring a session's cold bytes back into warm (the cold copy stays as a prefix)."""
+        self.mover.promote(sid)
+
+    # ---- sessions ------------------------------------------------------------------------
+    def sessions(self) -> list[str]:
+        names = set(self.res.policy.names())
+        if self.cold is not None:
+            for n in self.cold.list():
+                with contextlib.suppress(WarmError):
+                    names.add(check_sid(n))
+        return sorted(names)
+
+    def where(self, sid: str) -> str | None:
+        with self._locked(sid) as slot:
+            _, s = self.res.warm(slot, sid)
+            on_cold = (s.cold is not None) if s is not None else bool(self.cold and self.cold.exists(sid))
+        if s is not None:
+            return "both" if on_cold else "warm"
+        return "cold" if on_cold else None
+
+    def delete(self, sid: str) -> None:
+        """Remove a session from both tiers (warm first: a crash in between leaves the
+        cold prefix, a consistent older state)."""
+        self.valid.own(sid)
+        res = self.res
+        with res.io_lock(sid), res.locked(sid) as slot:
+            f, s = res.warm(slot, sid)
+            if s is not None:
+                res.drop(slot, f, s)
+            if self.cold is not None:
+                self.cold.delete(sid)
+        self.held.clear_lost(sid)
+
+    def sync(self, sid: str | None = None) -> None:
+        """Return once every byte of ``sid`` (default: of every session) is on the mount and
+        fsynced; WarmError when the mount cannot be reached or refuses the bytes."""
+        if self.cold is None:
+            raise WarmError("no cold tier to sync to")
+        if sid is not None:
+            self.valid.own(sid)
+        self._raise_lost(sid)
+        self.cold.reachable()
+        errors = self.wb.run([sid] if sid is not None else None, explicit=True)
+        self._raise_lost(sid)  # the pass found the mount's copy changed under ours
+        if errors:
+            raise WarmError(f"sync to cold tier {self.cold.root!r} failed: {errors[0]}"
+                            + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""))
+
+    def _raise_lost(self, sid: str | None) -> None:
+        for lost in [sid] if sid is not None else self.held.lost():
+            self.held.check_lost(lost)
+
+    def release(self, sid: str) -> None:
+        """Sync ``sid`` (when there is a cold tier) and give up its lock and hold, so that
+        another process or node may open it. The RAM copy stays, checked against the mount
+        on next use. A lost session (``WarmLost``) is let go without a sync."""
+        h = self.held.get(sid)
+        lost = self.held.clear_lost(sid)
+        if h is None:
+            return
+        if self.cold is not None and lost is None:
+            self.sync(sid)
+        with self.held.taking:
+            h = self.held.pop(sid)
+        if h is not None:
+            self.held.let_go(sid, h)
+
+    def clear_lost(self, sid: str) -> None:
+        """The agent let go of a lost session, or resumes it from the mount's copy."""
+        self.held.clear_lost(sid)
+
+    def owned(self) -> list[str]:
+        """The sessions this tier holds open (their locks)."""
+        return self.held.owned()
+
+    def flush(self, sid: str | None = None) -> None:
+        """msync the shard of ``sid`` (or of every mapped shard). Not a durable point: see
+        ``sync``."""
+        if sid is None:
+            self.res.shards.flush()
+            return
+        with self._locked(sid) as slot:
+            if slot.file is not None:
+                slot.file.flush()
+
+    def usage(self) -> dict[str, Any]:
+        """Bytes, the effective cap (what the RAM filesystem allows, at most ``cap_bytes``),
+        sessions, dirty bytes and sessions, the last write-behind lag, counters."""
+        b, d = self.budget, self.res.dirty
+        return {"bytes": b.bytes, "cap": b.cap, "cap_bytes": b.cap_bytes, "ratio": b.ratio,
+                "threshold": b.migrate_at, "sessions": len(self.res.policy),
+                "cold_error": self.health.error, "shard_files": self.res.shards.count_files(),
+                "dirty_bytes": d.bytes, "dirty_sessions": len(d), "writebehind": self.wb.on,
+                "writebehind_lag_s": round(self.wb.lag, 3), "owned": self.held.count(),
+                "volume_id": self.volume_id, "dir": self.rootdir.path,
+                "cold": self.cold.kind if self.cold is not None else None, **self.res.stats}
+
+    def close(self) -> None:
+        if self.res.shards.closed:
+            return
+        self.wb.stop()
+        failed = None
+        if self.wb.on:
+            try:
+                errors = self.wb.run(None, explicit=True)
+            except WarmError as e:
+                errors = [str(e)]
+            if errors:
+                failed = errors[0]
+        with self.evictor.lock:
+            self.res.shards.close()
+            self.res.close_pool()
+            if self.cold is not None:
+                self.cold.close()
+        self.held.release_all()
+        self._close_dirs()
+        if failed is not None:
+            raise WarmError(f"closed, but the last write-behind to cold tier {self.cold.root!r} "
+                            f"failed: {failed}; the RAM copies stay for the next start-up")
 
     def __enter__(self) -> WarmTier:
         return self

@@ -19,7 +19,9 @@ session's cold-I/O lock (striped; held from reading a session's tail to recordin
 reached cold, so the extents read cannot be freed by a truncate, delete or drop), its
 shard lock. Cold writes run outside the shard lock: the agent keeps appending meanwhile.
 
-A mixin of WarmTier (tier.py), like validate.py. Never imports torch.
+``WriteBehind`` works on the RAM copies (``resident.Resident``), the cold tier
+(``ColdBackend``), their validation (``validate.Validator``) and the shared back-off
+(``ColdHealth``). Never imports torch.
 """
 
 from __future__ import annotations
@@ -28,118 +30,100 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future
+from collections.abc import Callable, Container
 
 from kvfs.ops import metrics
 
-from .cold import INCARNATION, META, SUMMARIES, layer_name
+from .cold import (
+    INCARNATION,
+    META,
+    SUMMARIES,
+    Changes,
+    ColdBackend,
+    Written,
+    incarnation_bytes,
+    layer_name,
+)
 from .format import FLAG_CLEAN, FLAG_MIGRATING, FLAG_ON_COLD
+from .health import ColdHealth
 from .ids import WarmCorrupt, WarmError
 from .owners import write_stats
 from .records import WarmSession
-from .shard import ShardFile
+from .resident import Resident, new_incarnation
+from .rootdir import RootDir
+from .validate import Validator
 
 log = logging.getLogger("kvfs.warm")
-IO_STRIPES = 64
 STATS_EVERY_S = 1.0
 
 
-def new_incarnation() -> int:
-    return int.from_bytes(os.urandom(8), "little") or 1
-
-
 class _Pass:
-    """A session whose tail a pass wrote, waiting for its fsyncs."""
+    """A session whose tail a pass wrote, waiting for its durability point."""
 
-    __slots__ = ("sid", "session", "gen", "names", "made_dir", "since", "bytes", "fds", "syncs",
-                 "error")
+    __slots__ = ("sid", "session", "gen", "since", "bytes", "written")
 
-    def __init__(self, sid: str, session: WarmSession, gen: int, d: list | None) -> None:
+    def __init__(self, sid: str, session: WarmSession, gen: int, d: tuple[float, int] | None) -> None:
         self.sid, self.session, self.gen = sid, session, gen
-        self.since, self.bytes = (d[0], d[1]) if d else (time.monotonic(), 0)
-        self.names: set[str] = set()
-        self.fds: dict[str, int] = {}  # layer files written by this pass, still open
-        self.made_dir = False
-        self.syncs: list[Future] = []
-        self.error: BaseException | None = None
+        self.since, self.bytes = d if d else (time.monotonic(), 0)
+        self.written = Written(sid)  # what the cold tier did; its names: all to make durable
+
+    @property
+    def error(self) -> BaseException | None:
+        return self.written.error
 
 
 class WriteBehind:
-    """Dirty tracking, the writer thread, passes, eviction; see module doc."""
+    """The writer thread, passes and the eviction of clean sessions; see the module doc.
+    ``drop_damaged(sid, err)`` drops a RAM copy that fails its checks (the mover's);
+    ``usage()`` and ``extra()`` give the figures published in the process's stats.json."""
 
-    def _init_writebehind(self, on: bool, every_s: float, max_bytes: int) -> None:
-        if every_s <= 0 or max_bytes <= 0:
-            raise WarmError("writebehind_s and writebehind_bytes must be > 0")
-        self.wb_on = bool(on) and self.cold is not None
-        self.wb_s, self.wb_bytes = float(every_s), int(max_bytes)
-        self._dirty: dict[str, list] = {}  # sid -> [monotonic time of first change, bytes]
-        self._dirty_bytes = 0
-        self._init_owners()
-        self._io = [threading.RLock() for _ in range(IO_STRIPES)]
+    def __init__(self, res: Resident, cold: ColdBackend | None, valid: Validator,
+                 health: ColdHealth, rootdir: RootDir, on: bool,
+                 drop_damaged: Callable[[str, WarmCorrupt], None],
+                 usage: Callable[[], dict], extra: Callable[[], Callable[[], dict] | None]) -> None:
+        self.res, self.cold, self.valid, self.health = res, cold, valid, health
+        self.rootdir, self.drop_damaged, self.usage, self.extra = rootdir, drop_damaged, usage, extra
+        self.on = bool(on) and cold is not None
+        self.lag = 0.0  # seconds from a session's first change to its durable copy, last pass
         self._pass_lock = threading.Lock()
-        self._wake = threading.Event()
         self._stop = False
-        self._wb_lag = 0.0
         self._thread: threading.Thread | None = None
 
-    def _start_writer(self) -> None:
+    def start(self) -> None:
         self._thread = threading.Thread(target=self._writer, name="kvfs-warm-writer", daemon=True)
         self._thread.start()
 
-    def _io_lock(self, sid: str) -> threading.RLock:
-        return self._io[hash(sid) % IO_STRIPES]
-
-    # ---- dirty sessions -------------------------------------------------------------
-    def _mark_dirty(self, f: ShardFile, s: WarmSession, n: int) -> None:
-        """Before a change of ``s`` (under its shard lock): not clean any more -- the flag
-        goes first, so that after a crash a clean flag never covers bytes cold lacks."""
-        if s.flags & FLAG_CLEAN:
-            f.set_flags(s, s.flags & ~FLAG_CLEAN)
-        with self._lock:
-            d = self._dirty.get(s.name)
-            if d is None:
-                self._dirty[s.name] = [time.monotonic(), n]
-            else:
-                d[1] += n
-            self._dirty_bytes += n
-            wake = self._dirty_bytes >= self.wb_bytes
-        if wake and self.wb_on:
-            self._wake.set()
-
-    def _undirty(self, sid: str) -> float | None:
-        """Forget that ``sid`` is dirty; returns when it became dirty."""
-        with self._lock:
-            d = self._dirty.pop(sid, None)
-            if d is None:
-                return None
-            self._dirty_bytes -= d[1]
-            return d[0]
+    def stop(self) -> None:
+        self._stop = True
+        self.res.dirty.wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
 
     # ---- passes -----------------------------------------------------------------------
-    def _pass(self, sids: list[str] | None, explicit: bool, fsync: bool = True) -> list[str]:
+    def run(self, sids: list[str] | None, explicit: bool, fsync: bool = True) -> list[str]:
         """Write the tails of ``sids`` (default: every dirty session) to cold and fsync
         them; returns the errors. A background pass waits out the back-off. ``fsync=False``
         (a pass for the byte threshold): write only; the sessions stay dirty until a pass
         fsyncs the files written (at the time lag, or ``sync``)."""
         if self.cold is None:
             return []
+        res = self.res
         with self._pass_lock:
-            if not explicit and time.monotonic() < self._retry_at:
+            if not explicit and not self.health.due():
                 return []
             if sids is None:
-                with self._lock:
-                    sids = list(self._dirty)
+                sids = res.dirty.names()
             staged: list[_Pass] = []
             errors: list[str] = []
             temps: list[str] = []
             try:
                 for sid in sids:
-                    if not self._pass_owner(sid, temps):
+                    if not self.valid.pass_owner(sid, temps):
                         continue
                     try:
                         st = self._stage_tail(sid)
                     except WarmCorrupt as e:
-                        self._drop_damaged(sid, e)
+                        self.drop_damaged(sid, e)
                         continue
                     except (OSError, WarmError) as e:
                         errors.append(f"{sid!r}: {e}")
@@ -147,11 +131,13 @@ class WriteBehind:
                     if st is not None:
                         staged.append(st)
                 if not fsync:
-                    self._written(staged)
+                    for st in staged:  # written, not durable: no longer towards the threshold
+                        res.dirty.written(st.sid, st.bytes)
                     for st in staged:
-                        self._close_fds(st)
+                        self.cold.forget(st.written)
                     staged = []
-                self._fsync_staged(staged)
+                if staged:  # one durability point for every session written
+                    self.cold.sync([st.written for st in staged])
                 lag = 0.0
                 for st in staged:
                     done = self._commit_tail(st)
@@ -161,31 +147,30 @@ class WriteBehind:
                         lag = max(lag, done)
             finally:
                 for st in staged:
-                    self._close_fds(st)  # none left unless something failed midway
+                    self.cold.forget(st.written)  # none left unless something failed midway
                 for sid in temps:
-                    self._release_temp(sid)
+                    res.held.release_temp(sid)
             if staged and not errors:
-                self._wb_lag = lag
+                self.lag = lag
             if errors:
-                self._cold_failed(errors[0] + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""),
-                                  len(errors))
-            elif staged and self._cold_error is not None:
-                log.info("writing to cold tier %s works again", self.cold.root)
-                self._backoff, self._cold_error = 0.0, None
+                self.health.failed(errors, self.cold.root, res.budget.ratio)
+            elif staged:
+                self.health.ok("writing to", self.cold.root)
             return errors
 
     def _stage_tail(self, sid: str) -> _Pass | None:
         """Check one session against the mount and append what cold lacks (no fsync)."""
-        with self._io_lock(sid):
+        res = self.res
+        with res.io_lock(sid):
             cs = self.cold.state(sid)
-            with self._locked(sid, own=False) as slot:
-                f, s = self._warm(slot, sid)
+            with res.locked(sid) as slot:
+                f, s = res.warm(slot, sid)
                 if s is None:
-                    self._undirty(sid)
+                    res.dirty.drop(sid)
                     return None
-                stale = self._stale_reason(s, cs)
+                stale = self.valid.stale_reason(s, cs)
                 if stale is not None:
-                    self._forget_locked(slot, f, s, *stale)
+                    self.valid.forget_locked(slot, f, s, *stale)
                     return None
                 if s.flags & FLAG_MIGRATING:
                     f.set_flags(s, s.flags & ~FLAG_MIGRATING)
@@ -197,140 +182,93 @@ class WriteBehind:
                     c = sizes.get(layer, 0)
                     if c < stream.end or layer not in sizes:
                         tails.append((layer, c, list(f.segments(s, stream, c, stream.end, f"layer {layer}"))))
-                summ, meta = self._summary_bytes(f, s), f.meta_bytes(s)
+                summ, meta = res.summary_bytes(f, s), f.meta_bytes(s)
                 old_summ, old_meta = s.csumm, s.cmeta
-                with self._lock:
-                    d = self._dirty.get(sid)
-                    st = _Pass(sid, s, s.gen, d)
+                st = _Pass(sid, s, s.gen, res.dirty.since(sid))
             # the tail's extents stay (io lock): write them without blocking the agent
-            written: set[str] = set()
+            ch = Changes()
+            w = st.written  # names as they are tried (synced later even if this fails)
+            summ_changed = meta_changed = True  # until known: then what cold holds is known
             try:
                 if cs is None:
-                    st.made_dir = self.cold.ensure_dir(sid)
-                    self._hold_made(sid)
+                    w.made_dir = self.cold.ensure_dir(sid)
+                    res.held.hold_made(sid)
                 if cs is None or cs[1] is None:
-                    self.cold.write_incarnation(sid, s.inc, sync=False)
-                    written.add(INCARNATION)
+                    ch.replace(INCARNATION, incarnation_bytes(s.inc))
                 for layer, c, pieces in tails:
-                    name, keep = layer_name(layer), []
-                    written.add(name)
-                    try:
-                        sizes[layer] = self.cold.append(sid, name, c, pieces, sync=False, keep=keep)
-                    finally:
-                        st.fds.update((name, fd) for fd in keep)
-                if self.cold.sync_summaries(sid, summ, sync=False, old=old_summ):
-                    written.add(SUMMARIES)
-                old_summ = summ
-                if meta is not None and self.cold.write_meta(sid, meta, sync=False, old=old_meta):
-                    written.add(META)
-                old_meta = meta
-            except BaseException:
-                self._close_fds(st)
-                raise
+                    ch.append(layer_name(layer), c, pieces)
+                if old_summ is None:
+                    old_summ = self.cold.read_small(sid, SUMMARIES) or b""
+                summ_changed = ch.rewrite(SUMMARIES, summ, old_summ)
+                meta_changed = meta is not None and meta != old_meta and (
+                    old_meta is not None or self.cold.read_small(sid, META) != meta)
+                if meta_changed:
+                    ch.replace(META, meta)
+                if ch:
+                    self.cold.write(sid, ch, w)
             finally:
-                with self._locked(sid, own=False) as slot:
-                    f2, s2 = self._warm(slot, sid)
+                for layer, _, _ in tails:
+                    if layer_name(layer) in w.sizes:
+                        sizes[layer] = w.sizes[layer_name(layer)]
+                if not summ_changed or w.sizes.get(SUMMARIES) == len(summ):
+                    old_summ = summ
+                if meta is not None and (not meta_changed or w.sizes.get(META) == len(meta)):
+                    old_meta = meta
+                written = set(w.names)
+                with res.locked(sid) as slot:
+                    f2, s2 = res.warm(slot, sid)
                     if s2 is s:
                         s.cold, s.csumm, s.cmeta = sizes, old_summ, old_meta
                         s.unsynced |= written
-                        st.names = set(s.unsynced)
+                        st.written.names = set(s.unsynced)
                         if INCARNATION in written and not s.flags & FLAG_ON_COLD:
                             f2.set_flags(s, s.flags | FLAG_ON_COLD)  # a removal from now on is one
         return st
 
-    def _written(self, staged: list[_Pass]) -> None:
-        """Bytes written (not fsynced yet) no longer count towards the byte threshold."""
-        with self._lock:
-            for st in staged:
-                d = self._dirty.get(st.sid)
-                if d is not None:
-                    n = min(d[1], st.bytes)
-                    d[1] -= n
-                    self._dirty_bytes -= n
-
-    @staticmethod
-    def _close_fds(st: _Pass) -> None:
-        for fd in st.fds.values():
-            os.close(fd)
-        st.fds = {}
-
-    def _fsync_staged(self, staged: list[_Pass]) -> None:
-        """fsync every file a pass wrote (or an earlier write-only pass), concurrently: the
-        filesystem commits them together, as fast as one big file."""
-        if not staged:
-            return
-        pool = self._fsync_pool()
-        for st in staged:
-            fds, st.fds = st.fds, {}
-            st.syncs = [pool.submit(self.cold.fsync_close, st.sid, n, fd) for n, fd in fds.items()]
-            st.syncs += [pool.submit(self.cold.fsync_file, st.sid, n)
-                         for n in sorted(st.names) if n not in fds]
-            if st.made_dir or st.names:  # new names in it, maybe
-                st.syncs.append(pool.submit(self.cold.sync_dir, st.sid))
-        for st in staged:
-            for fut in st.syncs:
-                try:
-                    fut.result()
-                except (OSError, WarmError) as e:
-                    st.error = st.error or e
-        if any(st.made_dir for st in staged):
-            try:
-                self.cold.sync_sessions_dir()
-            except (OSError, WarmError) as e:
-                for st in staged:
-                    st.error = st.error or e
-
     def _commit_tail(self, st: _Pass) -> float | None:
         """Record a durable tail; clean if nothing changed since. Returns the lag."""
-        with self._locked(st.sid, own=False) as slot:
-            f, s = self._warm(slot, st.sid)
+        res = self.res
+        with res.locked(st.sid) as slot:
+            f, s = res.warm(slot, st.sid)
             if s is not st.session:
                 st.error = None  # deleted or dropped meanwhile: nothing to report
                 return None
             if st.error is not None:
                 return None
-            s.unsynced -= st.names
+            s.unsynced -= st.written.names
             flags = s.flags | FLAG_ON_COLD
-            own = self._owned.get(st.sid)
-            if own is not None:
-                own.seen = True
+            res.held.see(st.sid)
             clean = s.gen == st.gen and not s.unsynced
             if clean:
                 flags |= FLAG_CLEAN
-                self._undirty(st.sid)
+                res.dirty.drop(st.sid)
             f.set_flags(s, flags)
         return time.monotonic() - st.since if clean else None
 
     # ---- the writer thread --------------------------------------------------------------
     def _due(self, now: float) -> tuple[float, bool]:
-        """When the next background pass is due (inf: none), and whether it is the one of
-        the time lag (write and fsync) rather than of the byte threshold (write only)."""
-        with self._lock:
-            if not self._dirty:
-                return float("inf"), True
-            at = min(d[0] for d in self._dirty.values()) + self.wb_s
-            full = at <= now or self._dirty_bytes < self.wb_bytes
-            at = at if full else now
-        return max(at, self._retry_at), full
+        at, full = self.res.dirty.due(now)
+        return max(at, self.health.retry_at), full
 
     def _writer(self) -> None:
         next_stats = 0.0
         while not self._stop:
             now = time.monotonic()
             if now >= next_stats:
-                self._refresh_cap()  # other processes fill or empty the RAM filesystem too
+                self.res.budget.refresh()  # other processes fill or empty the RAM filesystem too
                 self._write_stats()
                 next_stats = now + STATS_EVERY_S
-            due, full = self._due(now) if self.wb_on else (float("inf"), True)
+            due, full = self._due(now) if self.on else (float("inf"), True)
             if due <= now:
                 try:
-                    self._pass(None, explicit=False, fsync=full)
+                    self.run(None, explicit=False, fsync=full)
                 except Exception:  # noqa: BLE001 - the thread must live; the next pass retries
                     log.exception("warm write-behind pass failed")
-                    time.sleep(min(self.retry_s, 1.0))
+                    time.sleep(min(self.health.retry_s, 1.0))
                 continue
-            self._wake.wait(max(0.0, min(due, next_stats) - now))
-            self._wake.clear()
+            wake = self.res.dirty.wake
+            wake.wait(max(0.0, min(due, next_stats) - now))
+            wake.clear()
 
     def _write_stats(self) -> None:
         u = self.usage()
@@ -338,7 +276,7 @@ class WriteBehind:
                                  "dirty_bytes", "dirty_sessions", "writebehind_lag_s",
                                  "cold_error", "volume_id")}
         doc.update(pid=os.getpid(), time=time.time())
-        extra = getattr(self, "stats_extra", None)  # the hot tier's figures, from its router
+        extra = self.extra()  # the hot tier's figures, from its router
         if extra is not None:
             try:
                 doc.update(extra())
@@ -350,32 +288,31 @@ class WriteBehind:
             log.debug("warm stats not written: %s", e)
 
     # ---- eviction ---------------------------------------------------------------------
-    def _evict_group(self, n: int, exclude: set[str] | frozenset, explicit: bool = False) -> list[str]:
+    def evict_group(self, n: int, exclude: Container[str], explicit: bool = False) -> list[str]:
         """Drop the ``n`` least recently used sessions from RAM: clean ones at once (their
         cold copy is complete), dirty ones after a pass wrote them. Timed into
         kv_warm_evict_latency_ms."""
-        with self._lock:
-            victims = [sid for sid in self._lru if sid not in exclude][:n]
-            dirty = [sid for sid in victims if sid in self._dirty]
+        res = self.res
+        victims = res.policy.victims(n, exclude)
+        dirty = [sid for sid in victims if sid in res.dirty]
         if not victims:
             return []
         t0 = time.perf_counter()
         if dirty:
-            self._pass(dirty, explicit)
+            self.run(dirty, explicit)
         done, freed = [], 0
         for sid in victims:
-            with self._io_lock(sid), self._locked(sid, own=False) as slot:
-                f, s = self._warm(slot, sid)
-                if s is None or sid in self._dirty:
+            with res.io_lock(sid), res.locked(sid) as slot:
+                f, s = res.warm(slot, sid)
+                if s is None or sid in res.dirty:
                     continue
-                freed += self._drop_session(slot, f, s)
+                freed += res.drop(slot, f, s)
                 done.append(sid)
         ms = (time.perf_counter() - t0) * 1000
         metrics.warm_evict_latency.observe(ms)
         metrics.warm_migrations.inc(len(done))
-        with self._lock:
-            self.stats["migrations"] += len(done)
-            self.stats["groups"] += 1
+        res.bump("migrations", len(done))
+        res.bump("groups")
         if done:
             log.info("dropped %d clean session(s), %d bytes, from RAM in %.2f ms", len(done), freed, ms)
         return done

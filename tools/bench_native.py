@@ -1,0 +1,399 @@
+#!/usr/bin/env python3
+"""Benchmarks of the native channel (kvfs.channel) beside the FUSE face, vs plain ext4 files.
+
+Each measures kvfs's own client path and its peer interleaved in one run, on one disk:
+
+- ``random_read`` (figure 1): one 96 KiB round of one layer at random, caches dropped,
+  read through the channel (the client holds the file's extents, as an agent that wrote
+  or read the session before does; reads go to the volume with ``O_DIRECT``) vs ``pread``
+  of the same bytes in a per-layer ext4 file (goals p50 <= 1.1x, p99 <= 1.2x). Beside it,
+  the same read asking the mount for the extents first, and its bound: the checked-read
+  floor (a direct ``preadv`` of the entry, a CRC-32C of each 32 KiB block and one copy
+  out, with no Python around them).
+- ``piece_read`` (figure 11): a 1 KiB piece of a random session's layer by (session,
+  layer, offset) among 2,000 sessions, the page, dentry and inode caches dropped before
+  each read: through the channel vs open + pread + close of the per-layer ext4 file by
+  path (goal <= 1.0x); beside it the channel asking for the extents each time and the
+  same through the FUSE face.
+- ``round_durable`` (figure 2): one agent round made durable, every layer's new tokens
+  (22 layers of 96 KiB) in one request with one durability point vs the same bytes
+  appended to 22 ext4 files, each fsync'd (goal >= 1.5x); beside it the same through the
+  FUSE face.
+
+Each returns ``{"results": [...], "info": {...}}`` (bench_common). Alone:
+``python tools/bench_native.py [--quick] [--only read,piece,round]``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import crc32c
+from bench_common import KiB, MiB, Result, bench_dir, drop_caches, fadvise_dontneed, kv_bytes
+from bench_mount import mounted
+
+log = logging.getLogger("bench.native")
+ROUND = 96 * KiB
+LAYERS = 22  # a 1.1 B Llama (TinyLlama: 22 layers, 4 KV heads x 64, bf16: 1 KiB per token)
+PIECE = 1 * KiB
+
+
+def _channel(mnt: Path) -> Any:
+    from kvfs.channel import Channel
+
+    ch = Channel.open(str(mnt))
+    if ch is None:
+        raise RuntimeError(f"{mnt} serves no native channel this process may use")
+    return ch
+
+
+def _fresh(p: Path) -> None:
+    shutil.rmtree(p, ignore_errors=True)
+    p.mkdir(parents=True)
+
+
+# ------------------------------------------------------------------------ figure 1
+def random_read(quick: bool = False, workdir: str | None = None) -> dict[str, Any]:
+    """Figure 1: a random 96 KiB round of one layer through the channel vs ``pread``."""
+    work = bench_dir(workdir) / "native_random"
+    _fresh(work)
+    size = 32 * MiB if quick else 128 * MiB
+    samples = 60 if quick else 300
+    data = kv_bytes(size, seed=4)
+    peer = work / "ext4.layer"
+    peer.write_bytes(data)
+    names = ("native", "ext4", "asked", "floor")
+    vals: dict[str, list[float]] = {n: [] for n in names}
+    vol = work / "vol"
+    try:
+        with mounted(vol, work / "mnt", 3 * size + 64 * MiB) as m:
+            (m / "sessions" / "bench").mkdir()
+            for off in range(0, size, ROUND):  # each close flushes: one entry per round
+                with open(m / "sessions" / "bench" / "rounds", "ab", buffering=0) as f:
+                    f.write(data[off:off + ROUND])
+            ch = _channel(m)
+            bare = _channel(m)  # a client that keeps no extents: asks the mount each read
+            try:
+                (_, (fe,)) = ch.extents("bench", [("rounds", 0, -1)])  # the agent's extents
+                out = bytearray(ROUND)
+                mv = memoryview(out)
+                scratch = mmap.mmap(-1, 2 * ROUND)
+                smv = memoryview(scratch)
+                pfd = os.open(peer, os.O_RDONLY)
+                rounds = random.Random(7).sample(range(size // ROUND), min(size // ROUND, samples + 10))
+
+                def floor(r: int) -> bytes:
+                    """A direct read of the entry, each block's CRC-32C, one copy out."""
+                    pos, _, n, esize = fe.ext[r]
+                    phys = ch.reader.roff + pos % ch.reader.rsize
+                    os.preadv(ch.reader.dfd, [smv[:esize]], phys)
+                    t = 72 + 16 * -(-n // (32 * KiB))
+                    for b in range(t, t + n, 32 * KiB):
+                        crc32c.crc32c(smv[b:min(b + 32 * KiB, t + n)])
+                    mv[:] = smv[t:t + n]
+                    return bytes(out)
+
+                def one(name: str, r: int) -> bytes:
+                    if name == "ext4":
+                        os.preadv(pfd, [mv], r * ROUND)
+                    elif name == "floor":
+                        return floor(r)
+                    elif name == "asked":
+                        bare.cache.drop("bench")
+                        bare.read("bench", [("rounds", r * ROUND, mv)])
+                    else:
+                        ch.read("bench", [("rounds", r * ROUND, mv)])
+                    return bytes(out)
+
+                try:
+                    for i, r in enumerate(rounds):
+                        for name in (names if i % 2 == 0 else names[::-1]):
+                            fadvise_dontneed(vol)
+                            os.posix_fadvise(pfd, 0, 0, os.POSIX_FADV_DONTNEED)
+                            t0 = time.perf_counter()
+                            got = one(name, r)
+                            dt = (time.perf_counter() - t0) * 1e3
+                            if got != data[r * ROUND:(r + 1) * ROUND]:
+                                raise RuntimeError(f"{name}: wrong bytes for round {r}")
+                            if i >= 10:
+                                vals[name].append(dt)
+                finally:
+                    os.close(pfd)
+                    smv.release()
+                    scratch.close()
+                stats = dict(ch.reader.stats)
+            finally:
+                ch.close()
+                bare.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    n = len(vals["ext4"])
+    note = (f"{n} distinct rounds of a {size // MiB} MiB layer file appended round by round; the "
+            "volume's and the peer's pages dropped before every read")
+    results = []
+    for stat, goal in (("p50", 1.1), ("p99", 1.2)):
+        results.append(Result(
+            "1", f"random {ROUND // KiB} KiB round read of one layer through the native channel, "
+                 f"caches dropped, {stat}",
+            "kvfs native channel (the client holds the extents)", "ext4 file: pread", "ms",
+            {"subject": vals["native"], "peer": vals["ext4"]}, better="lower", goal=goal,
+            stat=stat, note=note).to_dict())
+    for stat in ("p50", "p99"):
+        results.append(Result(
+            "1", f"random {ROUND // KiB} KiB round read of one layer through the native channel, "
+                 f"caches dropped, {stat} [extents asked each read]",
+            "kvfs native channel, the mount asked for the extents first", "ext4 file: pread",
+            "ms", {"subject": vals["asked"], "peer": vals["ext4"]}, better="lower", stat=stat,
+            note="the same rounds and samples").to_dict())
+        results.append(Result(
+            "1", f"random {ROUND // KiB} KiB round read of one layer through the native channel, "
+                 f"caches dropped, {stat} [checked-read floor]",
+            "direct preadv of the entry + CRC-32C of each block + one copy out",
+            "ext4 file: pread", "ms", {"subject": vals["floor"], "peer": vals["ext4"]},
+            better="lower", stat=stat,
+            note="what bounds any read that checks what it returns: the same reads with no "
+                 "Python around them").to_dict())
+    return {"results": results, "info": {"bytes": size, "samples": n, "reader": stats}}
+
+
+# ------------------------------------------------------------------------ figure 11
+def piece_read(quick: bool = False, workdir: str | None = None) -> dict[str, Any]:
+    """Figure 11: a 1 KiB piece of a random session's layer among 2,000 sessions, every
+    cache dropped (pages, dentries, inodes), through the channel vs open+pread+close."""
+    work = bench_dir(workdir) / "native_piece"
+    _fresh(work)
+    sessions = 500 if quick else 2000
+    layers, per_layer = 4, 64 * KiB  # a short session: 4 layers of a 64-token round
+    samples = 60 if quick else 300
+    peer = work / "ext4" / "sessions"
+    vol = work / "vol"
+    rng = random.Random(11)
+    names = ("native", "ext4", "asked", "fuse")
+    vals: dict[str, list[float]] = {n: [] for n in names}
+    how = ""
+    try:
+        with mounted(vol, work / "mnt", sessions * layers * per_layer * 3 + 128 * MiB) as m:
+            ms = m / "sessions"
+            for s in range(sessions):
+                sid = f"s{s:05d}"
+                (ms / sid).mkdir()
+                (peer / sid).mkdir(parents=True)
+                for layer in range(layers):
+                    b = kv_bytes(per_layer, seed=s * layers + layer)
+                    (ms / sid / f"layer_{layer}").write_bytes(b)
+                    (peer / sid / f"layer_{layer}").write_bytes(b)
+            os.sync()
+            ch = _channel(m)
+            bare = _channel(m)  # keeps no extents: asks the mount each read
+            try:
+                for s in range(sessions):  # the agent's extents (it wrote these sessions)
+                    ch.extents(f"s{s:05d}", [(f"layer_{x}", 0, -1) for x in range(layers)])
+                out = bytearray(PIECE)
+                mv = memoryview(out)
+
+                def by_path(root: Path, sid: str, layer: int, off: int) -> bytes:
+                    fd = os.open(root / sid / f"layer_{layer}", os.O_RDONLY)
+                    try:
+                        return os.pread(fd, PIECE, off)
+                    finally:
+                        os.close(fd)
+
+                for i in range(samples + 10):
+                    s, layer = rng.randrange(sessions), rng.randrange(layers)
+                    off = rng.randrange(per_layer - PIECE)
+                    sid = f"s{s:05d}"
+                    want = kv_bytes(per_layer, seed=s * layers + layer)[off:off + PIECE]
+                    for name in (names if i % 2 == 0 else names[::-1]):
+                        how = drop_caches([vol, *[peer / sid / f"layer_{x}" for x in range(layers)]])
+                        t0 = time.perf_counter()
+                        if name == "ext4":
+                            got = by_path(peer, sid, layer, off)
+                        elif name == "fuse":
+                            got = by_path(ms, sid, layer, off)
+                        else:
+                            c = bare if name == "asked" else ch
+                            if name == "asked":
+                                c.cache.drop(sid)
+                            c.read(sid, [(f"layer_{layer}", off, mv)])
+                            got = bytes(out)
+                        dt = (time.perf_counter() - t0) * 1e3
+                        if got != want:
+                            raise RuntimeError(f"{name}: wrong bytes for {sid}/layer_{layer}@{off}")
+                        if i >= 10:
+                            vals[name].append(dt)
+            finally:
+                ch.close()
+                bare.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    note = (f"{sessions} sessions x {layers} layers of {per_layer // KiB} KiB, one random "
+            f"{PIECE // KiB} KiB piece per sample; caches dropped before each read ({how})")
+    full = how == "drop_caches"
+    name = (f"read one {PIECE // KiB} KiB piece of a random session's layer, {sessions:,} sessions, "
+            f"caches dropped{' (dentries and inodes too)' if full else ''}")
+    results = [Result("11", name, "kvfs native channel (the client holds the extents)",
+                      "ext4: open + pread + close by path", "ms",
+                      {"subject": vals["native"], "peer": vals["ext4"]}, better="lower",
+                      goal=1.0, note=note).to_dict(),
+               Result("11", f"{name} [extents asked each read]",
+                      "kvfs native channel, the mount asked for the extents first",
+                      "ext4: open + pread + close by path", "ms",
+                      {"subject": vals["asked"], "peer": vals["ext4"]}, better="lower",
+                      note="the same pieces; the mount's index may need its tree pages from "
+                           "the disk").to_dict(),
+               Result("11", f"{name} [FUSE face]", "kvfs mount: open + pread + close by path",
+                      "ext4: open + pread + close by path", "ms",
+                      {"subject": vals["fuse"], "peer": vals["ext4"]}, better="lower",
+                      note="the same pieces through the mount").to_dict()]
+    return {"results": results, "info": {"sessions": sessions, "layers": layers,
+                                         "per_layer": per_layer, "drop": how}}
+
+
+# ------------------------------------------------------------------------ figure 2
+def round_durable(quick: bool = False, workdir: str | None = None) -> dict[str, Any]:
+    """Figure 2: one round of every layer made durable: one request, one durability point
+    vs 22 per-layer ext4 appends each fsync'd (and the same through the FUSE face)."""
+    from kvfs.channel import APPEND, Item
+
+    work = bench_dir(workdir) / "native_round"
+    _fresh(work)
+    rounds = 30 if quick else 120
+    data = [kv_bytes(ROUND, seed=k) for k in range(LAYERS)]
+    total = ROUND * LAYERS
+    peer = work / "ext4"
+    peer.mkdir()
+    names = ("native", "ext4", "fuse")
+    vals: dict[str, list[float]] = {n: [] for n in names}
+    try:
+        with mounted(work / "vol", work / "mnt", rounds * total * 3 + 128 * MiB) as m:
+            sess = m / "sessions" / "bench"
+            sess.mkdir()
+            (m / "sessions" / "fuse").mkdir()
+            ch = _channel(m)
+            fds = {"ext4": [os.open(peer / f"layer_{k}", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                            for k in range(LAYERS)],
+                   "fuse": [os.open(m / "sessions" / "fuse" / f"layer_{k}",
+                                    os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) for k in range(LAYERS)]}
+            try:
+                for r in range(rounds + 3):
+                    for name in (names if r % 2 == 0 else names[::-1]):
+                        t0 = time.perf_counter()
+                        if name == "native":
+                            ch.write("bench", [Item(APPEND, f"layer_{k}", r * ROUND, data[k])
+                                               for k in range(LAYERS)], sync=True)
+                        else:
+                            for k, fd in enumerate(fds[name]):
+                                os.write(fd, data[k])
+                                os.fsync(fd)
+                        dt = time.perf_counter() - t0
+                        if r >= 3:
+                            vals[name].append(total / MiB / dt)
+                for k in range(LAYERS):
+                    got = bytearray(ROUND)
+                    ch.read("bench", [(f"layer_{k}", (rounds + 2) * ROUND, memoryview(got))])
+                    if got != data[k]:
+                        raise RuntimeError(f"layer_{k}: wrong bytes read back")
+            finally:
+                for fd in fds["ext4"] + fds["fuse"]:
+                    os.close(fd)
+                ch.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    note = f"{LAYERS} layers x {ROUND // KiB} KiB per round, {len(vals['ext4'])} rounds each"
+    results = [Result("2", f"one round made durable: {LAYERS} layers' new tokens, one durability point",
+                      "kvfs native channel: one request, one sync",
+                      f"{LAYERS} ext4 files: append + fsync each", "MiB/s",
+                      {"subject": vals["native"], "peer": vals["ext4"]}, better="higher",
+                      goal=1.5, note=note).to_dict(),
+               Result("2", f"one round made durable: {LAYERS} layers' new tokens [FUSE face]",
+                      f"kvfs mount: {LAYERS} files, append + fsync each",
+                      f"{LAYERS} ext4 files: append + fsync each", "MiB/s",
+                      {"subject": vals["fuse"], "peer": vals["ext4"]}, better="higher",
+                      note=note).to_dict()]
+    return {"results": results, "info": {"rounds": rounds, "layers": LAYERS, "round": ROUND}}
+
+
+def channel_stream(cold_root: str, tmp: str, *, total_bytes: int = 87_000_000, layers: int = 24,
+                   chunk: int = 1 << 20, batch: int = 8 << 20, repeats: int = 3) -> dict[str, Any]:
+    """Figure 3's bound on write-behind: the same bytes as ``bench_warm.bench_writebehind``
+    sent through the channel alone (requests of ``batch`` bytes, a round of every layer at a
+    time, one sync at the end; no warm tier), against dd of the same bytes."""
+    import subprocess
+    import tempfile
+
+    from kvfs.channel import APPEND, Item
+
+    per_layer = total_bytes // layers // chunk * chunk
+    total = per_layer * layers
+    data = kv_bytes(per_layer, seed=5)
+    src_dir = tempfile.mkdtemp(dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else tmp)
+    src = os.path.join(src_dir, "src")
+    with open(src, "wb") as f:
+        for _ in range(layers):
+            f.write(data)
+    ch = _channel(Path(cold_root))
+    ours, dds = [], []
+    try:
+        for rep in range(repeats):
+            sid = f"bench-stream-{os.getpid()}-{rep}"
+            os.mkdir(os.path.join(cold_root, "sessions", sid))
+            t0 = time.perf_counter()
+            items = []
+            size = 0
+            for off in range(0, per_layer, chunk):
+                for layer in range(layers):
+                    items.append(Item(APPEND, f"layer_{layer}", off, memoryview(data)[off:off + chunk]))
+                    size += chunk
+                    if size >= batch:
+                        ch.write(sid, items)
+                        items, size = [], 0
+            ch.write(sid, items, sync=True)
+            ours.append(time.perf_counter() - t0)
+            shutil.rmtree(os.path.join(cold_root, "sessions", sid))
+            dd_dir = os.path.join(cold_root, "sessions", f"bench-stream-dd-{os.getpid()}")
+            os.mkdir(dd_dir)
+            t0 = time.perf_counter()
+            subprocess.run(["dd", f"if={src}", f"of={dd_dir}/layer_0", "bs=4M", "conv=fsync",
+                            "status=none"], check=True)
+            dds.append(time.perf_counter() - t0)
+            shutil.rmtree(dd_dir)
+    finally:
+        ch.close()
+        shutil.rmtree(src_dir, ignore_errors=True)
+    med = sorted(ours)[len(ours) // 2]
+    dmed = sorted(dds)[len(dds) // 2]
+    return {"bytes": total, "channel_MBps": round(total / 1e6 / med, 1),
+            "dd_MBps": round(total / 1e6 / dmed, 1), "batch": batch}
+
+
+FIGURES = {"read": random_read, "piece": piece_read, "round": round_durable}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default=",".join(FIGURES))
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    for f in a.only.split(","):
+        r = FIGURES[f](quick=a.quick, workdir=a.out)
+        for x in r["results"]:
+            print(json.dumps({k: x[k] for k in ("name", "unit", "subject_value", "peer_value",
+                                                "ratio", "goal_text", "goal_met")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
