@@ -2,8 +2,8 @@
 
 ``Mount`` runs ``kvfs-mount VOLUME MOUNTPOINT --foreground`` in a subprocess, waits for
 the kernel mount with a timeout (raising ``MountFailed`` with the process's stderr and
-log if it died), and unmounts with ``fusermount3 -u``, checking the exit code. ``As`` runs
-expressions as another uid (permission tests on ``--allow-other`` mounts).
+log if it died), and unmounts with ``fusermount3 -u``, checking the exit code. ``As`` and
+``run_as`` run code as another uid (permission tests on ``--allow-other`` mounts).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -127,6 +128,18 @@ for line in sys.stdin:
         out = f"errno {e.errno}"
     print(out, flush=True)
 """
+
+
+def run_as(uid: int, code: str, timeout: float = 120) -> str:
+    """Run Python ``code`` (dedented) as ``uid`` with no groups; its stdout, stripped.
+    ``AssertionError`` with its stderr if it fails."""
+    p = subprocess.run(
+        ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable, "-c",
+         textwrap.dedent(code)],
+        capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert p.returncode == 0, p.stderr
+    return p.stdout.strip()
 
 
 class As:

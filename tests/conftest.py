@@ -11,6 +11,8 @@ Mount tests are skipped only when /dev/fuse is absent.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -102,6 +104,15 @@ def shared_mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mount]:
     if m.proc is not None:
         rc = m.stop()
         assert rc == 0, m.log_text()
+
+
+@pytest.fixture
+def other_users_dir() -> Iterator[Path]:
+    """A directory other uids can reach, for mounts they use (pytest's tmp tree is root's)."""
+    d = Path(tempfile.mkdtemp(prefix="kvfs-uids-"))
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

@@ -8,9 +8,7 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -94,19 +92,10 @@ def test_rm_r_and_mkdir_leave_old_fds_stale(kvfs: Mount) -> None:
     assert os.listdir(d) == ["layer_0"]
 
 
-@pytest.fixture
-def shared_dir() -> Iterator[Path]:
-    """A directory other uids can reach (pytest's own tmp tree is root-only)."""
-    d = Path(tempfile.mkdtemp(prefix="kvfs-uids-"))
-    os.chmod(d, 0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
 @pytest.mark.skipif(not HAVE_FUSE or os.geteuid() != 0 or not shutil.which("setpriv"),
                     reason="needs /dev/fuse, root and setpriv")
-def test_old_fd_cannot_read_another_users_new_file(shared_dir: Path) -> None:
-    m = Mount(shared_dir / "vol.kvfs", shared_dir / "mnt", "64M", ("--allow-other",)).start()
+def test_old_fd_cannot_read_another_users_new_file(other_users_dir: Path) -> None:
+    m = Mount(other_users_dir / "vol.kvfs", other_users_dir / "mnt", "64M", ("--allow-other",)).start()
     a, b = As(4101), As(4102)
     try:
         chat = f"{m.sessions}/chat"

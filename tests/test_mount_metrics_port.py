@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import HAVE_FUSE
+from torture_limits import open_idle
 
 from kvfs.ops import metrics
 from kvfs.ops.metrics_server import MetricsServer
@@ -68,21 +69,6 @@ def p99(xs: list[float]) -> float:
     return sorted(xs)[min(len(xs) - 1, int(0.99 * len(xs)))]
 
 
-def open_flood(port: int, n: int) -> list[socket.socket]:
-    """``n`` connections that each send half a request and then say nothing."""
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.settimeout(5)
-        try:
-            s.connect(("127.0.0.1", port))
-            s.send(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
-        except OSError:
-            pass  # refused or reset by the server: what a flood should get
-        socks.append(s)
-    return socks
-
-
 def test_five_thousand_idle_connections_cost_the_flooder_not_fuse(make_mount) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard < FLOOD + 500:
@@ -95,7 +81,7 @@ def test_five_thousand_idle_connections_cost_the_flooder_not_fuse(make_mount) ->
     fuse_ops(m.sessions, "warmup", 20)
     base = fuse_ops(m.sessions, "base", 150)
     threads0, rss0 = threads_and_rss(m.proc.pid)
-    socks = open_flood(port, FLOOD)
+    socks = open_idle(port, FLOOD)
     try:
         during = fuse_ops(m.sessions, "flood", 150)
         threads1, rss1 = threads_and_rss(m.proc.pid)

@@ -13,19 +13,15 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import subprocess
-import sys
-import tempfile
-import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import HAVE_FUSE, ROOT, Mount
+from conftest import HAVE_FUSE, Mount
 
 from kvfs.engine import quota
 from kvfs.engine.fsck import CLEAN, PROBLEMS, check_volume
 from kvfs.engine.store import Store
+from kvfs.testing import run_as
 
 pytestmark = pytest.mark.skipif(not HAVE_FUSE or os.geteuid() != 0 or not shutil.which("setpriv"),
                                 reason="needs /dev/fuse, root and setpriv")
@@ -33,26 +29,8 @@ FLOODER, OTHER = 4301, 4302
 MB = 1 << 20
 
 
-def run_as(uid: int, code: str, timeout: float = 120) -> str:
-    p = subprocess.run(
-        ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable, "-c",
-         textwrap.dedent(code)],
-        capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert p.returncode == 0, p.stderr
-    return p.stdout.strip()
-
-
-@pytest.fixture
-def shared_dir() -> Iterator[Path]:
-    """A directory other uids can reach (pytest's own tmp tree is root-only)."""
-    d = Path(tempfile.mkdtemp(prefix="kvfs-quota-"))
-    os.chmod(d, 0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-def test_one_user_filling_the_index_gets_edquot_and_the_volume_lives(shared_dir: Path) -> None:
-    m = Mount(shared_dir / "vol.kvfs", shared_dir / "mnt", "64M", ("--allow-other",)).start()
+def test_one_user_filling_the_index_gets_edquot_and_the_volume_lives(other_users_dir: Path) -> None:
+    m = Mount(other_users_dir / "vol.kvfs", other_users_dir / "mnt", "64M", ("--allow-other",)).start()
     try:
         out = run_as(FLOODER, f"""
             import os
@@ -90,8 +68,8 @@ def test_one_user_filling_the_index_gets_edquot_and_the_volume_lives(shared_dir:
     assert check_volume(str(m.volume)).status == CLEAN
 
 
-def test_byte_quota_is_edquot_at_write(shared_dir: Path) -> None:
-    m = Mount(shared_dir / "vol.kvfs", shared_dir / "mnt", "64M",
+def test_byte_quota_is_edquot_at_write(other_users_dir: Path) -> None:
+    m = Mount(other_users_dir / "vol.kvfs", other_users_dir / "mnt", "64M",
               ("--allow-other", "-o", "quota_bytes=4M")).start()
     try:
         out = run_as(FLOODER, f"""
@@ -117,10 +95,10 @@ def test_byte_quota_is_edquot_at_write(shared_dir: Path) -> None:
         assert m.stop() == 0, m.log_text()
 
 
-def test_a_volume_whose_index_overflowed_mounts_with_every_session(shared_dir: Path,
+def test_a_volume_whose_index_overflowed_mounts_with_every_session(other_users_dir: Path,
                                                                     monkeypatch) -> None:
     """Written by a kvfs without the index budget: 4,000 long-named sessions on 64 MiB."""
-    vol = shared_dir / "old.kvfs"
+    vol = other_users_dir / "old.kvfs"
     names = [f"{i:05d}".ljust(255, "x") for i in range(4000)]
     with monkeypatch.context() as mp:
         mp.setattr(quota.Ledger, "admit", lambda self, uid, **kw: None)
@@ -133,7 +111,7 @@ def test_a_volume_whose_index_overflowed_mounts_with_every_session(shared_dir: P
     assert check_volume(str(vol)).status == PROBLEMS
     res = check_volume(str(vol), repair=True)  # before: "unusable", exit 2
     assert res.status == PROBLEMS and any("mounts with every session" in r for r in res.repaired)
-    m = Mount(vol, shared_dir / "mnt", None, ("--allow-other",)).start()
+    m = Mount(vol, other_users_dir / "mnt", None, ("--allow-other",)).start()
     try:
         assert len(os.listdir(m.sessions)) == len(names)
         assert (m.sessions / names[7] / "layer_0").read_bytes() == b"z" * 70_000

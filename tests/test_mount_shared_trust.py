@@ -23,7 +23,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -54,20 +53,11 @@ def cluster() -> Iterator[Cluster]:
 
 
 @pytest.fixture
-def place() -> Iterator[Path]:
-    """A directory other uids can reach (pytest's own tmp tree is root-only)."""
-    d = Path(tempfile.mkdtemp(prefix="kvfs-trust-"))
-    os.chmod(d, 0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def node(cluster: Cluster, place: Path) -> Iterator[Callable[..., Mount]]:
+def node(cluster: Cluster, other_users_dir: Path) -> Iterator[Callable[..., Mount]]:
     mounts: list[Mount] = []
 
     def make(name: str, *extra: str, c: Cluster = cluster, args: list[str] | None = None) -> Mount:
-        m = Mount(place / f"{name}.kvfs", place / f"{name}.mnt", "64M",
+        m = Mount(other_users_dir / f"{name}.kvfs", other_users_dir / f"{name}.mnt", "64M",
                   (*(args or c.mount_args()), "--allow-other", *FAST, *extra))
         mounts.append(m)
         return m.start()
@@ -212,7 +202,8 @@ def test_password_shows_nowhere(node: Callable[..., Mount], cluster: Cluster) ->
     assert not vol.exists()
 
 
-def test_no_secret_no_mount(cluster: Cluster, place: Path) -> None:
+def test_no_secret_no_mount(cluster: Cluster, other_users_dir: Path) -> None:
+    place = other_users_dir
     vol, mnt = place / "ns.kvfs", place / "ns.mnt"
     mnt.mkdir()
     r = run_mount(str(vol), str(mnt), "--size", "64M", "--shared", cluster.urls)

@@ -9,17 +9,14 @@ from __future__ import annotations
 import os
 import shutil
 import stat
-import subprocess
-import sys
 import tempfile
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from kvfs.testing import HAVE_FUSE, Mount
+from kvfs.testing import HAVE_FUSE, Mount, run_as
 from kvfs.warm import WarmError, WarmTier
 from kvfs.warm.ids import shard_file_name
 from kvfs.warm.owners import SessionLocks
@@ -28,16 +25,6 @@ ROOT = Path(__file__).resolve().parents[1]
 ATTACKER, OTHER = 4201, 4202
 as_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
                              reason="needs root and setpriv")
-
-
-def run_as(uid: int, code: str) -> str:
-    """Run Python ``code`` as ``uid`` (no groups); its stdout, stripped."""
-    p = subprocess.run(
-        ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable, "-c",
-         textwrap.dedent(code)],
-        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert p.returncode == 0, p.stderr
-    return p.stdout.strip()
 
 
 @pytest.fixture

@@ -204,7 +204,8 @@ def _threads(pid: int) -> int:
         return next(int(ln.split()[1]) for ln in f if ln.startswith("Threads:"))
 
 
-def _idle(port: int, n: int) -> list[socket.socket]:
+def open_idle(port: int, n: int) -> list[socket.socket]:
+    """``n`` connections that each send half a request and then say nothing."""
     socks = []
     for _ in range(n):
         s = socket.socket()
@@ -213,7 +214,7 @@ def _idle(port: int, n: int) -> list[socket.socket]:
             s.connect(("127.0.0.1", port))
             s.send(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
         except OSError:
-            pass
+            pass  # refused or reset by the server: what a flood should get
         socks.append(s)
     return socks
 
@@ -267,7 +268,7 @@ def flood(work: Path, n: int, deadline: float, rng: random.Random) -> Result:
         limit = max(10 * _p99(base), _p99(base) + 1.0)
         threads0, rss0 = _threads(m.proc.pid), rss_kib(m.proc.pid)
         phases = {
-            "idle": lambda: _idle(port, n),
+            "idle": lambda: open_idle(port, n),
             "dribble": lambda: threading.Thread(target=_dribble, args=(port, 500, 8.0)),
             "churn": lambda: threading.Thread(target=lambda: res.add("churn_connections",
                                                                      _churn(port, 8.0))),

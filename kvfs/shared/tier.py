@@ -277,23 +277,8 @@ class SharedTier:
 
     def get_meta(self, session: str) -> bytes | None:
         """meta.json, checked; None if the cluster has no such session."""
-        k = self._keys(session)
-        for attempt in (0, 1):
-            value = self._get(k.meta, f"get_meta {session}", lambda: self._c.rc.get(k.meta))
-            if value is None:
-                self.stats_.add("misses")
-                return None
-            try:
-                data = self.codec.decode_meta(session, value)
-            except ChunkError as e:
-                self.stats_.add("refetches" if attempt == 0 else "corrupt")
-                if attempt:
-                    raise SharedCorrupt(f"{session}/meta.json: {e}") from e
-                continue
-            self.stats_.add("hits")
-            self.stats_.add("bytes_out", len(data))
-            return data
-        raise AssertionError("unreachable")
+        info = self.open_session(session)
+        return None if info is None else info.meta
 
     def open_session(self, session: str) -> SessionInfo | None:
         """Files, meta.json and owner of a session as of one instant (one ``MULTI``); None
