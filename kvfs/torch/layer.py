@@ -262,13 +262,15 @@ class TieredLayer(DynamicLayer):
         full_k, full_v = kb.narrow(-2, a, n), vb.narrow(-2, a, n)
         self.seen = seen = self.seen + q
         p = min(c.sink_tokens, seen)  # the front p tokens of full_k are absolute [0, p)
-        w = c.max_kv_len
+        w = c.window_keep(seen)
         self._a, self._n, self._views = a, n, None
         if w is not None and n - p > w:
             drop = n - p - w
             first = seen - (n - p)  # absolute index of full_k[..., p, :]
             if self.spilled < first + drop:
                 self._spill_ahead(full_k, full_v, p, first, first + drop, seen, slack)
+            if c.retrieval is not None:  # whole blocks leave the window: their bounds
+                c.retrieval.left_window(self.idx, first, full_k[:, :, p:p + drop], full_v[:, :, p:p + drop])
             if kb.shape[-2] > p + w + 1 + 2 * slack:  # e.g. a long prefill: keep sinks + window only
                 nk, nv = self._move(full_k, full_v, 0, p, p + w + 1 + slack)
                 nk[:, :, p:p + w] = full_k[:, :, n - w:]
@@ -281,7 +283,7 @@ class TieredLayer(DynamicLayer):
                         self._sk, self._sv = full_k[:, :, :p].clone(), full_v[:, :, :p].clone()
                 else:
                     self._a, self._n = a + drop, n - drop
-                if (q == 1 and drop == 1 and p == c.sink_tokens
+                if (q == 1 and drop == 1 and p == c.sink_tokens and c.retrieval is None
                         and kb.shape[-2] - n - a >= MIN_VIEW_STEPS):  # steady decode from here on
                     self._views = _DecodeViews(kb, vb, a + 1, n, p, w)
         return self._finish(c, key_states, full_k, full_v, p, seen)
@@ -315,9 +317,19 @@ class TieredLayer(DynamicLayer):
 
     def _finish(self, c: TieredCache, key_states: torch.Tensor, full_k: torch.Tensor,
                 full_v: torch.Tensor, p: int, seen: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.recall_keys is not None:  # sinks, recalled rounds, window, input
-            full_k = torch.cat([full_k[:, :, :p], self.recall_keys, full_k[:, :, p:]], dim=-2)
-            full_v = torch.cat([full_v[:, :, :p], self.recall_values, full_v[:, :, p:]], dim=-2)
+        ks, vs = [], []
+        if self.recall_keys is not None:
+            ks.append(self.recall_keys)
+            vs.append(self.recall_values)
+        if c.retrieval is not None:
+            kv = c.retrieval.step_kv(self.idx)
+            if kv is not None:
+                ks.append(kv[0])
+                vs.append(kv[1])
+            c.retrieval.expect(self.idx)  # this layer's queries choose the next step's blocks
+        if ks:  # sinks, recalled rounds, retrieved blocks, window, input
+            full_k = torch.cat([full_k[:, :, :p], *ks, full_k[:, :, p:]], dim=-2)
+            full_v = torch.cat([full_v[:, :, :p], *vs, full_v[:, :, p:]], dim=-2)
         if self.idx == c.summary_layer:
             c._accumulate(key_states, seen - key_states.shape[-2])
         if self.idx == c.num_layers - 1:
@@ -349,7 +361,7 @@ class TieredLayer(DynamicLayer):
         cap = self.held
         if not self._owned or a + n > cap:
             cap = n + slack
-        w = self._cache.max_kv_len
+        w = self._cache.window_keep(self.seen + q)
         p = min(self._cache.sink_tokens, self.seen + q)
         if w is not None and n - p > w and cap > p + w + 1 + 2 * slack:
             cap = p + w + 1 + slack
@@ -357,6 +369,9 @@ class TieredLayer(DynamicLayer):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         attended = self.stored + (0 if self.recall_keys is None else self.recall_keys.shape[-2])
+        ret = self._cache.retrieval
+        if ret is not None:
+            attended += len(ret.chosen[self.idx]) * ret.block
         return attended + query_length, self.seen - attended
 
     def get_max_length(self) -> int:

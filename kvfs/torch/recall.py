@@ -34,7 +34,7 @@ _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
-def _layer_pool() -> ThreadPoolExecutor:
+def layer_pool() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
@@ -146,7 +146,7 @@ def read_spans(warm: Any, sid: str, geo: KVGeometry, spans: list[tuple[int, int]
 
     per_layer = sum(max(0, b - a) for a, b in spans) * geo.token_bytes
     if geo.num_layers > 1 and per_layer >= PIPELINE_MIN:
-        return list(_layer_pool().map(one, range(geo.num_layers)))
+        return list(layer_pool().map(one, range(geo.num_layers)))
     return [one(layer) for layer in range(geo.num_layers)]
 
 

@@ -33,6 +33,19 @@ from .ids import WarmError
 log = logging.getLogger("kvfs.warm")
 
 _LAYER_RE = re.compile(r"layer_(0|[1-9][0-9]{0,9})")
+#: side streams: append-only byte files of a session beside its layers (the hot tier's
+#: ``key_bounds``), kept exactly like a layer (checksummed extents, write-behind,
+#: migration, promotion) under stream numbers above every layer number
+SIDE_BASE = 1 << 31
+SIDE_STREAMS = {"key_bounds": SIDE_BASE}
+_SIDE_NAMES = {n: name for name, n in SIDE_STREAMS.items()}
+
+
+def side_stream(name: object) -> int:
+    """The stream number of side stream ``name`` (ValueError for any other name)."""
+    if not isinstance(name, str) or name not in SIDE_STREAMS:
+        raise ValueError(f"side stream must be one of {', '.join(SIDE_STREAMS)}, got {name!r}")
+    return SIDE_STREAMS[name]
 SUMMARIES = "summaries.f32"
 META = "meta.json"
 # the session's incarnation id, 16 hex digits and a newline, written by the warm tier with
@@ -59,7 +72,8 @@ def _errors(fn):
 
 
 def layer_name(layer: int) -> str:
-    return f"layer_{layer}"
+    """The cold file of a stream: ``layer_<n>``, or a side stream's own name."""
+    return _SIDE_NAMES.get(layer) or f"layer_{layer}"
 
 
 def _fsync_fd(fd: int) -> None:
@@ -173,7 +187,8 @@ class ColdStore:
 
     @_errors
     def layer_sizes(self, sid: str) -> dict[int, int] | None:
-        """{layer: size} of the cold copy, None when there is no cold copy."""
+        """{stream: size} of the cold copy (layers and side streams), None when there is
+        no cold copy."""
         try:
             dfd = self._sdir(sid, os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError):
@@ -182,10 +197,11 @@ class ColdStore:
             out = {}
             for n in os.listdir(dfd):
                 m = _LAYER_RE.fullmatch(n)
-                if m:
+                num = int(m.group(1)) if m else SIDE_STREAMS.get(n)
+                if num is not None:
                     st = os.stat(n, dir_fd=dfd, follow_symlinks=False)
                     self._refuse(self.path(sid, n), st, False)
-                    out[int(m.group(1))] = st.st_size
+                    out[num] = st.st_size
             return out
         finally:
             os.close(dfd)
@@ -233,18 +249,18 @@ class ColdStore:
         except (FileNotFoundError, NotADirectoryError) as e:
             if missing_is_empty:
                 raise ValueError(f"read [{off}, {off + len(out)}) past the end (0) of "
-                                 f"{sid}/layer_{layer}") from e
-            raise WarmError(f"cold {sid}/layer_{layer} is missing") from e
+                                 f"{sid}/{layer_name(layer)}") from e
+            raise WarmError(f"cold {sid}/{layer_name(layer)} is missing") from e
         try:
             if off + len(out) > st.st_size:
                 raise ValueError(f"read [{off}, {off + len(out)}) past the end ({st.st_size}) "
-                                 f"of {sid}/layer_{layer}")
+                                 f"of {sid}/{layer_name(layer)}")
             view = memoryview(out).cast("B")
             done = 0
             while done < len(view):
                 n = os.preadv(fd, [view[done:]], off + done)
                 if n <= 0:
-                    raise WarmError(f"cold {sid}/layer_{layer}: short read at {off + done}")
+                    raise WarmError(f"cold {sid}/{layer_name(layer)}: short read at {off + done}")
                 done += n
         finally:
             os.close(fd)

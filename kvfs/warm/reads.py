@@ -1,5 +1,5 @@
-"""The warm tier's read calls: size, layer_sizes, layers, read, read_into, read_layers
-(a mixin of WarmTier).
+"""The warm tier's read calls: size, layer_sizes, layers, read, read_into, read_layers,
+side_size, side_read (a mixin of WarmTier).
 
 A layer's range splits at its base: bytes below it come from the cold copy (always a
 prefix of the content, tier.py), the rest from the shard's mapping. A checksum mismatch in
@@ -17,7 +17,7 @@ import numpy as np
 
 from kvfs.ops import metrics
 
-from .cold import ColdStore
+from .cold import SIDE_BASE, ColdStore, layer_name, side_stream
 from .ids import WarmCorrupt, WarmError, check_layer
 from .records import WarmSession
 from .shard import ShardFile
@@ -32,7 +32,21 @@ class Reads:
     stats: dict[str, int]
 
     def size(self, sid: str, layer: int) -> int:
-        layer = check_layer(layer)
+        return self._size(sid, check_layer(layer))
+
+    def side_size(self, sid: str, name: str) -> int:
+        """Bytes of side stream ``name`` (0 if none; see ``side_append``)."""
+        return self._size(sid, side_stream(name))
+
+    def side_read(self, sid: str, name: str, start: int, end: int) -> np.ndarray:
+        """Bytes [start, end) of side stream ``name`` (a new array; never promotes)."""
+        if not 0 <= start <= end:
+            raise ValueError(f"bad range [{start}, {end})")
+        out = np.empty(end - start, np.uint8)
+        self._read_into(sid, side_stream(name), start, end, out, promote=False)
+        return out
+
+    def _size(self, sid: str, layer: int) -> int:
         with self._locked(sid) as slot:
             _, s = self._warm(slot, sid)
             if s is not None:
@@ -45,16 +59,19 @@ class Reads:
         with self._locked(sid) as slot:
             _, s = self._warm(slot, sid)
             if s is not None:
-                return {n: self._span(s, n)[1] for n in sorted(set(s.layers) | set(s.cold or ()))}
-            return dict(sorted(((self.cold.layer_sizes(sid) or {}) if self.cold else {}).items()))
+                return {n: self._span(s, n)[1] for n in sorted(set(s.layers) | set(s.cold or ()))
+                        if n < SIDE_BASE}
+            sizes = (self.cold.layer_sizes(sid) or {}) if self.cold else {}
+            return {n: b for n, b in sorted(sizes.items()) if n < SIDE_BASE}
 
     def layers(self, sid: str) -> list[int]:
         """Layer numbers the session has, in warm or cold (addition to the contract)."""
         with self._locked(sid) as slot:
             _, s = self._warm(slot, sid)
             if s is not None:
-                return sorted(set(s.layers) | set(s.cold or ()))
-            return sorted((self.cold.layer_sizes(sid) or {}) if self.cold else ())
+                return sorted(n for n in set(s.layers) | set(s.cold or ()) if n < SIDE_BASE)
+            return sorted(n for n in ((self.cold.layer_sizes(sid) or {}) if self.cold else ())
+                          if n < SIDE_BASE)
 
     def read(self, sid: str, layer: int, start: int, end: int, *,
              promote: bool | None = None) -> np.ndarray:
@@ -73,7 +90,10 @@ class Reads:
                   promote: bool | None = None) -> None:
         """``read`` into the caller's ``out`` (uint8, contiguous, ``end - start`` bytes;
         addition to the contract: a reader that reuses one buffer pays no page faults)."""
-        layer = check_layer(layer)
+        self._read_into(sid, check_layer(layer), start, end, out, promote=promote)
+
+    def _read_into(self, sid: str, layer: int, start: int, end: int, out: np.ndarray, *,
+                   promote: bool | None) -> None:
         if not 0 <= start <= end:
             raise ValueError(f"bad range [{start}, {end})")
         if out.dtype != np.uint8 or out.shape != (end - start,) or not out.flags.c_contiguous:
@@ -126,13 +146,13 @@ class Reads:
             else:
                 base = size = self.cold.size(sid, layer) if self.cold else 0
             if end > size:
-                raise ValueError(f"read [{start}, {end}) past the end ({size}) of {sid}/layer_{layer}")
+                raise ValueError(f"read [{start}, {end}) past the end ({size}) of {sid}/{layer_name(layer)}")
         else:  # all of it is on cold, whose read checks the end (one lookup less)
             base = end
         split = min(max(base, start), end)  # [start, split) from cold, [split, end) from warm
         if split > start:
             if self.cold is None:
-                raise WarmError(f"{sid}/layer_{layer}: bytes below {base} are on a cold tier not configured")
+                raise WarmError(f"{sid}/{layer_name(layer)}: bytes below {base} are on a cold tier not configured")
             self.cold.read_into(sid, layer, start, out[:split - start], missing_is_empty=s is None)
         if end > split:
             try:

@@ -39,7 +39,7 @@ import numpy as np
 
 from kvfs.ops import metrics
 
-from .cold import META, SUMMARIES, ColdStore, layer_name
+from .cold import META, SUMMARIES, ColdStore, layer_name, side_stream
 from .format import FLAG_CLEAN, FLAG_ON_COLD, K_LAYER, K_SUMMARY, KEY_DEVICE, KEY_SESSION
 from .ids import (
     WarmError,
@@ -268,7 +268,20 @@ class WarmTier(Reads, Mover, WriteBehind, Validator, Lifecycle):
     def append(self, sid: str, layer: int, data: bytes | memoryview | np.ndarray) -> int:
         """Append token-major bytes to a layer; returns its new size. May then migrate the
         least recently used group to cold if usage passed the threshold."""
-        layer, buf = check_layer(layer), as_u8(data)
+        return self._append(sid, check_layer(layer), data)
+
+    def side_append(self, sid: str, name: str, data: bytes | memoryview | np.ndarray) -> int:
+        """Append to the session's side stream ``name`` (``key_bounds``: the hot tier's
+        per-block key bounds, cold file ``sessions/<sid>/key_bounds``); returns its new
+        size. Stored, checksummed, written behind, migrated and deleted like a layer."""
+        return self._append(sid, side_stream(name), data)
+
+    def side_truncate(self, sid: str, name: str, length: int) -> None:
+        """Shorten side stream ``name`` (see ``truncate``)."""
+        self._truncate(sid, side_stream(name), length)
+
+    def _append(self, sid: str, layer: int, data: bytes | memoryview | np.ndarray) -> int:
+        buf = as_u8(data)
         self._admit(len(buf))
 
         def write() -> int:
@@ -307,7 +320,9 @@ class WarmTier(Reads, Mover, WriteBehind, Validator, Lifecycle):
     def truncate(self, sid: str, layer: int, length: int) -> None:
         """Shorten a layer (an agent retrying a turn). Cold is cut first, then warm, so
         cold stays a prefix of the content whatever the moment of a crash."""
-        layer = check_layer(layer)
+        self._truncate(sid, check_layer(layer), length)
+
+    def _truncate(self, sid: str, layer: int, length: int) -> None:
         self._own(sid)
         with self._io_lock(sid), self._locked(sid, own=False) as slot:
             f, s = self._warm(slot, sid)
