@@ -181,7 +181,7 @@ class TieredCache(RecallMixin, MovesMixin, Cache):
         self._warned_discard = False
         self.step_slack = self.window_slack  # the room the current step's layers allocate
         self._hits_unpublished = 0  # hot hits not yet added to the process-wide counter
-        self._step_hit = False  # the running step was counted as a hit
+        self._step_miss = False  # the running step read from below first
         self.retrieval: Retrieval | None = None
         self.retrieval_block = int(retrieval_block)
         if retrieval and max_kv_len is not None:
@@ -328,16 +328,7 @@ class TieredCache(RecallMixin, MovesMixin, Cache):
             else:
                 log.info("session %r passes max_position_embeddings (%d) at token %d; its sinks "
                          "are re-rotated next to the window", self.session_id, mp, self.seen + q)
-        self._step_hit = not self._miss_pending
-        if self._miss_pending:
-            self._miss_pending = False
-            self.misses += 1
-            metrics.hot_misses.inc()
-        else:
-            self.hits += 1
-            self._hits_unpublished += 1
-            if self._hits_unpublished >= self.PUBLISH_HITS_EVERY:
-                self._publish_hits()
+        self._step_miss, self._miss_pending = self._miss_pending, False
         if self.retrieval is not None:
             self.retrieval.step_begin()
         if self.router is not None:
@@ -345,17 +336,21 @@ class TieredCache(RecallMixin, MovesMixin, Cache):
 
     def step_waited(self) -> None:
         """The running step waited for a read from below (a retrieval fetch): a hot miss."""
-        if self._step_hit:
-            self._step_hit = False
-            self.hits -= 1
-            if self._hits_unpublished:
-                self._hits_unpublished -= 1
-            else:
-                metrics.hot_hits.inc(-1)
+        self._step_miss = True
+
+    def _count_step(self) -> None:
+        if self._step_miss:
+            self._step_miss = False
             self.misses += 1
             metrics.hot_misses.inc()
+        else:
+            self.hits += 1
+            self._hits_unpublished += 1
+            if self._hits_unpublished >= self.PUBLISH_HITS_EVERY:
+                self._publish_hits()
 
     def _step_end(self) -> None:
+        self._count_step()
         if self.retrieval is not None:
             self.retrieval.queue_records()
         if self._auto_query is not None:

@@ -42,9 +42,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvfs.torch.retrieval")
 
-#: blocks that just left the window kept on the device per layer (recent blocks are the ones
-#: most often chosen next); older ones too while their bytes are still on their way to the
-#: warm tier, so a fetch never waits for the spill thread
+#: blocks that just left the window kept on the device per layer: recent blocks are the ones
+#: most often chosen next, and their bytes may still be on their way to the warm tier
 FRESH_BLOCKS = 2
 
 
@@ -66,7 +65,6 @@ class Retrieval:
         self._kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n  # of ``chosen``
         self._pending: list[tuple[dict, Future] | None] = [None] * n
         self._fresh: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(n)]
-        self._fresh_ticket: dict[int, int] = {}  # block -> spill job after which it is stored
         self.written = 0  # blocks whose record is queued to the side stream
         self._observed = -1  # layers that reported their queries this step (-1: no step yet)
         # statistics
@@ -88,6 +86,21 @@ class Retrieval:
         n += sum(k.numel() + v.numel() for kv in self._kv if kv is not None for k, v in (kv,)) * it
         n += sum(k.numel() + v.numel() for f in self._fresh for k, v in f.values()) * it
         return n
+
+    def step_growth(self, q: int) -> int:
+        """Device bytes a step of ``q`` tokens may add at most: the chosen blocks' K/V (one
+        layer's rebuilt beside its old ones at a time), the blocks leaving the window kept
+        fresh, their bounds."""
+        c, blk = self.c, self.block
+        leaving = (c.window_from(c.seen + q) - c.window_from(c.seen)) // blk
+        stb = c.geo.session_token_bytes
+        now = sum(k.shape[-2] for kv in self._kv[:1] if kv is not None for k in kv[:1])
+        kv = max(0, min(self.attend, self.count[0] + leaving) * blk - now) * stb
+        fresh = max(0, min(FRESH_BLOCKS, len(self._fresh[0]) + leaving) - len(self._fresh[0])) * blk * stb
+        cap = 0 if self._bounds[0] is None else self._bounds[0].shape[0]
+        need = self.count[0] + leaving
+        grown = need + max(8, need // 4) - cap if need > cap else 0
+        return kv + fresh + grown * stb  # a block's bounds: as many bytes as one token's K/V
 
     def window_from(self, seen: int, base: int) -> int:
         """Start of the window for ``seen`` tokens, ``base`` the start without blocks:
@@ -123,27 +136,16 @@ class Retrieval:
         nb = k.shape[-2] // self.block
         self._append_bounds(layer, bounds_of_keys(k, self.block))
         fresh = self._fresh[layer]
-        ticket = self.c.spiller.last_ticket if self.c.spiller is not None else -1
-        for j in range(nb):
+        for j in range(max(0, nb - FRESH_BLOCKS), nb):
             s = slice(j * self.block, (j + 1) * self.block)
             fresh[b0 + j] = (k[..., s, :].clone(), v[..., s, :].clone())
-            self._fresh_ticket[b0 + j] = ticket  # its tokens were queued when it left
-        self._prune_fresh(layer)
-
-    def _prune_fresh(self, layer: int) -> None:
-        """Drop fresh copies past the last ``FRESH_BLOCKS`` whose bytes are stored."""
-        fresh, sp = self._fresh[layer], self.c.spiller
-        for b in sorted(fresh)[:-FRESH_BLOCKS]:
-            if sp is None or sp.done(self._fresh_ticket.get(b, -1)):
-                del fresh[b]
-        if layer == len(self._fresh) - 1:
-            keep = set().union(*self._fresh)
-            self._fresh_ticket = {b: t for b, t in self._fresh_ticket.items() if b in keep}
+        for b in sorted(fresh)[:max(0, len(fresh) - FRESH_BLOCKS)]:
+            del fresh[b]
 
     def _append_bounds(self, layer: int, new: torch.Tensor) -> None:
         n, cur = self.count[layer], self._bounds[layer]
         if cur is None or cur.shape[0] < n + new.shape[0]:
-            cap = max(16, 2 * (n + new.shape[0]))
+            cap = n + new.shape[0] + max(8, (n + new.shape[0]) // 4)  # room for a few more
             grown = new.new_empty((cap, *new.shape[1:]))
             if n:
                 grown[:n] = cur[:n]
@@ -160,23 +162,25 @@ class Retrieval:
         """K/V of the blocks ``layer`` attends in this step (``[1, H, attended, D]``)."""
         if not self.chosen[layer]:
             return None
-        pend = self._pending[layer]
-        if pend is not None:
-            pieces, fut = pend
-            if not fut.done():
+        if self._pending[layer] is not None:
+            if not self._pending[layer][1].done():
                 t0 = time.perf_counter()
-                got = fut.result()
+                self._settle(layer)
                 self.fetch_wait_s += time.perf_counter() - t0
                 self.fetch_waits += 1
                 self.c.step_waited()
             else:
-                got = fut.result()
-            pieces.update(got)
-            self._kv[layer] = self._assemble(layer, pieces)
-            self._pending[layer] = None
+                self._settle(layer)
         if self._kv[layer] is None:  # the budget took them: read back (a refill)
             self._kv[layer] = self._assemble(layer, self._read(layer, list(self.chosen[layer])))
         return self._kv[layer]
+
+    def _settle(self, layer: int) -> None:
+        """Wait for ``layer``'s fetch and put its chosen blocks together."""
+        pieces, fut = self._pending[layer]
+        pieces.update(fut.result())
+        self._kv[layer] = self._assemble(layer, pieces)
+        self._pending[layer] = None
 
     def _assemble(self, layer: int, pieces: dict[int, tuple[torch.Tensor, torch.Tensor]]
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,8 +195,6 @@ class Retrieval:
     def observe(self, layer: int, query: torch.Tensor) -> None:
         """Rank the blocks against ``layer``'s queries of this step; choose the next step's."""
         self._observed += 1
-        if len(self._fresh[layer]) > FRESH_BLOCKS:
-            self._prune_fresh(layer)
         n = self.count[layer]
         if n == 0:
             return
@@ -326,9 +328,8 @@ class Retrieval:
     def copy_to(self, other: Retrieval) -> None:
         """Give ``other`` (a fork's, empty) this state: bounds, chosen blocks and their K/V."""
         for layer in range(self.c.num_layers):
-            pend = self._pending[layer]
-            if pend is not None:
-                self.step_kv(layer)  # settle the fetch first
+            if self._pending[layer] is not None:
+                self._settle(layer)
             b = self._bounds[layer]
             other._bounds[layer] = None if b is None else b.clone()
             kv = self._kv[layer]

@@ -189,15 +189,6 @@ class Spiller:
             self._raise_if_failed()
 
     @property
-    def last_ticket(self) -> int:
-        """The ticket of the last job submitted (-1: none)."""
-        return self._next_ticket - 1
-
-    def done(self, ticket: int) -> bool:
-        """Whether job ``ticket`` has run (its bytes are in the warm tier)."""
-        return self._done_ticket >= ticket
-
-    @property
     def pending_bytes(self) -> int:
         return self._pending_bytes
 
