@@ -479,6 +479,56 @@ class TieredCache(RecallMixin, MovesMixin, Cache):
             out.update(range(max(0, (a - o) // n), -(-(b - o) // n)))
         return out
 
+    # --- the rest of transformers' surface ---------------------------------------------------
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens (transformers' convention: assisted and
+        prompt-lookup decoding cut the rejected draft tokens). Only without a window
+        (``max_kv_len=None``): with one, the tokens that left the device would have to come
+        back and what they chose for retrieval be undone. Never below the open round's start;
+        stored copies past the cut (after a ``flush``) are truncated."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes the number of tokens to remove as a negative count, "
+                             f"got {tokens_to_remove}")
+        n = -int(tokens_to_remove)
+        if n == 0 or not self.layers[0].is_initialized:
+            return
+        if self.max_kv_len is not None:
+            raise NotImplementedError(
+                f"TieredCache with a window (max_kv_len={self.max_kv_len}) cannot be cropped: tokens "
+                "have left the device; for assisted or prompt-lookup decoding use max_kv_len=None")
+        new = self.seen - n
+        if new < self._round_start:
+            raise ValueError(f"crop of {n} tokens would cut into closed rounds (the open round "
+                             f"starts at token {self._round_start}, {self.seen} seen)")
+        stored = max(lay.spilled for lay in self.layers)
+        for lay in self.layers:
+            lay.cut_to(new)
+        if stored > new and self.spiller is not None:
+            self.spiller.wait()
+            for layer in range(self.num_layers):
+                if self.warm.size(self.session_id, layer) > new * self.geo.token_bytes:
+                    self.warm.truncate(self.session_id, layer, new * self.geo.token_bytes)
+            self._queue_meta()
+        keys = self.layers[self.summary_layer].keys  # the open round's key sum, from its keys
+        self._round_sum, self._round_count = None, new - self._round_start
+        self._round_keys = [keys[..., self._round_start:new, :]] if self._round_count else []
+
+    def __deepcopy__(self, memo: dict) -> TieredCache:
+        """A copy that continues like this cache: only for a cache without tiers (``warm=None``);
+        a session's stored copies are branched with :meth:`KVRouter.fork`."""
+        if self.warm is not None:
+            raise TypeError(f"copy.deepcopy cannot copy session {self.session_id!r}: it lives in the "
+                            f"warm and cold tiers too; branch it with KVRouter.fork({self.session_id!r}, "
+                            "new_id), which copies the stored tokens and continues exactly")
+        other = TieredCache(self.config, session_id=self.session_id, warm=None,
+                            max_kv_len=self.max_kv_len, sink_tokens=self.sink_tokens,
+                            summary_dim=self.summary_dim, dtype=self.geo.dtype)
+        other.fingerprint = self.fingerprint
+        self.copy_state_to(other)
+        other._check_refill = False
+        memo[id(self)] = other
+        return other
+
     # --- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop this cache's own spill thread (if it has one) after draining it."""

@@ -78,6 +78,14 @@ def window_slack(max_kv_len: int | None, sink_tokens: int) -> int:
     return min(WINDOW_SLACK_MAX, max(1, (max_kv_len + sink_tokens) // WINDOW_SLACK_FRACTION))
 
 
+def one_sequence(n: int) -> str:
+    """The refusal of more than one sequence per session (beam search, batches)."""
+    return (f"TieredCache holds one sequence per session, so it cannot run beam search "
+            f"(num_beams > 1), return several sequences or take a batch: got {n} sequences. "
+            "Use num_beams=1 with one prompt; to explore several continuations, fork the session "
+            "(KVRouter.fork) and continue each branch")
+
+
 #: fewest decode steps a buffer must have room for before its views are made in one go
 MIN_VIEW_STEPS = 8
 
@@ -86,8 +94,12 @@ class TieredLayer(DynamicLayer):
     """One layer's hot window (see the module docstring for the storage layout)."""
 
     is_sliding = False
-    is_croppable = False
     is_compileable = False
+
+    @property
+    def is_croppable(self) -> bool:  # type: ignore[override]
+        """Without a window every token is on the device: the cache can be cut back."""
+        return self._cache.max_kv_len is None
 
     def __init__(self, cache: TieredCache, idx: int) -> None:
         self._install(None, None)  # before the base class assigns keys/values
@@ -176,8 +188,6 @@ class TieredLayer(DynamicLayer):
         if key_states.dtype != geo.dtype:
             raise KVMismatch(f"layer {self.idx}: K/V arrive as {key_states.dtype}, the cache was "
                              f"built for {geo.dtype} (pass dtype= to match the model)")
-        if key_states.shape[0] != 1:
-            raise ValueError(f"TieredCache holds one sequence per session; got batch size {key_states.shape[0]}")
         self.device = key_states.device
         b, h, _, d = key_states.shape
         self._install(key_states.new_empty((b, h, 0, d)), value_states.new_empty((b, h, 0, d)))
@@ -210,6 +220,8 @@ class TieredLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         c = self._cache
+        if key_states.shape[0] != 1:
+            raise ValueError(one_sequence(key_states.shape[0]))
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         q = key_states.shape[-2]
@@ -378,8 +390,22 @@ class TieredLayer(DynamicLayer):
         return -1
 
     def crop(self, tokens_to_remove: int) -> None:
+        """One layer alone cannot be cut (the cache's rounds and tiers span layers)."""
         if tokens_to_remove:
-            raise NotImplementedError("TieredCache cannot be cropped (tokens may already be below)")
+            raise NotImplementedError("crop the TieredCache (TieredCache.crop), not one of its layers")
+
+    def cut_to(self, seen: int) -> None:
+        """Keep tokens ``[0, seen)`` (no window: all of them are stored; between steps)."""
+        self._install(self.keys[..., :seen, :].clone(), self.values[..., :seen, :].clone())
+        self.seen = seen
+        self.spilled = min(self.spilled, seen)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            raise ValueError(one_sequence(repeats))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise ValueError(one_sequence(len(beam_idx)))
 
     def reset(self) -> None:
         super().reset()
