@@ -33,8 +33,9 @@ def model():
 
 
 def budget(model, blocks: int, block: int) -> int:
-    """retrieval_bytes that attend ``blocks`` blocks of ``block`` tokens per layer."""
-    return blocks * block * geometry(model).session_token_bytes
+    """retrieval_bytes that attend ``blocks`` blocks of ``block`` tokens per layer (and keep
+    as many for reuse)."""
+    return 2 * blocks * block * geometry(model).session_token_bytes
 
 
 def make_router(tmp_path: Path, model, **kw) -> KVRouter:
@@ -150,7 +151,7 @@ from kvfs.torch import KVRouter, geometry
 a = json.loads(sys.argv[1])
 m = tiny_llama(seed=0)
 r = KVRouter(mount=a["cold"], warm_root=a["warm"], max_kv_len=8, warm_options={"shards": 16},
-             retrieval_block=4, retrieval_bytes=3 * 4 * geometry(m).session_token_bytes)
+             retrieval_block=4, retrieval_bytes=2 * 3 * 4 * geometry(m).session_token_bytes)
 c = r.resume("s", m)
 ids, out = torch.tensor([a["conv"]]), []
 for t in a["turns"]:
@@ -313,6 +314,7 @@ def test_a_slow_fetch_changes_nothing_but_the_wait(tmp_path, model, monkeypatch)
         return slow(self, layer, blocks)
 
     monkeypatch.setattr(Retrieval, "_read", read)
+    monkeypatch.setattr(Retrieval, "_in_ram", lambda *a: False)  # as if on the mount: a thread
     monkeypatch.setattr("kvfs.torch.retrieval.FRESH_BLOCKS", 0)  # every new block is read
     r = make_router(tmp_path, model)
     c = r.cache("s", model)
@@ -320,7 +322,23 @@ def test_a_slow_fetch_changes_nothing_but_the_wait(tmp_path, model, monkeypatch)
     assert got == expected
     st = c.stats()
     waits = st["retrieval"]["fetch_waits"]  # per layer; a step that waited is one miss
+    assert st["retrieval"]["background_reads"] > 0
     assert waits > 0 and waits / c.num_layers <= st["misses"] <= waits
+    r.close()
+
+
+def test_a_live_session_moved_to_the_mount_reads_its_blocks_from_there(tmp_path, model):
+    expected = uninterrupted(tmp_path, model, TURNS)
+    r = make_router(tmp_path, model)
+    c = r.cache("s", model)
+    got = [o[0].tolist() for o in generate_turns(model, c, TURNS[:3], NEW)]
+    r.save("s")
+    r.warm.migrate(1)  # the RAM copy leaves: the blocks come from the mount now
+    assert r.warm.where("s") == "cold"
+    conv = torch.cat([x for t, o in zip(TURNS[:3], got, strict=True) for x in (t, torch.tensor([o]))], 1)
+    got += continue_turns(model, c, conv, TURNS[3:])
+    assert got == expected
+    assert c.stats()["retrieval"]["background_reads"] > 0
     r.close()
 
 

@@ -188,18 +188,19 @@ class TieredCache(RecallMixin, MovesMixin, Cache):
             self.retrieval = self._make_retrieval(model_or_config, retrieval_block, retrieval_bytes)
 
     def _make_retrieval(self, model_or_config: Any, block: int, budget: int | None) -> Retrieval | None:
-        """The session's retrieval: ``budget`` device bytes of blocks attended per step
-        (all layers), so ``budget // (block * session_token_bytes)`` blocks per layer."""
+        """The session's retrieval: ``budget`` device bytes of blocks (all layers), half of
+        them attended per step and half kept for reuse, so ``budget // (2 * block *
+        session_token_bytes)`` blocks attended per layer."""
         if self.warm is None:
             raise ValueError("retrieval needs a warm tier (warm=...) to read old blocks from")
         if budget is None:
             raise ValueError("retrieval needs retrieval_bytes, the device bytes of the blocks "
                              "it attends per step")
-        attend = int(budget) // (int(block) * self.geo.session_token_bytes)
+        attend = int(budget) // (2 * int(block) * self.geo.session_token_bytes)
         if attend < 1:
-            log.warning("session %r: retrieval_bytes=%d holds no block of %d tokens (%d B each "
-                        "over all layers); retrieval is off", self.session_id, budget, block,
-                        block * self.geo.session_token_bytes)
+            log.warning("session %r: retrieval_bytes=%d holds fewer than two blocks of %d tokens "
+                        "(%d B each over all layers); retrieval is off", self.session_id, budget,
+                        block, block * self.geo.session_token_bytes)
             return None
         if not attention.installed(model_or_config):
             if not hasattr(model_or_config, "named_parameters"):
@@ -470,6 +471,10 @@ class TieredCache(RecallMixin, MovesMixin, Cache):
         other.recalled_rounds = list(self.recalled_rounds)
         if self.retrieval is not None and other.retrieval is not None:
             self.retrieval.copy_to(other.retrieval)
+
+    @property
+    def recalling(self) -> bool:
+        return bool(self._recall_spans)
 
     def recalled_blocks(self, layout: Any) -> set[int]:
         """Blocks that overlap the active recall (retrieval leaves them to it)."""

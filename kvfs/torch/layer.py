@@ -334,10 +334,9 @@ class TieredLayer(DynamicLayer):
             ks.append(self.recall_keys)
             vs.append(self.recall_values)
         if c.retrieval is not None:
-            kv = c.retrieval.step_kv(self.idx)
-            if kv is not None:
-                ks.append(kv[0])
-                vs.append(kv[1])
+            rk, rv = c.retrieval.step_kv(self.idx)
+            ks += rk
+            vs += rv
             c.retrieval.expect(self.idx)  # this layer's queries choose the next step's blocks
         if ks:  # sinks, recalled rounds, retrieved blocks, window, input
             full_k = torch.cat([full_k[:, :, :p], *ks, full_k[:, :, p:]], dim=-2)

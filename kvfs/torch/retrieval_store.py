@@ -1,4 +1,9 @@
-"""Resume of the retrieval bounds: the ``key_bounds`` side stream read, checked and completed.
+"""The retrieval state in storage: the ``key_bounds`` side stream and the ``meta.json`` entry.
+
+The live session appends one record per block that leaves its window (:func:`write_records`,
+run by the spill thread in order with the layer bytes) and saves the blocks its next step
+attends in ``meta.json`` (``retrieval``: ``block``, ``origin``, ``tokens``, ``chosen`` per
+layer in slot order; :func:`chosen_from_meta` takes them back only when they fit exactly).
 
 A resumed session needs the bounds of every block that has left its window. They come
 from the session's ``key_bounds`` stream (warm tier, or the mount through it) when its
@@ -13,7 +18,7 @@ to hold exactly those blocks, so the live session appends after them. Separate f
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -78,3 +83,40 @@ def load_bounds(c: TieredCache, lay: BlockLayout, need: int) -> tuple[torch.Tens
         data = lay.records(valid, have[valid:]).tobytes()
         warm.side_append(sid, STREAM, data if valid else lay.header() + data)
     return have, need - valid
+
+
+def write_records(warm: Any, sid: str, lay: BlockLayout, first: int, bounds: torch.Tensor) -> None:
+    """Spill thread: append the records of blocks ``first, ...`` (``bounds`` ``[m, L, H, 2,
+    D]``, any device; the header first when ``first`` is 0)."""
+    data = lay.records(first, bounds.cpu())
+    if first == 0:
+        data = memoryview(lay.header() + data.tobytes())
+    new = warm.side_append(sid, STREAM, data)
+    want = lay.offset(first + bounds.shape[0])
+    if new != want:
+        raise RuntimeError(f"session {sid!r}: {STREAM} is {new} bytes after appending records up "
+                           f"to block {first + bounds.shape[0]}, expected {want}")
+
+
+def chosen_from_meta(saved: Any, layout: BlockLayout, tokens: int, blocks: int, each: int,
+                     layers: int) -> list[tuple[int, ...]]:
+    """The chosen blocks saved in meta.json when they fit this session exactly (same block
+    layout, saved at ``tokens``, ``each`` distinct valid blocks per layer); else none for
+    every layer (the first step then attends sinks and window only, and its queries choose)."""
+    none: list[tuple[int, ...]] = [()] * layers
+    if not isinstance(saved, dict) or saved.get("block") != layout.block or \
+            saved.get("origin") != layout.origin or saved.get("tokens") != tokens:
+        return none
+    got = saved.get("chosen")
+    if not isinstance(got, list) or len(got) != layers:
+        return none
+    out = []
+    for ch in got:
+        if (not isinstance(ch, list) or len(ch) != each
+                or not all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b < blocks for b in ch)
+                or len(set(ch)) != len(ch)):
+            log.warning("meta.json retrieval entry does not fit the session; the first step "
+                        "attends no retrieved blocks")
+            return none
+        out.append(tuple(ch))
+    return out

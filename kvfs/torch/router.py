@@ -296,7 +296,7 @@ class KVRouter(BudgetMixin):
                         recall_rounds=src.recall_rounds, spiller=self.spiller, router=self,
                         summary_dim=src.summary_dim, dtype=src.geo.dtype, retrieval=ret is not None,
                         retrieval_block=ret.block if ret else src.retrieval_block,
-                        retrieval_bytes=ret.attend * ret.block * src.geo.session_token_bytes
+                        retrieval_bytes=2 * ret.attend * ret.block * src.geo.session_token_bytes
                         if ret else None)
         c.fingerprint = src.fingerprint
         self.reserve(c, src.hot_bytes)

@@ -230,7 +230,9 @@ class RetrievalReference(WindowReference):
     counted from ``sinks``) and its input. After a step, each layer's queries (recomputed
     by a pre-hook on its attention: ``q_proj`` and the rotary embedding) rank every block
     that has left the window by :func:`kvfs.torch.blocks.block_scores` of its key bounds
-    (from the full history), and the top ``attend`` are the next step's. Llama layout."""
+    (from the full history), and the top ``attend`` are the next step's, in slots: a block
+    that stays keeps its place, new ones take the freed places in ascending order. Llama
+    layout."""
 
     def __init__(self, model, window: int, sinks: int, block: int, attend: int) -> None:
         super().__init__(model, None, sinks)
@@ -264,7 +266,7 @@ class RetrievalReference(WindowReference):
     def step(self, x: torch.Tensor) -> int:
         from transformers import DynamicCache
 
-        from kvfs.torch.blocks import block_scores, bounds_of_keys
+        from kvfs.torch.blocks import block_scores, bounds_of_keys, scoring_layout
 
         q, n, b, o = x.shape[1], self.pos, self.block, self.sinks
         s, ws = min(self.sinks, n), self.window_from(n)
@@ -285,10 +287,17 @@ class RetrievalReference(WindowReference):
             self.hist_v[i].append(lay.values[..., -q:, :])
         self.pos = n + q
         nb = max(0, (self.window_from(self.pos) - o) // b)
+        if nb:  # every layer's blocks scored at once, as the cache does
+            bounds = torch.stack([scoring_layout(bounds_of_keys(self.history(i)[0][..., o:o + nb * b, :], b))
+                                  for i in range(len(self.hist_k))])
+            all_scores = block_scores(torch.cat(self.queries), bounds)
         for i in range(len(self.hist_k)):
             if nb:
-                hk, _ = self.history(i)
-                scores = block_scores(self.queries[i], bounds_of_keys(hk[..., o:o + nb * b, :], b))
-                top = torch.topk(scores, min(self.attend, nb)).indices.tolist()
-                self.chosen[i] = sorted(top)
+                top = set(torch.topk(all_scores[i], min(self.attend, nb)).indices.tolist())
+                # slots: a block that stays keeps its place, new ones fill the freed places
+                # in ascending order, then new places at the end
+                old = self.chosen[i]
+                new = sorted(top - set(old))
+                order = [c if c in top else (new.pop(0) if new else None) for c in old]
+                self.chosen[i] = [c for c in order if c is not None] + new
         return int(out.logits[0, -1].argmax())

@@ -1,5 +1,5 @@
 """The warm tier's read calls: size, layer_sizes, layers, read, read_into, read_layers,
-side_size, side_read (a mixin of WarmTier).
+in_ram, side_size, side_read (a mixin of WarmTier).
 
 A layer's range splits at its base: bytes below it come from the cold copy (always a
 prefix of the content, tier.py), the rest from the shard's mapping. A checksum mismatch in
@@ -33,6 +33,17 @@ class Reads:
 
     def size(self, sid: str, layer: int) -> int:
         return self._size(sid, check_layer(layer))
+
+    def in_ram(self, sid: str, layer: int, start: int, end: int) -> bool:
+        """Whether bytes [start, end) of a layer are in this RAM tier now (a read of them
+        touches no cold file). A hint: the session may migrate right after."""
+        layer = check_layer(layer)
+        with self._locked(sid) as slot:
+            _, s = self._warm(slot, sid)
+            if s is None:
+                return False
+            base, size = self._span(s, layer)
+            return base <= start and end <= size
 
     def side_size(self, sid: str, name: str) -> int:
         """Bytes of side stream ``name`` (0 if none; see ``side_append``)."""
