@@ -38,6 +38,7 @@ def make_router(tmp_path: Path, **kw) -> KVRouter:
     kw.setdefault("warm_options", WARM_OPTS)
     kw.setdefault("auto_recall", False)  # exactness against caches without a warm tier
     kw.setdefault("rope_rerotate", False)  # ... and against references that do not rotate
+    kw.setdefault("retrieval", False)  # ... or retrieve (tests/test_torch_retrieval.py does)
     return KVRouter(mount=str(cold), warm_root=str(tmp_path / "warm"), **kw)
 
 
@@ -162,7 +163,7 @@ from kvfs.torch.testing import tiny_llama
 from kvfs.torch import KVRouter
 a = json.loads(sys.argv[1])
 r = KVRouter(mount=a["cold"], warm_root=a["warm"], max_kv_len=a["window"], warm_options={"shards": 16},
-             auto_recall=False)
+             auto_recall=False, retrieval=a["retrieval"])
 out = {}
 for s in a["sessions"]:
     m = tiny_llama(seed=s["seed"], dtype=getattr(torch, s["dtype"]))
@@ -202,7 +203,7 @@ def test_resume_in_a_new_process_continues_identically(tmp_path):
     assert r.warm.migrate(1) == ["s-fp32"]  # the LRU session now lives in cold only
     r.close()
     args = {"cold": str(tmp_path / "cold"), "warm": str(tmp_path / "warm"), "window": window,
-            "new": new, "sessions": sessions}
+            "new": new, "sessions": sessions, "retrieval": False}
     p = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args), str(Path(__file__).parent)],
                        capture_output=True, text=True, cwd=REPO, timeout=120,
                        env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -52,15 +52,22 @@ class DayEvents:
         picks = [s for s in self.active if s.cache is not None and s.cache.seen
                  and s.cache.stored == min(s.cache.seen, W)][:RESUME_CHECKS]
         for s in picks:
-            ref = TieredCache(self.model, max_kv_len=W, sink_tokens=s.cache.sink_tokens,
-                              rope_rerotate=s.cache.rope_mode or False, rope_reach=s.cache.rope_reach)
-            for lay, src in zip(ref.layers, s.cache.layers, strict=True):
-                src.copy_to(lay)
+            fork = None
+            if s.cache.retrieval is not None:  # a fork attends the blocks the live session would
+                fork = f"{s.sid}-ref"
+                ref = self.router.fork(s.sid, fork, self.model)
+            else:
+                ref = TieredCache(self.model, max_kv_len=W, sink_tokens=s.cache.sink_tokens,
+                                  rope_rerotate=s.cache.rope_mode or False, rope_reach=s.cache.rope_reach)
+                for lay, src in zip(ref.layers, s.cache.layers, strict=True):
+                    src.copy_to(lay)
             s.forced = self._question(s)
             ids = torch.cat([s.conv, s.forced], 1)
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), cache=ref,
                                       max_new_tokens=self.w.answer, do_sample=False)
             s.expect = out[0, -self.w.answer:].tolist()
+            if fork is not None:
+                self.router.delete(fork)
         t = time.perf_counter()
         old = self.router
         old.close()

@@ -35,6 +35,9 @@ from agent_day_workloads import (
 log = logging.getLogger("kvfs.agent_day")
 
 MODEL_SEED = 7
+#: KV bytes per token of SmolLM2-135M in fp32 (30 layers x 3 KV heads x 64 x K and V x 4 B),
+#: the model the profiles' retrieval budgets are sized for
+SMOLLM2_TOKEN_BYTES = 30 * 3 * 64 * 2 * 4
 
 
 class SimClock:
@@ -75,8 +78,13 @@ class Day(DayEvents, DaySamples):
         self.peak = args.sessions or w.peak
         self.clock = SimClock(DAY_S / (args.minutes * 60.0))
         W = self.prof.max_kv_len
+        # the profile's retrieval budget is sized in bytes for SmolLM2 (blocks of KV per layer);
+        # the tiny model gets the same blocks, in tokens, as the window keeps its tokens
+        stb = self.geo.session_token_bytes
+        self.retrieval_bytes = self.prof.retrieval_bytes * stb // SMOLLM2_TOKEN_BYTES
+        self.retrieval_tokens = self.retrieval_bytes // stb if self.prof.retrieval else 0
         held = W + self.prof.sink_tokens + 1  # what one session keeps on the device at a step
-        self.budget = int(w.budget_windows * self.peak * held * self.geo.session_token_bytes)
+        self.budget = int(w.budget_windows * self.peak * (held + self.retrieval_tokens) * stb)
         self.rec_tokens = 1 << (w.rounds[1] * (w.question[1] + w.answer + 1) - 1).bit_length()
         self.router = self._open_router()
         self.alerts = alerts.for_profile(
@@ -111,7 +119,7 @@ class Day(DayEvents, DaySamples):
         from kvfs.torch import KVRouter
 
         r = KVRouter(mount=str(self.vol.mnt), device="cpu", profile=self.prof, warm_root=str(self.warm_root),
-                     device_budget_bytes=self.budget,
+                     device_budget_bytes=self.budget, retrieval_bytes=self.retrieval_bytes,
                      warm_options={"cap_bytes": self.w.warm_cap, "clock": self.clock.wall})
         cold = r.warm.cold
         if cold is not None:  # time every cold read the agent makes (one call: one read)

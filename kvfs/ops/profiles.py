@@ -128,6 +128,13 @@ class Profile:
                                "window: next to the window)", choices=("off", "reach", "window"))
     rope_reach: int = _spec("int", "reach: the farthest the sinks may be from the query, tokens "
                             "(capped at the model's max_position_embeddings)", min=1)
+    retrieval: bool = _spec("bool", "attend, beside the sinks and the window, the old blocks whose "
+                            "key bounds best match the current queries (Quest); off: sinks and "
+                            "window only")
+    retrieval_block: int = _spec("int", "tokens per retrieval block", min=1, max=4096)
+    retrieval_bytes: int = _spec("size", "device bytes of the old blocks one session attends per "
+                                 "step, over all layers (the blocks per layer follow from the "
+                                 "model's KV bytes per token)", min=0)
     keep_summary_rounds: int = _spec(
         "int", "previous rounds kept findable by their summary (ecommerce: 1)", min=0, max=1024)
     # warm tier
@@ -473,6 +480,7 @@ def load(name: str = "gov", overrides: dict[str, Any] | None = None,
 #: keys only agent processes use (the hot and RAM tiers): a mount refuses them as overrides
 AGENT_KEYS = frozenset({
     "max_kv_len", "device_watermark", "sink_tokens", "auto_recall", "recall_rounds", "rope_rerotate", "rope_reach",
+    "retrieval", "retrieval_block", "retrieval_bytes",
     "keep_summary_rounds", "warm_shards", "shard_key", "warm_migrate_at", "lru_group",
     "warm_cap_bytes", "warm_root", "summary_dim", "writebehind", "writebehind_s",
     "writebehind_bytes",

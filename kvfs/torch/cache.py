@@ -73,6 +73,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from kvfs.ops import metrics
+from kvfs.torch import attention
 from kvfs.torch.cache_moves import MovesMixin
 from kvfs.torch.cache_recall import RecallMixin
 from kvfs.torch.fingerprint import (
@@ -83,6 +84,7 @@ from kvfs.torch.fingerprint import (
 )
 from kvfs.torch.layer import TieredLayer, window_slack
 from kvfs.torch.recall import summarize_keys
+from kvfs.torch.retrieval import Retrieval
 from kvfs.torch.rope import RopeShift
 from kvfs.torch.spill import Spiller
 
@@ -93,6 +95,8 @@ DEFAULT_SINK_TOKENS = 4
 DEFAULT_AUTO_RECALL = False  # on per profile: each recall is one read from below per round
 DEFAULT_RECALL_ROUNDS = 2
 DEFAULT_ROPE_REROTATE = False
+DEFAULT_RETRIEVAL = False  # on per profile (every shipped one)
+DEFAULT_RETRIEVAL_BLOCK = 16
 
 
 class TieredCache(RecallMixin, MovesMixin, Cache):
@@ -109,7 +113,9 @@ class TieredCache(RecallMixin, MovesMixin, Cache):
                  spiller: Spiller | None = None, router: Any = None,
                  summary_dim: int = 128, dtype: torch.dtype | None = None,
                  rope_rerotate: bool | str = DEFAULT_ROPE_REROTATE,
-                 rope_reach: int | None = None) -> None:
+                 rope_reach: int | None = None, retrieval: bool = DEFAULT_RETRIEVAL,
+                 retrieval_block: int = DEFAULT_RETRIEVAL_BLOCK,
+                 retrieval_bytes: int | None = None) -> None:
         if max_kv_len is not None and max_kv_len < 1:
             raise ValueError(f"max_kv_len must be >= 1 or None, got {max_kv_len}")
         if rope_reach is not None and rope_reach < 1:
@@ -175,6 +181,33 @@ class TieredCache(RecallMixin, MovesMixin, Cache):
         self._warned_discard = False
         self.step_slack = self.window_slack  # the room the current step's layers allocate
         self._hits_unpublished = 0  # hot hits not yet added to the process-wide counter
+        self._step_miss = False  # the running step read from below first
+        self.retrieval: Retrieval | None = None
+        self.retrieval_block = int(retrieval_block)
+        if retrieval and max_kv_len is not None:
+            self.retrieval = self._make_retrieval(model_or_config, retrieval_block, retrieval_bytes)
+
+    def _make_retrieval(self, model_or_config: Any, block: int, budget: int | None) -> Retrieval | None:
+        """The session's retrieval: ``budget`` device bytes of blocks (all layers), half of
+        them attended per step and half kept for reuse, so ``budget // (2 * block *
+        session_token_bytes)`` blocks attended per layer."""
+        if self.warm is None:
+            raise ValueError("retrieval needs a warm tier (warm=...) to read old blocks from")
+        if budget is None:
+            raise ValueError("retrieval needs retrieval_bytes, the device bytes of the blocks "
+                             "it attends per step")
+        attend = int(budget) // (2 * int(block) * self.geo.session_token_bytes)
+        if attend < 1:
+            log.warning("session %r: retrieval_bytes=%d holds fewer than two blocks of %d tokens "
+                        "(%d B each over all layers); retrieval is off", self.session_id, budget,
+                        block, block * self.geo.session_token_bytes)
+            return None
+        if not attention.installed(model_or_config):
+            if not hasattr(model_or_config, "named_parameters"):
+                raise ValueError("retrieval needs the model (TieredCache(model, ...)): its "
+                                 "attention is set up to report the queries")
+            attention.install(model_or_config)
+        return Retrieval(self, block, attend)
 
     # --- views -------------------------------------------------------------------------------
     @property
@@ -195,11 +228,25 @@ class TieredCache(RecallMixin, MovesMixin, Cache):
         """First window token on the device now (budget moves may have taken the front)."""
         return self.layers[0].window_start
 
+    def window_from(self, seen: int) -> int:
+        """First window token after ``seen`` tokens: the last ``max_kv_len`` tokens past the
+        sinks, with retrieval reaching back to the start of their block."""
+        sinks = min(self.sink_tokens, seen)
+        if self.max_kv_len is None:
+            return sinks
+        base = max(sinks, seen - self.max_kv_len)
+        return base if self.retrieval is None else self.retrieval.window_from(seen, base)
+
+    def window_keep(self, seen: int) -> int | None:
+        """Window tokens kept after ``seen`` tokens (None: no window)."""
+        if self.max_kv_len is None:
+            return None
+        return seen - self.window_from(seen) if self.retrieval is not None else self.max_kv_len
+
     @property
     def attended_start(self) -> int:
         """First token the next step attends in the window (what a refill restores)."""
-        sinks = min(self.sink_tokens, self.seen)
-        return sinks if self.max_kv_len is None else max(sinks, self.seen - self.max_kv_len)
+        return self.window_from(self.seen)
 
     @property
     def attended_tokens(self) -> int:
@@ -212,7 +259,8 @@ class TieredCache(RecallMixin, MovesMixin, Cache):
     def hot_bytes(self) -> int:
         """Device bytes this session's K/V storage holds (sinks, window, the buffer's room, recall)."""
         lay = self.layers[0]
-        return (lay.held + lay.recalled) * self.geo.session_token_bytes
+        ret = 0 if self.retrieval is None else self.retrieval.device_bytes
+        return (lay.held + lay.recalled) * self.geo.session_token_bytes + ret
 
     @property
     def device(self) -> torch.device | None:
@@ -228,6 +276,7 @@ class TieredCache(RecallMixin, MovesMixin, Cache):
             "hit_rate": self.hits / self.steps if self.steps else 1.0,
             "evicted_rounds": self.evicted_rounds, "recalls": self.recalls, "refills": self.refills,
             "recalled_rounds": list(self.recalled_rounds),
+            "retrieval": None if self.retrieval is None else self.retrieval.stats(),
         }
 
     def __repr__(self) -> str:
@@ -280,8 +329,19 @@ class TieredCache(RecallMixin, MovesMixin, Cache):
             else:
                 log.info("session %r passes max_position_embeddings (%d) at token %d; its sinks "
                          "are re-rotated next to the window", self.session_id, mp, self.seen + q)
-        if self._miss_pending:
-            self._miss_pending = False
+        self._step_miss, self._miss_pending = self._miss_pending, False
+        if self.retrieval is not None:
+            self.retrieval.step_begin()
+        if self.router is not None:
+            self.router.before_step(self, q)
+
+    def step_waited(self) -> None:
+        """The running step waited for a read from below (a retrieval fetch): a hot miss."""
+        self._step_miss = True
+
+    def _count_step(self) -> None:
+        if self._step_miss:
+            self._step_miss = False
             self.misses += 1
             metrics.hot_misses.inc()
         else:
@@ -289,10 +349,11 @@ class TieredCache(RecallMixin, MovesMixin, Cache):
             self._hits_unpublished += 1
             if self._hits_unpublished >= self.PUBLISH_HITS_EVERY:
                 self._publish_hits()
-        if self.router is not None:
-            self.router.before_step(self, q)
 
     def _step_end(self) -> None:
+        self._count_step()
+        if self.retrieval is not None:
+            self.retrieval.queue_records()
         if self._auto_query is not None:
             query, self._auto_query = self._auto_query, None
             if self.router is not None:
@@ -368,6 +429,9 @@ class TieredCache(RecallMixin, MovesMixin, Cache):
         tokens = min(lay.spilled for lay in self.layers)
         rounds = [list(r) for r in self.rounds if r[1] <= tokens]
         meta = build_meta(self.fingerprint, self.geo, tokens, rounds)
+        if self.retrieval is not None and tokens == self.seen:  # what the next step attends
+            self.retrieval.queue_records()
+            meta["retrieval"] = self.retrieval.meta_state(tokens)
         return self.spiller.submit_call(self.warm.put_meta, self.session_id, meta)
 
     def flush(self, wait: bool = True) -> None:
@@ -405,6 +469,70 @@ class TieredCache(RecallMixin, MovesMixin, Cache):
         other.sinks_moved = self.sinks_moved
         other._check_refill = True
         other.recalled_rounds = list(self.recalled_rounds)
+        if self.retrieval is not None and other.retrieval is not None:
+            self.retrieval.copy_to(other.retrieval)
+
+    @property
+    def recalling(self) -> bool:
+        return bool(self._recall_spans)
+
+    def recalled_blocks(self, layout: Any) -> set[int]:
+        """Blocks that overlap the active recall (retrieval leaves them to it)."""
+        out: set[int] = set()
+        o, n = layout.origin, layout.block
+        for a, b in self._recall_spans:
+            out.update(range(max(0, (a - o) // n), -(-(b - o) // n)))
+        return out
+
+    # --- the rest of transformers' surface ---------------------------------------------------
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens (transformers' convention: assisted and
+        prompt-lookup decoding cut the rejected draft tokens). Only without a window
+        (``max_kv_len=None``): with one, the tokens that left the device would have to come
+        back and what they chose for retrieval be undone. Never below the open round's start;
+        stored copies past the cut (after a ``flush``) are truncated."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes the number of tokens to remove as a negative count, "
+                             f"got {tokens_to_remove}")
+        n = -int(tokens_to_remove)
+        if n == 0 or not self.layers[0].is_initialized:
+            return
+        if self.max_kv_len is not None:
+            raise NotImplementedError(
+                f"TieredCache with a window (max_kv_len={self.max_kv_len}) cannot be cropped: tokens "
+                "have left the device; for assisted or prompt-lookup decoding use max_kv_len=None")
+        new = self.seen - n
+        if new < self._round_start:
+            raise ValueError(f"crop of {n} tokens would cut into closed rounds (the open round "
+                             f"starts at token {self._round_start}, {self.seen} seen)")
+        stored = max(lay.spilled for lay in self.layers)
+        for lay in self.layers:
+            lay.cut_to(new)
+        if stored > new and self.spiller is not None:
+            self.spiller.wait()
+            for layer in range(self.num_layers):
+                if self.warm.size(self.session_id, layer) > new * self.geo.token_bytes:
+                    self.warm.truncate(self.session_id, layer, new * self.geo.token_bytes)
+            self._queue_meta()
+        keys = self.layers[self.summary_layer].keys  # the open round's key sum, from its keys
+        self._round_sum, self._round_count = None, new - self._round_start
+        self._round_keys = [keys[..., self._round_start:new, :]] if self._round_count else []
+
+    def __deepcopy__(self, memo: dict) -> TieredCache:
+        """A copy that continues like this cache: only for a cache without tiers (``warm=None``);
+        a session's stored copies are branched with :meth:`KVRouter.fork`."""
+        if self.warm is not None:
+            raise TypeError(f"copy.deepcopy cannot copy session {self.session_id!r}: it lives in the "
+                            f"warm and cold tiers too; branch it with KVRouter.fork({self.session_id!r}, "
+                            "new_id), which copies the stored tokens and continues exactly")
+        other = TieredCache(self.config, session_id=self.session_id, warm=None,
+                            max_kv_len=self.max_kv_len, sink_tokens=self.sink_tokens,
+                            summary_dim=self.summary_dim, dtype=self.geo.dtype)
+        other.fingerprint = self.fingerprint
+        self.copy_state_to(other)
+        other._check_refill = False
+        memo[id(self)] = other
+        return other
 
     # --- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:

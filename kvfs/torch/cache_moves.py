@@ -46,10 +46,11 @@ class MovesMixin:
             spans.append((self.attended_start, ws))
         missing = sum(b - a for a, b in spans)
         rec = self._recall_spans if self._recall_spans and lay0.recall_keys is None else []
-        if missing <= 0 and not rec:
+        ret = self.retrieval is not None and self.retrieval.missing()
+        if missing <= 0 and not rec and not ret:
             self._check_refill = False
             return
-        n_rec = sum(b - a for a, b in rec)
+        n_rec = sum(b - a for a, b in rec) + (self.retrieval.attended_tokens if ret else 0)
         if self.router is not None:
             self.router.reserve(self, (missing + n_rec) * self.geo.session_token_bytes)
         if self.spiller is not None:
@@ -63,6 +64,8 @@ class MovesMixin:
             self.refills += 1
         if rec:
             self._materialize_recall(rec, dev)
+        if ret:
+            self.retrieval.refill()
         self._check_refill = False
         self._miss_pending = True
         if self.router is not None:
@@ -81,6 +84,8 @@ class MovesMixin:
         if self.layers[0].recall_keys is not None:
             for lay in self.layers:
                 lay.recall_keys = lay.recall_values = None
+            return before - self.hot_bytes
+        if self.retrieval is not None and self.retrieval.release_device():
             return before - self.hot_bytes
         movable = self.stored - self.sinks  # the sinks stay on the device
         if movable <= 0:
@@ -132,12 +137,14 @@ class MovesMixin:
         # against the model and the files; only a crash tail is cut (kvfs.torch.meta)
         tokens = reconcile(self.warm, sid, meta, self.fingerprint, self.geo, self.num_layers)
         sinks = min(self.sink_tokens, tokens)
-        start = 0 if self.max_kv_len is None else max(sinks, tokens - self.max_kv_len)
+        start = self.window_from(tokens)
         spans = [(0, tokens)] if start <= sinks else [(0, sinks), (start, tokens)]
         # straight from where the bytes are: the window goes to the device, not to RAM first
         kv = read_spans(self.warm, sid, self.geo, spans, device, promote=False, checked=True)
         for lay, (k, v) in zip(self.layers, kv, strict=True):
             lay.set_window(k, v, tokens)
+        if self.retrieval is not None:  # bounds of the blocks before the window, chosen blocks
+            self.retrieval.load(meta, tokens, start, device)
         self.rounds = [list(r) for r in meta["rounds"]]
         self._round_start = self.rounds[-1][1] if self.rounds else 0
         if self._round_start < tokens:  # an open round: rebuild its running key sum

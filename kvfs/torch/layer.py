@@ -78,6 +78,14 @@ def window_slack(max_kv_len: int | None, sink_tokens: int) -> int:
     return min(WINDOW_SLACK_MAX, max(1, (max_kv_len + sink_tokens) // WINDOW_SLACK_FRACTION))
 
 
+def one_sequence(n: int) -> str:
+    """The refusal of more than one sequence per session (beam search, batches)."""
+    return (f"TieredCache holds one sequence per session, so it cannot run beam search "
+            f"(num_beams > 1), return several sequences or take a batch: got {n} sequences. "
+            "Use num_beams=1 with one prompt; to explore several continuations, fork the session "
+            "(KVRouter.fork) and continue each branch")
+
+
 #: fewest decode steps a buffer must have room for before its views are made in one go
 MIN_VIEW_STEPS = 8
 
@@ -86,8 +94,12 @@ class TieredLayer(DynamicLayer):
     """One layer's hot window (see the module docstring for the storage layout)."""
 
     is_sliding = False
-    is_croppable = False
     is_compileable = False
+
+    @property
+    def is_croppable(self) -> bool:  # type: ignore[override]
+        """Without a window every token is on the device: the cache can be cut back."""
+        return self._cache.max_kv_len is None
 
     def __init__(self, cache: TieredCache, idx: int) -> None:
         self._install(None, None)  # before the base class assigns keys/values
@@ -176,8 +188,6 @@ class TieredLayer(DynamicLayer):
         if key_states.dtype != geo.dtype:
             raise KVMismatch(f"layer {self.idx}: K/V arrive as {key_states.dtype}, the cache was "
                              f"built for {geo.dtype} (pass dtype= to match the model)")
-        if key_states.shape[0] != 1:
-            raise ValueError(f"TieredCache holds one sequence per session; got batch size {key_states.shape[0]}")
         self.device = key_states.device
         b, h, _, d = key_states.shape
         self._install(key_states.new_empty((b, h, 0, d)), value_states.new_empty((b, h, 0, d)))
@@ -210,6 +220,8 @@ class TieredLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         c = self._cache
+        if key_states.shape[0] != 1:
+            raise ValueError(one_sequence(key_states.shape[0]))
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         q = key_states.shape[-2]
@@ -262,13 +274,15 @@ class TieredLayer(DynamicLayer):
         full_k, full_v = kb.narrow(-2, a, n), vb.narrow(-2, a, n)
         self.seen = seen = self.seen + q
         p = min(c.sink_tokens, seen)  # the front p tokens of full_k are absolute [0, p)
-        w = c.max_kv_len
+        w = c.window_keep(seen)
         self._a, self._n, self._views = a, n, None
         if w is not None and n - p > w:
             drop = n - p - w
             first = seen - (n - p)  # absolute index of full_k[..., p, :]
             if self.spilled < first + drop:
                 self._spill_ahead(full_k, full_v, p, first, first + drop, seen, slack)
+            if c.retrieval is not None:  # whole blocks leave the window: their bounds
+                c.retrieval.left_window(self.idx, first, full_k[:, :, p:p + drop], full_v[:, :, p:p + drop])
             if kb.shape[-2] > p + w + 1 + 2 * slack:  # e.g. a long prefill: keep sinks + window only
                 nk, nv = self._move(full_k, full_v, 0, p, p + w + 1 + slack)
                 nk[:, :, p:p + w] = full_k[:, :, n - w:]
@@ -281,7 +295,7 @@ class TieredLayer(DynamicLayer):
                         self._sk, self._sv = full_k[:, :, :p].clone(), full_v[:, :, :p].clone()
                 else:
                     self._a, self._n = a + drop, n - drop
-                if (q == 1 and drop == 1 and p == c.sink_tokens
+                if (q == 1 and drop == 1 and p == c.sink_tokens and c.retrieval is None
                         and kb.shape[-2] - n - a >= MIN_VIEW_STEPS):  # steady decode from here on
                     self._views = _DecodeViews(kb, vb, a + 1, n, p, w)
         return self._finish(c, key_states, full_k, full_v, p, seen)
@@ -315,9 +329,18 @@ class TieredLayer(DynamicLayer):
 
     def _finish(self, c: TieredCache, key_states: torch.Tensor, full_k: torch.Tensor,
                 full_v: torch.Tensor, p: int, seen: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.recall_keys is not None:  # sinks, recalled rounds, window, input
-            full_k = torch.cat([full_k[:, :, :p], self.recall_keys, full_k[:, :, p:]], dim=-2)
-            full_v = torch.cat([full_v[:, :, :p], self.recall_values, full_v[:, :, p:]], dim=-2)
+        ks, vs = [], []
+        if self.recall_keys is not None:
+            ks.append(self.recall_keys)
+            vs.append(self.recall_values)
+        if c.retrieval is not None:
+            rk, rv = c.retrieval.step_kv(self.idx)
+            ks += rk
+            vs += rv
+            c.retrieval.expect(self.idx)  # this layer's queries choose the next step's blocks
+        if ks:  # sinks, recalled rounds, retrieved blocks, window, input
+            full_k = torch.cat([full_k[:, :, :p], *ks, full_k[:, :, p:]], dim=-2)
+            full_v = torch.cat([full_v[:, :, :p], *vs, full_v[:, :, p:]], dim=-2)
         if self.idx == c.summary_layer:
             c._accumulate(key_states, seen - key_states.shape[-2])
         if self.idx == c.num_layers - 1:
@@ -349,7 +372,7 @@ class TieredLayer(DynamicLayer):
         cap = self.held
         if not self._owned or a + n > cap:
             cap = n + slack
-        w = self._cache.max_kv_len
+        w = self._cache.window_keep(self.seen + q)
         p = min(self._cache.sink_tokens, self.seen + q)
         if w is not None and n - p > w and cap > p + w + 1 + 2 * slack:
             cap = p + w + 1 + slack
@@ -357,14 +380,31 @@ class TieredLayer(DynamicLayer):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         attended = self.stored + (0 if self.recall_keys is None else self.recall_keys.shape[-2])
+        ret = self._cache.retrieval
+        if ret is not None:
+            attended += len(ret.chosen[self.idx]) * ret.block
         return attended + query_length, self.seen - attended
 
     def get_max_length(self) -> int:
         return -1
 
     def crop(self, tokens_to_remove: int) -> None:
+        """One layer alone cannot be cut (the cache's rounds and tiers span layers)."""
         if tokens_to_remove:
-            raise NotImplementedError("TieredCache cannot be cropped (tokens may already be below)")
+            raise NotImplementedError("crop the TieredCache (TieredCache.crop), not one of its layers")
+
+    def cut_to(self, seen: int) -> None:
+        """Keep tokens ``[0, seen)`` (no window: all of them are stored; between steps)."""
+        self._install(self.keys[..., :seen, :].clone(), self.values[..., :seen, :].clone())
+        self.seen = seen
+        self.spilled = min(self.spilled, seen)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            raise ValueError(one_sequence(repeats))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise ValueError(one_sequence(len(beam_idx)))
 
     def reset(self) -> None:
         super().reset()

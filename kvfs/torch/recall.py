@@ -32,7 +32,7 @@ _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
-def _layer_pool() -> ThreadPoolExecutor:
+def layer_pool() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
@@ -165,7 +165,7 @@ def read_spans(warm: Any, sid: str, geo: KVGeometry, spans: list[tuple[int, int]
         return buf
 
     out: list[tuple[torch.Tensor, torch.Tensor]] = []
-    pool = _layer_pool()
+    pool = layer_pool()
     ahead = pool.submit(fetch, 0) if len(groups) > 1 else None
     for k, group in enumerate(groups):
         buf = ahead.result() if ahead is not None else fetch(k)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from kvfs.ops import metrics, profiles
+from kvfs.torch.blocks import STREAM
 from kvfs.torch.cache import (
     TieredCache,
 )
@@ -53,7 +54,8 @@ def hot_settings(prof: Any) -> dict[str, Any]:
     """The hot-tier values of a profile."""
     return {"sink_tokens": prof.sink_tokens, "auto_recall": prof.auto_recall,
             "recall_rounds": prof.recall_rounds, "rope_rerotate": prof.rope_rerotate,
-            "rope_reach": prof.rope_reach}
+            "rope_reach": prof.rope_reach, "retrieval": prof.retrieval,
+            "retrieval_block": prof.retrieval_block, "retrieval_bytes": prof.retrieval_bytes}
 
 
 class KVRouter(BudgetMixin):
@@ -62,8 +64,12 @@ class KVRouter(BudgetMixin):
     ``KVRouter(mount="/mnt/kv", device="cpu", max_kv_len=24, device_budget_bytes=None,
     profile="gov")``. Values not given come from the profile (:mod:`kvfs.ops.profiles`:
     ``max_kv_len``, ``device_watermark``, ``summary_dim``, ``sink_tokens``, ``auto_recall``,
-    ``recall_rounds``, ``rope_rerotate``, ``rope_reach``, the warm tier's keys); explicit arguments win. ``warm=`` injects a ready warm tier (tests, benchmarks); otherwise one
-    ``WarmTier(cold_root=mount, root=warm_root or profile.warm_root, ...)`` is built and owned.
+    ``recall_rounds``, ``rope_rerotate``, ``rope_reach``, ``retrieval``, ``retrieval_block``,
+    ``retrieval_bytes``, the warm tier's keys); explicit arguments win. ``warm=`` injects a
+    ready warm tier (tests, benchmarks); otherwise one ``WarmTier(cold_root=mount,
+    root=warm_root or profile.warm_root, ...)`` is built and owned. ``retrieval=False`` is
+    the one switch back to sinks + window only (retrieval needs the model's attention to
+    report its queries: :mod:`kvfs.torch.attention`, installed by :meth:`cache`).
     """
 
     def __init__(self, mount: str | None = None, device: str | torch.device = "cpu",
@@ -73,7 +79,8 @@ class KVRouter(BudgetMixin):
                  warm_options: dict[str, Any] | None = None, summary_dim: int | None = None,
                  sink_tokens: int | None = None, auto_recall: bool | None = None,
                  recall_rounds: int | None = None, rope_rerotate: bool | str | None = None,
-                 rope_reach: int | None = None,
+                 rope_reach: int | None = None, retrieval: bool | None = None,
+                 retrieval_block: int | None = None, retrieval_bytes: int | None = None,
                  max_pending_bytes: int = 64 << 20) -> None:
         info = mount_info(mount)
         # the mount's profile unless told otherwise: one set of settings for all tiers
@@ -89,6 +96,9 @@ class KVRouter(BudgetMixin):
         self.recall_rounds = hot["recall_rounds"] if recall_rounds is None else int(recall_rounds)
         self.rope_rerotate = hot["rope_rerotate"] if rope_rerotate is None else rope_rerotate
         self.rope_reach = hot["rope_reach"] if rope_reach is None else int(rope_reach)
+        self.retrieval = hot["retrieval"] if retrieval is None else bool(retrieval)
+        self.retrieval_block = hot["retrieval_block"] if retrieval_block is None else int(retrieval_block)
+        self.retrieval_bytes = hot["retrieval_bytes"] if retrieval_bytes is None else int(retrieval_bytes)
         # from the profile: "where the model allows"; asked for explicitly: refused otherwise
         self._rope_required = rope_rerotate is not None
         self._rope_ok: dict[str, bool] = {}  # model fingerprint -> its rotation is reproducible
@@ -124,11 +134,13 @@ class KVRouter(BudgetMixin):
         self.watermark_moves = 0
         self.move_ms_total = 0.0
         self._closed = False
-        self._acked: dict[str, int] = {}  # tokens recorded as acknowledged, per session
-        log.info("router: device=%s max_kv_len=%s sinks=%d auto_recall=%s(k=%d) budget=%s "
-                 "watermark=%.2f profile=%s", self.device, self.max_kv_len, self.sink_tokens,
-                 self.auto_recall, self.recall_rounds, self.budget, self.watermark,
-                 getattr(self.profile, "name", profile))
+        self._acked: dict[str, int] = {}
+        self._warned_retrieval = False  # tokens recorded as acknowledged, per session
+        log.info("router: device=%s max_kv_len=%s sinks=%d auto_recall=%s(k=%d) retrieval=%s "
+                 "(blocks of %d, %d B) budget=%s watermark=%.2f profile=%s", self.device,
+                 self.max_kv_len, self.sink_tokens, self.auto_recall, self.recall_rounds,
+                 self.retrieval, self.retrieval_block, self.retrieval_bytes, self.budget,
+                 self.watermark, getattr(self.profile, "name", profile))
 
     # --- sessions ---------------------------------------------------------------------------
     def cache(self, session_id: str, model: Any, *, fresh: bool = False) -> TieredCache:
@@ -181,7 +193,9 @@ class KVRouter(BudgetMixin):
                             "does not parse; nothing was loaded")
         if isinstance(meta, dict) and isinstance(meta.get("tokens"), int):  # room first
             total = meta["tokens"]
-            n = total if self.max_kv_len is None else min(total, self.max_kv_len + self.sink_tokens)
+            n = total - c.window_from(total) + min(total, self.sink_tokens)
+            if c.retrieval is not None:
+                n += c.retrieval.attend * c.retrieval.block
             self.reserve(c, n * c.geo.session_token_bytes)
             tb = c.geo.token_bytes
             if self._prefetch:
@@ -196,7 +210,23 @@ class KVRouter(BudgetMixin):
                            sink_tokens=self.sink_tokens, auto_recall=self.auto_recall,
                            recall_rounds=self.recall_rounds, spiller=self.spiller, router=self,
                            summary_dim=self.summary_dim, dtype=geometry(model).dtype,
-                           rope_rerotate=self._rerotates(model), rope_reach=self.rope_reach)
+                           rope_rerotate=self._rerotates(model), rope_reach=self.rope_reach,
+                           retrieval=self.retrieval, retrieval_block=self.retrieval_block,
+                           retrieval_bytes=self.session_retrieval_bytes)
+
+    @property
+    def session_retrieval_bytes(self) -> int:
+        """A session's retrieval budget: the profile's, at most half the device budget (one
+        session's blocks never leave the others nothing; a fixed value, so a resumed session
+        attends what the live one did under the same settings)."""
+        if self.budget is None or self.retrieval_bytes <= self.budget // 2:
+            return self.retrieval_bytes
+        if not self._warned_retrieval:
+            self._warned_retrieval = True
+            log.warning("retrieval_bytes=%d is more than half the device budget (%d B): each "
+                        "session's retrieval gets %d B", self.retrieval_bytes, self.budget,
+                        self.budget // 2)
+        return self.budget // 2
 
     def _rerotates(self, model: Any) -> bool | str:
         """How this model's caches re-rotate their sinks: the profile's ``rope_rerotate``
@@ -264,10 +294,14 @@ class KVRouter(BudgetMixin):
         self._copy_stored(src_id, new_id, meta)
         if src is None:
             return self.resume(new_id, model) if model is not None else None
+        ret = src.retrieval
         c = TieredCache(src.config, session_id=new_id, warm=self.warm, max_kv_len=src.max_kv_len,
                         sink_tokens=src.sink_tokens, auto_recall=src.auto_recall,
                         recall_rounds=src.recall_rounds, spiller=self.spiller, router=self,
-                        summary_dim=src.summary_dim, dtype=src.geo.dtype)
+                        summary_dim=src.summary_dim, dtype=src.geo.dtype, retrieval=ret is not None,
+                        retrieval_block=ret.block if ret else src.retrieval_block,
+                        retrieval_bytes=2 * ret.attend * ret.block * src.geo.session_token_bytes
+                        if ret else None)
         c.fingerprint = src.fingerprint
         self.reserve(c, src.hot_bytes)
         src.copy_state_to(c)
@@ -285,6 +319,9 @@ class KVRouter(BudgetMixin):
                     w.append(new_id, layer, w.read(src_id, layer, a, min(size, a + chunk), promote=False))
             for i, vec in enumerate(w.summaries(src_id)):
                 w.put_summary(new_id, i, vec)
+            size = w.side_size(src_id, STREAM)  # block key bounds (retrieval)
+            for a in range(0, size, chunk):
+                w.side_append(new_id, STREAM, w.side_read(src_id, STREAM, a, min(size, a + chunk)))
             w.put_meta(new_id, meta)
             w.flush(new_id)
         except BaseException:

@@ -95,6 +95,8 @@ class BudgetMixin:
             return
         lay = c.layers[0]
         extra = max(0, lay.held_after(q) - lay.held) * c.geo.session_token_bytes
+        if c.retrieval is not None:  # blocks chosen, leaving the window, their bounds
+            extra += c.retrieval.step_growth(q)
         if self._pressure(extra):
             self._move_out(extra, exclude=c)
 

@@ -221,3 +221,83 @@ def token_major(k: torch.Tensor, v: torch.Tensor) -> bytes:
     """The layer-file bytes of ``[1,H,T,D]`` K/V: per token K then V."""
     tm = torch.stack((k[0].transpose(0, 1), v[0].transpose(0, 1)), dim=1).contiguous().cpu()
     return tm.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+class RetrievalReference(WindowReference):
+    """:class:`WindowReference` with retrieval, written from the rule rather than the cache:
+    each step attends the first ``sinks`` tokens, the blocks chosen for it, the window (the
+    last ``window`` tokens reaching back to the start of their block of ``block`` tokens
+    counted from ``sinks``) and its input. After a step, each layer's queries (recomputed
+    by a pre-hook on its attention: ``q_proj`` and the rotary embedding) rank every block
+    that has left the window by :func:`kvfs.torch.blocks.block_scores` of its key bounds
+    (from the full history), and the top ``attend`` are the next step's, in slots: a block
+    that stays keeps its place, new ones take the freed places in ascending order. Llama
+    layout."""
+
+    def __init__(self, model, window: int, sinks: int, block: int, attend: int) -> None:
+        super().__init__(model, None, sinks)
+        self.win, self.block, self.attend = window, block, attend
+        n = model.config.num_hidden_layers
+        self.chosen: list[list[int]] = [[] for _ in range(n)]
+        self.queries: list[torch.Tensor | None] = [None] * n
+        self._hooks = [lay.self_attn.register_forward_pre_hook(self._capture(i), with_kwargs=True)
+                       for i, lay in enumerate(model.model.layers)]
+
+    def _capture(self, i: int):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        def hook(module, args, kwargs):
+            h = kwargs.get("hidden_states", args[0] if args else None)
+            cos, sin = kwargs["position_embeddings"]
+            q = module.q_proj(h).view(*h.shape[:-1], -1, module.head_dim).transpose(1, 2)
+            self.queries[i] = apply_rotary_pos_emb(q, q, cos, sin)[0]
+        return hook
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+    def window_from(self, n: int) -> int:
+        s = min(self.sinks, n)
+        base = max(s, n - self.win)
+        return base if base <= self.sinks else self.sinks + (base - self.sinks) // self.block * self.block
+
+    @torch.no_grad()
+    def step(self, x: torch.Tensor) -> int:
+        from transformers import DynamicCache
+
+        from kvfs.torch.blocks import block_scores, bounds_of_keys, scoring_layout
+
+        q, n, b, o = x.shape[1], self.pos, self.block, self.sinks
+        s, ws = min(self.sinks, n), self.window_from(n)
+        data = []
+        for i in range(len(self.hist_k)):
+            if not self.hist_k[i]:
+                data.append(None)
+                continue
+            hk, hv = self.history(i)
+            parts = [(0, s)] + [(o + c * b, o + (c + 1) * b) for c in self.chosen[i]] + [(ws, n)]
+            data.append((torch.cat([hk[..., a:e, :] for a, e in parts], -2),
+                         torch.cat([hv[..., a:e, :] for a, e in parts], -2)))
+        cache = DynamicCache(ddp_cache_data=data) if data[0] is not None else DynamicCache(config=self.model.config)
+        pos = torch.arange(n, n + q, device=x.device).unsqueeze(0)
+        out = self.model(input_ids=x, position_ids=pos, cache=cache, use_cache=True)
+        for i, lay in enumerate(cache.layers):
+            self.hist_k[i].append(lay.keys[..., -q:, :])
+            self.hist_v[i].append(lay.values[..., -q:, :])
+        self.pos = n + q
+        nb = max(0, (self.window_from(self.pos) - o) // b)
+        if nb:  # every layer's blocks scored at once, as the cache does
+            bounds = torch.stack([scoring_layout(bounds_of_keys(self.history(i)[0][..., o:o + nb * b, :], b))
+                                  for i in range(len(self.hist_k))])
+            all_scores = block_scores(torch.cat(self.queries), bounds)
+        for i in range(len(self.hist_k)):
+            if nb:
+                top = set(torch.topk(all_scores[i], min(self.attend, nb)).indices.tolist())
+                # slots: a block that stays keeps its place, new ones fill the freed places
+                # in ascending order, then new places at the end
+                old = self.chosen[i]
+                new = sorted(top - set(old))
+                order = [c if c in top else (new.pop(0) if new else None) for c in old]
+                self.chosen[i] = [c for c in order if c is not None] + new
+        return int(out.logits[0, -1].argmax())

@@ -43,6 +43,12 @@ from .ids import WarmBusy, WarmError
 log = logging.getLogger("kvfs.warm")
 
 LAYER_RE = re.compile(r"layer_(0|[1-9][0-9]{0,9})")
+#: side streams: append-only byte files of a session beside its layers (the hot tier's
+#: ``key_bounds``), kept exactly like a layer (checksummed extents, write-behind,
+#: migration, promotion) under stream numbers above every layer number
+SIDE_BASE = 1 << 31
+SIDE_STREAMS = {"key_bounds": SIDE_BASE}
+_SIDE_NAMES = {n: name for name, n in SIDE_STREAMS.items()}
 SUMMARIES = "summaries.f32"
 META = "meta.json"
 # the session's incarnation id, 16 hex digits and a newline, written by the warm tier with
@@ -56,7 +62,21 @@ APPEND, REPLACE, TRUNCATE = 1, 2, 3  # kinds of a change (the channel's WRITE it
 
 
 def layer_name(layer: int) -> str:
-    return f"layer_{layer}"
+    """The cold file of a stream: ``layer_<n>``, or a side stream's own name."""
+    return _SIDE_NAMES.get(layer) or f"layer_{layer}"
+
+
+def stream_number(name: str) -> int | None:
+    """The stream a cold file holds (a layer's number or a side stream's); None for others."""
+    m = LAYER_RE.fullmatch(name)
+    return int(m.group(1)) if m else SIDE_STREAMS.get(name)
+
+
+def side_stream(name: object) -> int:
+    """The stream number of side stream ``name`` (ValueError for any other name)."""
+    if not isinstance(name, str) or name not in SIDE_STREAMS:
+        raise ValueError(f"side stream must be one of {', '.join(SIDE_STREAMS)}, got {name!r}")
+    return SIDE_STREAMS[name]
 
 
 def incarnation_bytes(inc: int) -> bytes:

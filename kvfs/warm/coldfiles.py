@@ -42,7 +42,6 @@ from .cold import (
     APPEND,
     HOLD_WAIT_S,
     INCARNATION,
-    LAYER_RE,
     MAX_SMALL,
     META,
     REPLACE,
@@ -54,6 +53,7 @@ from .cold import (
     mount_info,
     parse_incarnation,
     parse_meta,
+    stream_number,
 )
 from .ids import WarmBusy, WarmCorrupt, WarmError
 
@@ -173,7 +173,8 @@ class ColdStore:
 
     @_errors
     def layer_sizes(self, sid: str) -> dict[int, int] | None:
-        """{layer: size} of the cold copy, None when there is no cold copy."""
+        """{stream: size} of the cold copy (layers and side streams), None when there is
+        no cold copy."""
         try:
             dfd = self.checked.sdir(sid, os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError):
@@ -181,11 +182,11 @@ class ColdStore:
         try:
             out = {}
             for n in os.listdir(dfd):
-                m = LAYER_RE.fullmatch(n)
-                if m:
+                num = stream_number(n)
+                if num is not None:
                     st = os.stat(n, dir_fd=dfd, follow_symlinks=False)
                     self.checked.refuse(self.path(sid, n), st, False)
-                    out[int(m.group(1))] = st.st_size
+                    out[num] = st.st_size
             return out
         finally:
             os.close(dfd)
@@ -229,18 +230,18 @@ class ColdStore:
         except (FileNotFoundError, NotADirectoryError) as e:
             if missing_is_empty:
                 raise ValueError(f"read [{off}, {off + len(out)}) past the end (0) of "
-                                 f"{sid}/layer_{layer}") from e
-            raise WarmError(f"cold {sid}/layer_{layer} is missing") from e
+                                 f"{sid}/{layer_name(layer)}") from e
+            raise WarmError(f"cold {sid}/{layer_name(layer)} is missing") from e
         try:
             if off + len(out) > st.st_size:
                 raise ValueError(f"read [{off}, {off + len(out)}) past the end ({st.st_size}) "
-                                 f"of {sid}/layer_{layer}")
+                                 f"of {sid}/{layer_name(layer)}")
             view = memoryview(out).cast("B")
             done = 0
             while done < len(view):
                 n = os.preadv(fd, [view[done:]], off + done)
                 if n <= 0:
-                    raise WarmError(f"cold {sid}/layer_{layer}: short read at {off + done}")
+                    raise WarmError(f"cold {sid}/{layer_name(layer)}: short read at {off + done}")
                 done += n
         finally:
             os.close(fd)

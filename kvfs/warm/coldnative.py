@@ -31,7 +31,6 @@ from .cold import (
     APPEND,
     HOLD_WAIT_S,
     INCARNATION,
-    LAYER_RE,
     MAX_SMALL,
     META,
     SUMMARIES,
@@ -44,6 +43,7 @@ from .cold import (
     parse_incarnation,
     parse_meta,
     refusal,
+    stream_number,
 )
 from .coldfiles import ColdStore
 from .ids import WarmCorrupt, WarmError
@@ -132,7 +132,7 @@ class NativeCold:
             return None
         self._refuse(self.path(sid), info.mode, info.uid, True)
         for name, (_, mode, uid, _) in info.files.items():
-            if LAYER_RE.fullmatch(name) or name in small:
+            if stream_number(name) is not None or name in small:
                 self._refuse(self.path(sid, name), mode, uid, False)
         return info
 
@@ -143,7 +143,7 @@ class NativeCold:
         if info is None:
             self.files.reachable()  # an unmounted volume is an error, not a removed session
             return None
-        sizes = {int(m.group(1)): f[0] for n, f in info.files.items() if (m := LAYER_RE.fullmatch(n))}
+        sizes = {num: f[0] for n, f in info.files.items() if (num := stream_number(n)) is not None}
         return sizes, parse_incarnation(info.small.get(INCARNATION))
 
     def layer_sizes(self, sid: str) -> dict[int, int] | None:
@@ -173,7 +173,7 @@ class NativeCold:
             if missing_is_empty:
                 layer, off, out = ranges[0]
                 raise ValueError(f"read [{off}, {off + len(out)}) past the end (0) of "
-                                 f"{sid}/layer_{layer}") from e
+                                 f"{sid}/{layer_name(layer)}") from e
             raise WarmError(f"cold {sid}: a layer file is missing ({e.strerror or e})") from e
 
     @cold_errors

@@ -329,7 +329,7 @@ class Mover:
             if base == 0:
                 continue
             if base > c:
-                raise WarmError(f"{sid}/layer_{layer}: cold copy has {c} bytes, warm starts at {base}")
+                raise WarmError(f"{sid}/{layer_name(layer)}: cold copy has {c} bytes, warm starts at {base}")
             try:
                 pieces = f.prepend(s, layer, base)
             except WarmFull:

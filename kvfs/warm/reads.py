@@ -1,4 +1,5 @@
-"""The warm tier's reads: size, layer_sizes, layers, read, read_into, read_many, read_layers.
+"""The warm tier's reads: size, layer_sizes, layers, read, read_into, read_many, read_layers,
+in_ram, side_size, side_read.
 
 A layer's range splits at its base: bytes below it come from the cold copy (always a
 prefix of the content, resident.py), the rest from the shard's mapping; the cold parts of
@@ -16,7 +17,7 @@ from contextlib import AbstractContextManager
 
 import numpy as np
 
-from .cold import ColdBackend
+from .cold import SIDE_BASE, ColdBackend, layer_name, side_stream
 from .ids import WarmCorrupt, WarmError, check_layer
 from .records import Slot, WarmSession
 from .resident import Resident
@@ -42,7 +43,32 @@ class Reader:
         return self.res.locked(sid)
 
     def size(self, sid: str, layer: int) -> int:
+        return self._size(sid, check_layer(layer))
+
+    def in_ram(self, sid: str, layer: int, start: int, end: int) -> bool:
+        """Whether bytes [start, end) of a layer are in this RAM tier now (a read of them
+        touches no cold file). A hint: the session may migrate right after."""
         layer = check_layer(layer)
+        with self._locked(sid) as slot:
+            _, s = self.res.warm(slot, sid)
+            if s is None:
+                return False
+            base, size = self.res.span(s, layer)
+            return base <= start and end <= size
+
+    def side_size(self, sid: str, name: str) -> int:
+        """Bytes of side stream ``name`` (0 if none; see ``WarmTier.side_append``)."""
+        return self._size(sid, side_stream(name))
+
+    def side_read(self, sid: str, name: str, start: int, end: int) -> np.ndarray:
+        """Bytes [start, end) of side stream ``name`` (a new array; never promotes)."""
+        if not 0 <= start <= end:
+            raise ValueError(f"bad range [{start}, {end})")
+        out = np.empty(end - start, np.uint8)
+        self._read_into(sid, side_stream(name), start, end, out, promote=False)
+        return out
+
+    def _size(self, sid: str, layer: int) -> int:
         with self._locked(sid) as slot:
             _, s = self.res.warm(slot, sid)
             if s is not None:
@@ -55,16 +81,19 @@ class Reader:
         with self._locked(sid) as slot:
             _, s = self.res.warm(slot, sid)
             if s is not None:
-                return {n: self.res.span(s, n)[1] for n in sorted(set(s.layers) | set(s.cold or ()))}
-            return dict(sorted(((self.cold.layer_sizes(sid) or {}) if self.cold else {}).items()))
+                return {n: self.res.span(s, n)[1] for n in sorted(set(s.layers) | set(s.cold or ()))
+                        if n < SIDE_BASE}
+            sizes = (self.cold.layer_sizes(sid) or {}) if self.cold else {}
+            return {n: b for n, b in sorted(sizes.items()) if n < SIDE_BASE}
 
     def layers(self, sid: str) -> list[int]:
         """Layer numbers the session has, in warm or cold (addition to the contract)."""
         with self._locked(sid) as slot:
             _, s = self.res.warm(slot, sid)
             if s is not None:
-                return sorted(set(s.layers) | set(s.cold or ()))
-            return sorted((self.cold.layer_sizes(sid) or {}) if self.cold else ())
+                return sorted(n for n in set(s.layers) | set(s.cold or ()) if n < SIDE_BASE)
+            return sorted(n for n in ((self.cold.layer_sizes(sid) or {}) if self.cold else ())
+                          if n < SIDE_BASE)
 
     def prefetch(self, sid: str, layers: list[int] | range, start: int, end: int) -> int:
         """Ask the cold tier to read bytes [start, end) of these layers ahead (advisory: a
@@ -88,7 +117,10 @@ class Reader:
                   promote: bool | None = None) -> None:
         """``read`` into the caller's ``out`` (uint8, contiguous, ``end - start`` bytes;
         addition to the contract: a reader that reuses one buffer pays no page faults)."""
-        layer = check_layer(layer)
+        self._read_into(sid, check_layer(layer), start, end, out, promote=promote)
+
+    def _read_into(self, sid: str, layer: int, start: int, end: int, out: np.ndarray, *,
+                   promote: bool | None) -> None:
         if not 0 <= start <= end:
             raise ValueError(f"bad range [{start}, {end})")
         if out.dtype != np.uint8 or out.shape != (end - start,) or not out.flags.c_contiguous:
@@ -180,13 +212,13 @@ class Reader:
                 else:
                     base = size = self.cold.size(sid, layer) if self.cold else 0
                 if end > size:
-                    raise ValueError(f"read [{start}, {end}) past the end ({size}) of {sid}/layer_{layer}")
+                    raise ValueError(f"read [{start}, {end}) past the end ({size}) of {sid}/{layer_name(layer)}")
             else:  # all of it is on cold, whose read checks the end (one lookup less)
                 base = end
             split = min(max(base, start), end)  # [start, split) from cold, [split, end) from warm
             if split > start:
                 if self.cold is None:
-                    raise WarmError(f"{sid}/layer_{layer}: bytes below {base} are on a cold tier not configured")
+                    raise WarmError(f"{sid}/{layer_name(layer)}: bytes below {base} are on a cold tier not configured")
                 cold.append((layer, start, out[:split - start]))
             if end > split:
                 warm.append((layer, split, end, out[split - start:]))

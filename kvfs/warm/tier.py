@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from .budget import Budget
-from .cold import SUMMARIES, ColdBackend, layer_name, open_cold
+from .cold import SUMMARIES, ColdBackend, layer_name, open_cold, side_stream
 from .dirty import DirtySet
 from .format import K_LAYER, K_SUMMARY, KEY_DEVICE, KEY_SESSION
 from .health import ColdHealth
@@ -149,7 +149,20 @@ class WarmTier:
     def append(self, sid: str, layer: int, data: bytes | memoryview | np.ndarray) -> int:
         """Append token-major bytes to a layer; returns its new size. May then migrate the
         least recently used group to cold if usage passed the threshold."""
-        layer, buf = check_layer(layer), as_u8(data)
+        return self._append(sid, check_layer(layer), data)
+
+    def side_append(self, sid: str, name: str, data: bytes | memoryview | np.ndarray) -> int:
+        """Append to the session's side stream ``name`` (``key_bounds``: the hot tier's
+        per-block key bounds, cold file ``sessions/<sid>/key_bounds``); returns its new
+        size. Stored, checksummed, written behind, migrated and deleted like a layer."""
+        return self._append(sid, side_stream(name), data)
+
+    def side_truncate(self, sid: str, name: str, length: int) -> None:
+        """Shorten side stream ``name`` (see ``truncate``)."""
+        self._truncate(sid, side_stream(name), length)
+
+    def _append(self, sid: str, layer: int, data: bytes | memoryview | np.ndarray) -> int:
+        buf = as_u8(data)
         self.held.check_lost(sid)
         self.evictor.admit(len(buf))
         res = self.res
@@ -171,7 +184,9 @@ class WarmTier:
     def truncate(self, sid: str, layer: int, length: int) -> None:
         """Shorten a layer (an agent retrying a turn). Cold is cut first, then warm, so
         cold stays a prefix of the content whatever the moment of a crash."""
-        layer = check_layer(layer)
+        self._truncate(sid, check_layer(layer), length)
+
+    def _truncate(self, sid: str, layer: int, length: int) -> None:
         self.valid.own(sid)
         self.held.check_lost(sid)
         res = self.res
@@ -300,6 +315,15 @@ class WarmTier:
 
     def prefetch(self, sid: str, layers: list[int] | range, start: int, end: int) -> int:
         return self.reader.prefetch(sid, layers, start, end)
+
+    def in_ram(self, sid: str, layer: int, start: int, end: int) -> bool:
+        return self.reader.in_ram(sid, layer, start, end)
+
+    def side_size(self, sid: str, name: str) -> int:
+        return self.reader.side_size(sid, name)
+
+    def side_read(self, sid: str, name: str, start: int, end: int) -> np.ndarray:
+        return self.reader.side_read(sid, name, start, end)
 
     # ---- moves ---------------------------------------------------------------------------
     def migrate(self, n: int | None = None) -> list[str]:

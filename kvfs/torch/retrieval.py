@@ -1,0 +1,368 @@
+"""Retrieval of old KV by relevance: one session's blocks, their bounds and the attended set.
+
+Owns, for one :class:`~kvfs.torch.cache.TieredCache`: the key bounds of every block that
+has left the window (on the device, per layer, :mod:`kvfs.torch.blocks`), the blocks each
+layer attends and their K/V on the device, blocks kept for reuse, the fetches that bring
+newly chosen blocks up from the warm tier, the records of the ``key_bounds`` side stream and
+the ``retrieval`` entry of ``meta.json`` (:mod:`kvfs.torch.retrieval_store` reads them back).
+
+The rule (deterministic: a function of the tokens alone, never of timing):
+
+* With retrieval the window reaches back to the start of its block (``block`` tokens from
+  ``origin`` = the sinks): blocks leave it whole, and each block's bounds are computed then.
+* Step ``t`` of layer ``l`` attends the sinks, the blocks chosen for it, the window and the
+  step's input. After the attention of layer ``l`` at step ``t`` its queries rank every block
+  that has left the window (:func:`~kvfs.torch.blocks.block_scores`); the top
+  ``min(attend, blocks)`` are the blocks of step ``t + 1``, in stable slots
+  (:func:`~kvfs.torch.blocks.next_slots`: the order of keys changes the rounding of
+  attention, so it too is a function of the choices alone). The choice of a step runs ahead
+  of the step that attends it: blocks on the device (chosen, or kept for reuse) stay there,
+  blocks in the RAM tier are copied up at once, blocks on the mount are read on a reader
+  thread while the rest of the step and the sampling run; the next step waits only for a
+  read still running (a hot miss), never attends less.
+* Every layer attends the same number of blocks, known before a step starts (its attention
+  mask is built before any layer runs).
+* The choice for the step after the last one is saved in ``meta.json`` (``retrieval``) when
+  every token is stored, so a resumed or forked session attends what the live one would.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvfs.torch import attention
+from kvfs.torch.blocks import (
+    BlockLayout,
+    block_scores,
+    bounds_layout,
+    bounds_of_keys,
+    next_slots,
+    scoring_layout,
+)
+from kvfs.torch.fingerprint import KVUnsupported
+from kvfs.torch.recall import layer_pool, read_tokens
+from kvfs.torch.retrieval_store import chosen_from_meta, load_bounds, write_records
+
+if TYPE_CHECKING:
+    from kvfs.torch.cache import TieredCache
+
+log = logging.getLogger("kvfs.torch.retrieval")
+
+#: Besides the chosen blocks, as many more are kept on the device per layer, least recently
+#: used out first: blocks leave the choice and come back often (three in four new choices
+#: were chosen in the last eight steps, measured on SmolLM2), and the last ``FRESH_BLOCKS``
+#: blocks to leave the window are chosen often while their bytes may still be on their way
+#: to the warm tier.
+FRESH_BLOCKS = 2
+
+KV = tuple[torch.Tensor, torch.Tensor]  # one block of one layer: K, V [1, H, block, D]
+
+
+class Retrieval:
+    """One session's retrieval state (see the module docstring)."""
+
+    def __init__(self, cache: TieredCache, block: int, attend: int) -> None:
+        if block < 1 or attend < 1:
+            raise ValueError(f"retrieval needs block >= 1 and at least one block attended, got "
+                             f"block={block}, attend={attend}")
+        self.c = cache
+        self.layout = BlockLayout(int(block), cache.sink_tokens, cache.geo)
+        self.block = int(block)
+        self.attend = int(attend)
+        self.keep = self.attend  # blocks kept for reuse per layer, besides the chosen ones
+        n = cache.num_layers
+        self.count = [0] * n  # blocks with bounds (left the window), per layer
+        self._bounds: torch.Tensor | None = None  # [layers, H, 2D, capacity]: scoring_layout
+        self._queries: list[torch.Tensor | None] = [None] * n  # this step's, until the last layer
+        self.chosen: list[tuple[int, ...]] = [()] * n  # blocks of the next step, in slot order
+        self._on: list[dict[int, KV]] = [{} for _ in range(n)]  # chosen blocks on the device
+        self._kept: list[OrderedDict[int, KV]] = [OrderedDict() for _ in range(n)]
+        self._pending: list[Future | None] = [None] * n  # a read of chosen blocks from the mount
+        self.written = 0  # blocks whose record is queued to the side stream
+        self._observed = -1  # layers that reported their queries this step (-1: no step yet)
+        self._ram: bool | None = None
+        # statistics
+        self.fetched_blocks = 0
+        self.background_reads = 0  # fetches that went to a reader thread (the mount, in flight)
+        self.fetch_waits = 0  # layer steps that had to wait for a read still running
+        self.fetch_wait_s = 0.0
+        self.backfilled_blocks = 0
+
+    # --- views ------------------------------------------------------------------------------
+    @property
+    def attended_tokens(self) -> int:
+        """Retrieved tokens every layer attends in the next step."""
+        return len(self.chosen[0]) * self.block
+
+    @property
+    def device_bytes(self) -> int:
+        n = 0 if self._bounds is None else self._bounds.numel()
+        n += sum(k.numel() + v.numel() for d in (*self._on, *self._kept) for k, v in d.values())
+        return n * self.c.geo.itemsize
+
+    def step_growth(self, q: int) -> int:
+        """Device bytes a step of ``q`` tokens may add at most: the chosen blocks, the blocks
+        leaving the window kept for reuse, their bounds."""
+        c, blk = self.c, self.block
+        leaving = (c.window_from(c.seen + q) - c.window_from(c.seen)) // blk
+        stb = c.geo.session_token_bytes
+        chosen = max(0, min(self.attend, self.count[0] + leaving) - len(self._on[0]))
+        kept = max(0, min(self.keep, len(self._kept[0]) + leaving + chosen) - len(self._kept[0]))
+        cap = 0 if self._bounds is None else self._bounds.shape[-1]
+        need = self.count[0] + leaving
+        grown = need + max(8, need // 4) - cap if need > cap else 0
+        return (chosen + kept) * blk * stb + grown * stb  # a block's bounds: one token's K/V bytes
+
+    def window_from(self, seen: int, base: int) -> int:
+        """Start of the window for ``seen`` tokens, ``base`` the start without blocks:
+        reaches back to the start of its block."""
+        o = self.layout.origin
+        if base <= o:
+            return base
+        return o + (base - o) // self.block * self.block
+
+    def stats(self) -> dict[str, Any]:
+        return {"blocks": self.count[0], "attend": self.attend, "block": self.block,
+                "attended_blocks": len(self.chosen[0]), "fetched_blocks": self.fetched_blocks,
+                "background_reads": self.background_reads, "fetch_waits": self.fetch_waits,
+                "fetch_wait_ms": round(self.fetch_wait_s * 1e3, 3),
+                "backfilled_blocks": self.backfilled_blocks}
+
+    # --- blocks leaving the window -----------------------------------------------------------
+    def step_begin(self) -> None:
+        """Layer 0 of a step: the previous step must have reported every layer's queries."""
+        if 0 <= self._observed < self.c.num_layers and self.count[0]:
+            raise KVUnsupported(
+                f"retrieval saw the queries of {self._observed} of {self.c.num_layers} layers in the "
+                "last step: the model's attention does not report them (build the cache from the "
+                "model, KVRouter.cache(sid, model) or TieredCache(model, ...), which installs "
+                "kvfs.torch.attention), or pass retrieval=False")
+        self._observed = 0
+        self._ram = None  # whether the session's blocks are in the RAM tier: asked once a step
+
+    def left_window(self, layer: int, first: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Tokens ``[first, first + T)`` of ``layer`` (whole blocks, K/V ``[1, H, T, D]``) left
+        the window in this step: their bounds join the candidates, the last ones are kept."""
+        b0 = (first - self.layout.origin) // self.block
+        if b0 != self.count[layer]:
+            raise AssertionError(f"layer {layer}: block {b0} left the window, expected {self.count[layer]}")
+        nb = k.shape[-2] // self.block
+        self._append_bounds(layer, bounds_of_keys(k, self.block))
+        for j in range(max(0, nb - FRESH_BLOCKS), nb):
+            s = slice(j * self.block, (j + 1) * self.block)
+            self._keep_block(layer, b0 + j, (k[..., s, :].clone(), v[..., s, :].clone()))
+
+    def _keep_block(self, layer: int, b: int, kv: KV) -> None:
+        kept = self._kept[layer]
+        kept[b] = kv
+        kept.move_to_end(b)
+        while len(kept) > self.keep:
+            kept.popitem(last=False)
+
+    def _append_bounds(self, layer: int, new: torch.Tensor) -> None:
+        """Add ``[m, H, 2, D]`` bounds to ``layer`` (all layers grow by a quarter when the
+        first one is full: few copies)."""
+        n, cur, m = self.count[layer], self._bounds, new.shape[0]
+        lay = scoring_layout(new)
+        if cur is None or cur.shape[-1] < n + m:
+            cap = n + m + max(8, (n + m) // 4)
+            grown = lay.new_empty((self.c.num_layers, *lay.shape[:2], cap))
+            if cur is not None:
+                grown[..., :cur.shape[-1]] = cur
+            self._bounds = cur = grown
+        cur[layer, ..., n:n + m] = lay
+        self.count[layer] = n + m
+
+    def scoring(self, layer: int | None = None) -> torch.Tensor:
+        """The bounds of the blocks that left the window, as :func:`block_scores` reads them
+        (``[layers, H, 2D, n]``, or one layer's)."""
+        if layer is None:
+            return self._bounds[..., :self.count[-1]]
+        return self._bounds[layer, ..., :self.count[layer]]
+
+    def bounds(self, layer: int) -> torch.Tensor:
+        """``[n, H, 2, D]`` bounds of the blocks that left the window."""
+        return bounds_layout(self.scoring(layer))
+
+    # --- the attended blocks ------------------------------------------------------------------
+    def step_kv(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """K and V pieces of the blocks ``layer`` attends in this step, in slot order."""
+        order = self.chosen[layer]
+        if not order:
+            return [], []
+        if self._pending[layer] is not None:
+            if not self._pending[layer].done():
+                t0 = time.perf_counter()
+                self._settle(layer)
+                self.fetch_wait_s += time.perf_counter() - t0
+                self.fetch_waits += 1
+                self.c.step_waited()
+            else:
+                self._settle(layer)
+        on = self._on[layer]
+        if len(on) < len(order):  # the budget took them: read back (a refill)
+            on.update(self._read(layer, [b for b in order if b not in on]))
+        return [on[b][0] for b in order], [on[b][1] for b in order]
+
+    def _settle(self, layer: int) -> None:
+        """Wait for ``layer``'s read from the mount; its blocks join the chosen ones."""
+        fut, self._pending[layer] = self._pending[layer], None
+        self._on[layer].update(fut.result())
+
+    def expect(self, layer: int) -> None:
+        """Have this step's attention of ``layer`` hand its queries to :meth:`observe`."""
+        attention.expect(self.observe, layer)
+
+    def observe(self, layer: int, query: torch.Tensor) -> None:
+        """Keep ``layer``'s queries of this step; after the last layer's, rank the blocks of
+        every layer against them at once and choose the next step's."""
+        self._observed += 1
+        self._queries[layer] = query.detach()
+        if layer == self.c.num_layers - 1:
+            self._choose_all()
+
+    def _choose_all(self) -> None:
+        qs, self._queries = self._queries, [None] * self.c.num_layers
+        n = self.count[-1]
+        if n == 0 or any(q is None for q in qs):
+            return
+        scores = block_scores(torch.cat(qs), self.scoring())  # [layers, n]: one matmul
+        excluded = [b for b in self.c.recalled_blocks(self.layout) if b < n] if self.c.recalling else ()
+        if excluded:
+            scores[:, list(excluded)] = float("-inf")
+        k = min(self.attend, n - len(excluded))
+        tops = torch.topk(scores, k).indices.tolist() if k > 0 else [[]] * len(qs)
+        for layer, top in enumerate(tops):
+            top = set(top)
+            if top != set(self.chosen[layer]):
+                self._choose(layer, top)
+
+    def _choose(self, layer: int, top: set[int]) -> None:
+        """Make ``top`` the blocks of ``layer``'s next step: a block that leaves the choice is
+        kept for reuse; a new one comes from the kept ones, else from RAM now, else (the
+        mount, or still on its way to the warm tier) on a reader thread."""
+        if self._pending[layer] is not None:
+            self._settle(layer)
+        old, on, kept = self.chosen[layer], self._on[layer], self._kept[layer]
+        self.chosen[layer] = next_slots(old, top)
+        missing = []
+        for b in top:
+            if b in on:
+                continue
+            if b in kept:
+                on[b] = kept.pop(b)
+            else:
+                missing.append(b)
+        for b in old:  # after taking from the kept ones: these go to their end
+            if b not in top and b in on:
+                self._keep_block(layer, b, on.pop(b))
+        if not missing:
+            return
+        if self._in_ram(layer, missing):  # a copy from RAM: now, no thread
+            on.update(self._read(layer, missing))
+        else:
+            self._pending[layer] = layer_pool().submit(self._read, layer, missing)
+            self.background_reads += 1
+
+    def _in_ram(self, layer: int, blocks: list[int]) -> bool:
+        """Whether ``blocks`` can be copied from the RAM tier: the session's blocks are there
+        (asked of layer 0 once a step: the warm tier moves sessions whole) and written."""
+        c, tb = self.c, self.c.geo.token_bytes
+        if self._ram is None:  # nothing of the blocks' range only on the mount
+            in_ram = getattr(c.warm, "in_ram", None)
+            at = self.layout.origin * tb
+            self._ram = bool(in_ram and in_ram(c.session_id, 0, at, at))
+        return self._ram and c.warm.size(c.session_id, layer) >= self.layout.span(max(blocks))[1] * tb
+
+    def _read(self, layer: int, blocks: list[int]) -> dict[int, KV]:
+        """Read ``blocks`` of ``layer`` from the warm tier (or the mount through it): exact bytes."""
+        c = self.c
+        dev = c.device or torch.device("cpu")
+        tb = c.geo.token_bytes
+        if c.spiller is not None and c.warm.size(c.session_id, layer) < self.layout.span(max(blocks))[1] * tb:
+            c.spiller.wait()  # still on its way to the warm tier
+        out = {}
+        for b in blocks:
+            a, e = self.layout.span(b)
+            out[b] = read_tokens(c.warm, c.session_id, layer, c.geo, a, e, dev, promote=False)
+        self.fetched_blocks += len(blocks)
+        return out
+
+    # --- device budget ------------------------------------------------------------------------
+    def missing(self) -> bool:
+        """Chosen blocks neither on the device nor being read (budget moves took them)."""
+        return any(len(on) < len(ch) and p is None
+                   for ch, on, p in zip(self.chosen, self._on, self._pending, strict=True))
+
+    def refill(self) -> None:
+        """Read back the chosen blocks the budget took (before a step)."""
+        for layer, ch in enumerate(self.chosen):
+            on = self._on[layer]
+            if len(on) < len(ch) and self._pending[layer] is None:
+                on.update(self._read(layer, [b for b in ch if b not in on]))
+
+    def release_device(self) -> int:
+        """Free the chosen and kept blocks (read back before the next step); blocks freed."""
+        freed = sum(len(d) for d in (*self._on, *self._kept))
+        for i in range(len(self._on)):
+            if self._pending[i] is not None:
+                self._pending[i].result()  # nothing may land in what is being dropped
+                self._pending[i] = None
+            self._on[i].clear()
+            self._kept[i].clear()
+        return freed
+
+    # --- storage ------------------------------------------------------------------------------
+    def queue_records(self) -> None:
+        """Queue the records of the blocks that left the window since the last call (all
+        layers have their bounds: called at the end of a step and before a flush)."""
+        n = min(self.count)
+        if n <= self.written or self.c.spiller is None:
+            return
+        first = self.written
+        new = bounds_layout(self._bounds[..., first:n].flatten(0, 1)).unflatten(1, (len(self.count), -1))
+        c = self.c
+        c.spiller.submit_call(write_records, c.warm, c.session_id, self.layout, first, new)
+        self.written = n
+
+    def meta_state(self, tokens: int) -> dict[str, Any]:
+        """The ``retrieval`` entry of meta.json: the blocks each layer attends next."""
+        return {"block": self.block, "origin": self.layout.origin, "tokens": int(tokens),
+                "chosen": [list(ch) for ch in self.chosen]}
+
+    def load(self, meta: dict, tokens: int, window_start: int, device: torch.device | str) -> None:
+        """Resume: the bounds of the blocks before ``window_start`` (the side stream, checked,
+        completed from the stored keys: :func:`~kvfs.torch.retrieval_store.load_bounds`) and
+        the chosen blocks from ``meta.json`` when it saved them for exactly ``tokens``."""
+        need = self.layout.blocks_before(window_start)
+        bounds, self.backfilled_blocks = load_bounds(self.c, self.layout, need)
+        self._bounds = None
+        for layer in range(self.c.num_layers):
+            self.count[layer] = 0
+            if need:
+                self._append_bounds(layer, bounds[:, layer].to(device))
+        self.written = need
+        self.chosen = chosen_from_meta(meta.get("retrieval"), self.layout, tokens, need,
+                                       min(self.attend, need), self.c.num_layers)
+        for layer in range(self.c.num_layers):
+            self._on[layer] = self._read(layer, list(self.chosen[layer])) if self.chosen[layer] else {}
+
+    def copy_to(self, other: Retrieval) -> None:
+        """Give ``other`` (a fork's, empty) this state: bounds, chosen and kept blocks."""
+        for layer in range(self.c.num_layers):
+            if self._pending[layer] is not None:
+                self._settle(layer)
+            other._on[layer] = {b: (k.clone(), v.clone()) for b, (k, v) in self._on[layer].items()}
+            other._kept[layer] = OrderedDict((b, (k.clone(), v.clone()))
+                                             for b, (k, v) in self._kept[layer].items())
+        other._bounds = None if self._bounds is None else self._bounds.clone()
+        other.count = list(self.count)
+        other.chosen = list(self.chosen)
+        other.written = self.written
+        other._observed = self._observed

@@ -1,0 +1,238 @@
+#!/usr/bin/env python3
+"""Memory on a real model: pass keys and facts asked rounds later (SmolLM2-135M-Instruct).
+
+    python tools/bench_memory.py [--quick] [--json OUT]       (tools/bench_quality.py runs it)
+
+Each conversation is fed round by round, as an agent feeds its model: one forward step per
+round, ``end_round()`` after it (a cache cannot change the prefill mask, so a single long
+prompt would be attended in full during its own prefill). Then the question is one more
+round and the answer is generated greedily after a forced prefix. Every configuration sees
+the same rounds:
+
+* ``full``: transformers' ``DynamicCache`` (the reference);
+* ``gov`` / ``ecommerce`` / ``iot``: a ``KVRouter`` with the profile's defaults (window,
+  sinks, retrieval and its budget), the product as shipped;
+* ``<profile>-window``: the same with ``retrieval=False``: the sinks and the window only
+  (StreamingLLM), which shows the tests measure memory.
+
+Pass keys (the test of Landmark Attention, InfLLM): the filler "The grass is green. The sky is
+blue. The sun is yellow. Here we go. There and back again." one sentence a round, "The pass key
+is 12345. Remember it. 12345 is the pass key." at a depth of 0-100 %, then the round "What is
+the pass key?" and the answer after "The pass key is": correct when it holds the five digits.
+
+Facts: a dialogue ("User: ... / Assistant: ..." lines, one exchange a round) whose first three
+rounds give a name, a city and a number, then small talk (none of it names a person, a city or a
+number), then the three questions, each a round, answered after "Your name is" / "You live in" /
+"Your favorite number is": correct when the answer's first line holds the fact.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("bench.memory")
+
+FILLER = ["The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.",
+          "There and back again."]
+NAMES = ["Alice", "Marco", "Priya", "Johan", "Fatima", "Kenji", "Olga", "Diego", "Amara", "Liam",
+         "Sofia", "Hamid", "Greta", "Tomas", "Nadia", "Oscar", "Leila", "Victor", "Mei", "Rafael",
+         "Ingrid", "Pablo", "Yusuf", "Elena"]
+CITIES = ["Lisbon", "Toronto", "Nairobi", "Oslo", "Melbourne", "Kyoto", "Denver", "Madrid", "Cairo",
+          "Dublin", "Seoul", "Prague", "Lima", "Vienna", "Chicago", "Athens", "Hanoi", "Boston",
+          "Zurich", "Manila", "Helsinki", "Bogota", "Perth", "Dakar"]
+SMALL_TALK = [
+    ("What color is the sky on a clear day?", "The sky is blue on a clear day."),
+    ("What do bees make?", "Bees make honey."),
+    ("What is frozen water called?", "Frozen water is called ice."),
+    ("Can you name a primary color?", "Red is a primary color."),
+    ("What animal is known as the king of the jungle?", "The lion is known as the king of the jungle."),
+    ("What do plants need to grow?", "Plants need sunlight, water and soil to grow."),
+    ("What is a good breakfast?", "Oatmeal with fruit is a good breakfast."),
+    ("Why do leaves change color in autumn?", "Leaves change color because they stop making chlorophyll."),
+    ("What is the opposite of hot?", "The opposite of hot is cold."),
+    ("What do cows eat?", "Cows eat grass."),
+    ("How do fish breathe?", "Fish breathe through their gills."),
+    ("What is rain made of?", "Rain is made of water droplets."),
+]
+FACT_QUESTIONS = (("name", "What is my name?", "Your name is"),
+                  ("city", "Which city do I live in?", "You live in"),
+                  ("number", "What is my favorite number?", "Your favorite number is"))
+
+
+@dataclass
+class Trial:
+    """One conversation: its rounds (token ids), and per question its round, the forced
+    answer prefix and what a correct answer contains."""
+
+    name: str
+    rounds: list[list[int]]
+    questions: list[tuple[list[int], list[int], str]]
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(r) for r in self.rounds)
+
+
+def passkey_trials(tok: Any, lengths: list[int], depths: list[float], seed: int = 0) -> list[Trial]:
+    """Per length and depth one conversation of about ``length`` tokens."""
+    out = []
+    for n in lengths:
+        for d in depths:
+            rng = random.Random(f"{seed}-{n}-{d}")
+            key = rng.randint(10000, 99999)
+            first = tok.encode(FILLER[0])
+            rounds, i = [first], 1
+            while sum(map(len, rounds)) < n:
+                rounds.append(tok.encode(" " + FILLER[i % len(FILLER)]))
+                i += 1
+            at = min(len(rounds), max(1, round(d * len(rounds))))
+            rounds.insert(at, tok.encode(f" The pass key is {key}. Remember it. {key} is the pass key."))
+            q = tok.encode("\nWhat is the pass key?")
+            out.append(Trial(f"pk-{n}-{d:.2f}", rounds, [(q, tok.encode(" The pass key is"), str(key))],
+                             {"length": n, "depth": d, "key": key}))
+    return out
+
+
+def fact_trials(tok: Any, n: int, small_talk: int = 9, seed: int = 0) -> list[Trial]:
+    """``n`` dialogues: name, city, number in the first three rounds, ``small_talk`` rounds,
+    then the three questions (each ``small_talk`` + 1 or more rounds after its fact)."""
+    out = []
+    for t in range(n):
+        rng = random.Random(f"{seed}-facts-{t}")
+        name, city, num = rng.choice(NAMES), rng.choice(CITIES), rng.randint(10, 99)
+        lines = [(f"Hi! My name is {name}.", "Nice to meet you! How can I help you today?"),
+                 (f"I live in {city}.", "That sounds like a lovely place to live."),
+                 (f"My favorite number is {num}.", "Thanks for telling me."),
+                 *rng.sample(SMALL_TALK, small_talk)]
+        rounds = [tok.encode(f"User: {u}\nAssistant: {a}\n") for u, a in lines]
+        facts = {"name": name, "city": city, "number": str(num)}
+        qs = [(tok.encode(f"User: {q}\n"), tok.encode(f"Assistant: {pre}"), facts[kind])
+              for kind, q, pre in FACT_QUESTIONS]
+        out.append(Trial(f"facts-{t}", rounds, qs, facts))
+    return out
+
+
+class Configs:
+    """The caches under test: ``full`` and, per profile, its defaults (retrieval on) and its
+    sinks + window only; each trial gets a fresh session, deleted after it."""
+
+    def __init__(self, model: Any, names: list[str], workdir: str | None = None) -> None:
+        self.model, self.names = model, names
+        self.tmp = Path(tempfile.mkdtemp(prefix="kvfs-memory-", dir=workdir))
+        self._routers: dict[str, Any] = {}
+        self._n = 0
+
+    def router(self, name: str) -> Any:
+        from kvfs.torch import KVRouter
+
+        if name not in self._routers:
+            profile, _, variant = name.partition("-")
+            self._routers[name] = KVRouter(
+                mount=None, device="cpu", profile=profile, warm_root=str(self.tmp / name),
+                retrieval=False if variant == "window" else None,
+                warm_options={"shards": 16, "cap_bytes": 2 << 30})
+        return self._routers[name]
+
+    def cache(self, name: str) -> tuple[Any, Any]:
+        """(cache, release) for a fresh session of configuration ``name``."""
+        if name == "full":
+            from transformers import DynamicCache
+
+            return DynamicCache(config=self.model.config), lambda: None
+        r = self.router(name)
+        self._n += 1
+        sid = f"m{self._n}"
+        return r.cache(sid, self.model, fresh=True), lambda: r.delete(sid)
+
+    def settings(self, name: str) -> dict[str, Any]:
+        if name == "full":
+            return {}
+        r = self.router(name)
+        c, release = self.cache(name)
+        ret = c.retrieval
+        out = {"max_kv_len": r.max_kv_len, "sink_tokens": r.sink_tokens,
+               "retrieval": ret is not None,
+               "retrieval_bytes": r.retrieval_bytes if ret else 0,
+               "blocks_attended": ret.attend if ret else 0, "block": ret.block if ret else 0}
+        release()
+        return out
+
+    def close(self) -> None:
+        for r in self._routers.values():
+            r.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def run_trial(model: Any, tok: Any, cache: Any, trial: Trial, new_tokens: int) -> list[str]:
+    """Feed ``trial`` round by round into ``cache``; the answer to each question."""
+    import torch
+
+    ids: list[int] = []
+    answers = []
+    with torch.no_grad():
+        for r in trial.rounds:
+            model(input_ids=torch.tensor([r]), cache=cache, use_cache=True)
+            ids += r
+            if hasattr(cache, "end_round"):
+                cache.end_round()
+        for q, prefix, _ in trial.questions:
+            model(input_ids=torch.tensor([q]), cache=cache, use_cache=True)
+            ids += q
+            if hasattr(cache, "end_round"):
+                cache.end_round()
+            x = torch.tensor([ids + prefix])
+            out = model.generate(x, attention_mask=torch.ones_like(x), cache=cache,
+                                 max_new_tokens=new_tokens, do_sample=False)
+            new = out[0, x.shape[1]:].tolist()
+            answers.append(tok.decode(new, skip_special_tokens=True))
+            ids = out[0].tolist()[:-1]  # generate does not feed its last token
+            if hasattr(cache, "end_round"):
+                cache.end_round()
+    return answers
+
+
+def correct(answer: str, want: str) -> bool:
+    return want.lower() in answer.strip().split("\n")[0].lower()
+
+
+def run(model: Any, tok: Any, trials: list[Trial], configs: Configs, new_tokens: int,
+        label: str) -> dict[str, Any]:
+    """Every trial under every configuration (trial by trial, configurations in turn)."""
+    res: dict[str, Any] = {n: {"correct": [], "answers": [], "seconds": 0.0} for n in configs.names}
+    for i, trial in enumerate(trials):
+        for name in configs.names:
+            cache, release = configs.cache(name)
+            t0 = time.perf_counter()
+            try:
+                answers = run_trial(model, tok, cache, trial, new_tokens)
+            finally:
+                release()
+            res[name]["seconds"] += time.perf_counter() - t0
+            res[name]["answers"].append(answers)
+            res[name]["correct"].append([correct(a, q[2]) for a, q in zip(answers, trial.questions,
+                                                                         strict=True)])
+        row = "  ".join(f"{n} {sum(map(sum, res[n]['correct']))}" for n in configs.names)
+        log.info("%s %d/%d %s (%d tokens): %s", label, i + 1, len(trials), trial.name, trial.tokens, row)
+    return res
+
+
+def summary(res: dict[str, Any], ref: str = "full") -> dict[str, Any]:
+    """Per configuration: correct answers, and how many of the reference's correct answers it
+    also answers correctly (the goal's measure)."""
+    base = [c for trial in res[ref]["correct"] for c in trial]
+    out = {}
+    for name, r in res.items():
+        mine = [c for trial in r["correct"] for c in trial]
+        both = sum(a and b for a, b in zip(base, mine, strict=True))
+        out[name] = {"correct": sum(mine), "questions": len(mine),
+                     "of_reference": both / sum(base) if sum(base) else None,
+                     "seconds": round(r["seconds"], 1)}
+    return out
