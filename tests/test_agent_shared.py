@@ -62,7 +62,7 @@ import torch
 from kvfs.torch import KVRouter
 from kvfs.torch.testing import generate_turns, tiny_llama
 a = json.loads(sys.argv[1])
-r = KVRouter(mount=a["mount"], warm_root=a["warm"], max_kv_len=a["window"],
+r = KVRouter(mount=a["mount"], retrieval=False, warm_root=a["warm"], max_kv_len=a["window"],
              warm_options={"shards": 16})
 m = tiny_llama(seed=a["seed"])
 generate_turns(m, r.cache(a["sid"], m), [torch.tensor([t]) for t in a["turns"]], a["new"])
@@ -121,7 +121,7 @@ def test_session_resumes_on_another_node_after_a_is_killed(node: Callable[..., M
             p.wait(timeout=30)
     killed = time.monotonic()
 
-    rb = KVRouter(mount=str(b.root), warm_root=str(tmp_path / "warm-b"), max_kv_len=WINDOW,
+    rb = KVRouter(mount=str(b.root), retrieval=False, warm_root=str(tmp_path / "warm-b"), max_kv_len=WINDOW,
                   warm_options=WARM_OPTS)
     try:
         # A's lease has not expired yet: B's resume is refused, naming A's node
@@ -154,7 +154,7 @@ def test_session_resumes_on_another_node_after_a_is_killed(node: Callable[..., M
     assert meta["tokens"] == total
 
     # a third agent on B, fresh RAM tier, resumes what B wrote: the mount has every token
-    r2 = KVRouter(mount=str(b.root), warm_root=str(tmp_path / "warm-b2"), max_kv_len=WINDOW,
+    r2 = KVRouter(mount=str(b.root), retrieval=False, warm_root=str(tmp_path / "warm-b2"), max_kv_len=WINDOW,
                   warm_options=WARM_OPTS)
     try:
         assert r2.resume(sid, model).seen == total
@@ -180,9 +180,9 @@ def test_second_node_is_refused_while_the_first_serves(node: Callable[..., Mount
     model = tiny_llama(seed=SEED)
     ref = generate_turns(model, TieredCache(model, max_kv_len=WINDOW, **profile_rope()),
                          turns, NEW)
-    ra = KVRouter(mount=str(a.root), warm_root=str(tmp_path / "warm-a"), max_kv_len=WINDOW,
+    ra = KVRouter(mount=str(a.root), retrieval=False, warm_root=str(tmp_path / "warm-a"), max_kv_len=WINDOW,
                   warm_options=WARM_OPTS)
-    rb = KVRouter(mount=str(b.root), warm_root=str(tmp_path / "warm-b"), max_kv_len=WINDOW,
+    rb = KVRouter(mount=str(b.root), retrieval=False, warm_root=str(tmp_path / "warm-b"), max_kv_len=WINDOW,
                   warm_options=WARM_OPTS)
     try:
         ca = ra.cache(sid, model)
@@ -221,9 +221,9 @@ def test_flush_raises_once_the_session_was_taken_over(node: Callable[..., Mount]
     sid = "taken-1"
     turns = [prompt(90 + i, 6) for i in range(3)]
     model = tiny_llama(seed=SEED)
-    rb = KVRouter(mount=str(b.root), warm_root=str(tmp_path / "warm-b"), max_kv_len=WINDOW,
+    rb = KVRouter(mount=str(b.root), retrieval=False, warm_root=str(tmp_path / "warm-b"), max_kv_len=WINDOW,
                   warm_options=WARM_OPTS)
-    ra = KVRouter(mount=str(a.root), warm_root=str(tmp_path / "warm-a"), max_kv_len=WINDOW,
+    ra = KVRouter(mount=str(a.root), retrieval=False, warm_root=str(tmp_path / "warm-a"), max_kv_len=WINDOW,
                   warm_options=WARM_OPTS)
     try:
         cb = rb.cache(sid, model)

@@ -20,8 +20,8 @@ pytest.importorskip("transformers")
 
 from kvfs.ops.profiles import user_path
 from kvfs.testing import Mount
-from kvfs.torch import KVRouter, TieredCache
-from kvfs.torch.testing import generate_turns, profile_rope, prompt, tiny_llama
+from kvfs.torch import KVRouter, geometry
+from kvfs.torch.testing import generate_turns, prompt, tiny_llama
 from kvfs.warm import WarmError
 
 WINDOW, NEW = 8, 5
@@ -63,7 +63,7 @@ from kvfs.torch import KVRouter
 from kvfs.torch.testing import generate_turns, tiny_llama
 a = json.loads(sys.argv[1])
 r = KVRouter(mount=a["mount"], warm_root=a["warm"], max_kv_len=a["window"],
-             warm_options={"shards": 16})
+             warm_options={"shards": 16}, **a["retrieval"])
 for s in a["sessions"]:
     m = tiny_llama(seed=s["seed"], dtype=getattr(torch, s["dtype"]))
     generate_turns(m, r.cache(s["sid"], m), [torch.tensor([t]) for t in s["turns"]], a["new"])
@@ -79,7 +79,11 @@ def test_flush_kill_wipe_remount_resume_is_exact(make_mount, tmp_path: Path) -> 
     specs = [("r-fp32", 3, "float32"), ("r-bf16", 4, "bfloat16")]
     before = [prompt(30 + i, 6) for i in range(3)]
     after = [prompt(40 + i, 5) for i in range(2)]
-    args = {"mount": str(m.root), "warm": str(warm), "window": WINDOW, "new": NEW,
+    # retrieval on, choosing 2 of the old blocks of 4 tokens: the resumed sessions attend the
+    # blocks the key_bounds stream and meta.json kept, as a router that never stopped does
+    ret = {"retrieval": True, "retrieval_block": 4,
+           "retrieval_bytes": 2 * 2 * 4 * geometry(tiny_llama()).session_token_bytes}
+    args = {"mount": str(m.root), "warm": str(warm), "window": WINDOW, "new": NEW, "retrieval": ret,
             "sessions": [{"sid": s, "seed": seed, "dtype": dt, "turns": [t[0].tolist() for t in before]}
                          for s, seed, dt in specs]}
     p = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(args)], stdout=subprocess.PIPE,
@@ -92,11 +96,13 @@ def test_flush_kill_wipe_remount_resume_is_exact(make_mount, tmp_path: Path) -> 
         p.wait(timeout=30)
     shutil.rmtree(warm)  # a reboot: the RAM tier is gone
     m.remount()
-    r = router(m, warm)
+    r = router(m, warm, **ret)
+    (tmp_path / "plain" / "sessions").mkdir(parents=True)
+    never_stopped = KVRouter(mount=str(tmp_path / "plain"), warm_root=str(tmp_path / "warm-ref"),
+                             max_kv_len=WINDOW, warm_options={"shards": 16}, **ret)
     for sid, seed, dt in specs:
         model = tiny_llama(seed=seed, dtype=getattr(torch, dt))
-        ref = generate_turns(model, TieredCache(model, max_kv_len=WINDOW, **profile_rope()),  # the profile's setting
-                         before + after, NEW)
+        ref = generate_turns(model, never_stopped.cache(sid, model), before + after, NEW)
         c = r.resume(sid, model)
         assert c.seen == sum(t.shape[1] for t in before) + NEW * len(before) - 1
         ids = conversation(before, ref[:len(before)])  # generate slices off what c has seen
@@ -107,6 +113,7 @@ def test_flush_kill_wipe_remount_resume_is_exact(make_mount, tmp_path: Path) -> 
             assert torch.equal(full[:, ids.shape[1]:], want), sid
             ids = full
             c.end_round()
+    never_stopped.close()
     r.close()
 
 

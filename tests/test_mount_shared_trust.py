@@ -265,7 +265,7 @@ def test_session_moves_across_nodes_over_tls(node: Callable[..., Mount], tls_clu
     turns = [prompt(40 + i, 6) for i in range(4)]
     model = tiny_llama(seed=5)
     ref = generate_turns(model, TieredCache(model, max_kv_len=8, **profile_rope()), turns, 4)
-    ra = KVRouter(mount=str(a.root), warm_root=str(tmp_path / "wa"), max_kv_len=8,
+    ra = KVRouter(mount=str(a.root), retrieval=False, warm_root=str(tmp_path / "wa"), max_kv_len=8,
                   warm_options={"shards": 16})
     try:
         outs = generate_turns(model, ra.cache("tls-1", model), turns[:2], 4)
@@ -279,7 +279,7 @@ def test_session_moves_across_nodes_over_tls(node: Callable[..., Mount], tls_clu
     with tls_cluster.client(tls_cluster.master_of_key(k.files)) as r:
         stored = r.get(k.chunk("layer_0", 0))
     assert stored and layer[:64] not in stored and layer[-64:] not in stored
-    rb = KVRouter(mount=str(b.root), warm_root=str(tmp_path / "wb"), max_kv_len=8,
+    rb = KVRouter(mount=str(b.root), retrieval=False, warm_root=str(tmp_path / "wb"), max_kv_len=8,
                   warm_options={"shards": 16})
     try:
         c = rb.resume("tls-1", model)

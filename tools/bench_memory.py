@@ -149,7 +149,7 @@ class Configs:
             return DynamicCache(config=self.model.config), lambda: None
         r = self.router(name)
         self._n += 1
-        sid = f"m{self._n}"
+        sid = f"{self._n}-m"  # a device id first: the iot profile shards by it
         return r.cache(sid, self.model, fresh=True), lambda: r.delete(sid)
 
     def settings(self, name: str) -> dict[str, Any]:
@@ -236,3 +236,146 @@ def summary(res: dict[str, Any], ref: str = "full") -> dict[str, Any]:
                      "of_reference": both / sum(base) if sum(base) else None,
                      "seconds": round(r["seconds"], 1)}
     return out
+
+
+def passkey_lengths(quick: bool) -> tuple[list[int], list[float]]:
+    """Lengths (tokens) and depths of the pass-key trials: 3 x 14 = 42 (quick: 2 x 3)."""
+    if quick:
+        return [400, 800], [0.2, 0.5, 0.8]
+    return [400, 800, 1600], [i / 13 for i in range(14)]
+
+
+def profile_perplexity(model: Any, ids: Any, configs: Configs, round_every: int) -> dict[str, Any]:
+    """Perplexity token by token (bench_quality's loop) of every configuration, as a ratio to
+    the full cache; the configurations stepped in turn, so their step times compare."""
+    from bench_quality import perplexities
+
+    caches, releases = {}, []
+    for name in configs.names:
+        c, release = configs.cache(name)
+        caches[name] = c
+        releases.append(release)
+    try:
+        got = perplexities(model, ids, caches, round_every)
+    finally:
+        for release in releases:
+            release()
+    full = got["full"][0]
+    return {name: {"ppl": p, "ratio": p / full} for name, (p, _) in got.items()}
+
+
+def step_cost(model: Any, configs: Configs, tokens: int, steps: int, round_tokens: int = 64
+              ) -> dict[str, Any]:
+    """Median decode step of a ``tokens``-token session with retrieval (gov) and without
+    (gov-window), stepped in turn after the same prefill (rounds of ``round_tokens``)."""
+    import statistics
+
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(100, model.config.vocab_size - 100, (1, tokens + steps), generator=g)
+    names = ["gov", "gov-window"]
+    caches, releases = {}, []
+    for name in names:
+        caches[name], release = configs.cache(name)
+        releases.append(release)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    try:
+        with torch.no_grad():
+            for name in names:
+                for a in range(0, tokens, round_tokens):
+                    model(input_ids=ids[:, a:min(tokens, a + round_tokens)], cache=caches[name], use_cache=True)
+                    caches[name].end_round()
+            for t in range(tokens, tokens + steps):
+                for name in (names if t % 2 == 0 else names[::-1]):
+                    t0 = time.perf_counter()
+                    model(input_ids=ids[:, t:t + 1], cache=caches[name], use_cache=True)
+                    times[name].append((time.perf_counter() - t0) * 1e3)
+        ret = caches["gov"].retrieval
+        info = {"blocks_attended": ret.attended_tokens // ret.block if ret else 0}
+    finally:
+        for release in releases:
+            release()
+    on, off = statistics.median(times["gov"]), statistics.median(times["gov-window"])
+    return {"tokens": tokens, "steps": steps, "step_ms_retrieval": on, "step_ms_window": off,
+            "ratio": on / off, **info}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+    import sys
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a few trials of each kind (minutes)")
+    p.add_argument("--facts", type=int, default=20, help="fact dialogues (default 20)")
+    p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--configs", default="full,gov,ecommerce,iot,gov-window")
+    p.add_argument("--no-passkey", action="store_true")
+    p.add_argument("--no-facts", action="store_true")
+    p.add_argument("--no-ppl", action="store_true")
+    p.add_argument("--no-cost", action="store_true")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("kvfs").setLevel(logging.WARNING)
+    import torch
+
+    from kvfs.torch.testing import load_smollm2
+
+    torch.set_num_threads(args.threads)
+    model, tok = load_smollm2()
+    names = args.configs.split(",")
+    configs = Configs(model, names)
+    out: dict[str, Any] = {"command": " ".join(["python tools/bench_memory.py", *(argv or sys.argv[1:])]),
+                           "settings": {n: configs.settings(n) for n in names}}
+    print("configurations:")
+    for n, s in out["settings"].items():
+        print(f"  {n}: {s or 'transformers DynamicCache'}")
+
+    def show(title: str, summ: dict[str, Any]) -> None:
+        print(f"\n{title}")
+        for n, s in summ.items():
+            of = "n/a" if s["of_reference"] is None else f"{100 * s['of_reference']:.0f}%"
+            print(f"  {n:>16}: {s['correct']:>3} of {s['questions']} correct, {of} of the full "
+                  f"cache's correct answers ({s['seconds']:.0f} s)")
+    try:
+        if not args.no_passkey:
+            lengths, depths = passkey_lengths(args.quick)
+            trials = passkey_trials(tok, lengths, depths)
+            res = run(model, tok, trials, configs, args.new_tokens, "pass key")
+            out["passkey"] = {"lengths": lengths, "depths": depths, "summary": summary(res),
+                              "by_length": {str(n): summary({k: {"correct": [c for t, c in zip(
+                                  trials, v["correct"], strict=True) if t.info["length"] == n],
+                                  "seconds": 0.0} for k, v in res.items()}) for n in lengths},
+                              "answers": {k: v["answers"] for k, v in res.items()}}
+            show(f"pass key, {len(trials)} trials ({', '.join(map(str, lengths))} tokens, depth 0-100 %)",
+                 out["passkey"]["summary"])
+        if not args.no_facts:
+            trials = fact_trials(tok, 4 if args.quick else args.facts)
+            res = run(model, tok, trials, configs, args.new_tokens, "facts")
+            out["facts"] = {"summary": summary(res), "answers": {k: v["answers"] for k, v in res.items()}}
+            show(f"facts asked 9-12 rounds later, {len(trials)} dialogues x 3", out["facts"]["summary"])
+        if not args.no_ppl:
+            from bench_quality import DEFAULT_TEXT, load_text
+
+            ids = load_text(tok, DEFAULT_TEXT, 200 if args.quick else 600)
+            out["perplexity"] = profile_perplexity(model, ids, configs, 48)
+            print(f"\nperplexity, {ids.shape[1]} tokens token by token (ratio to the full cache)")
+            for n, r in out["perplexity"].items():
+                print(f"  {n:>16}: {r['ppl']:.2f} ({r['ratio']:.2f}x)")
+        if not args.no_cost and {"gov", "gov-window"} <= set(names):
+            out["cost"] = step_cost(model, configs, 512 if args.quick else 2048, 32 if args.quick else 64)
+            c = out["cost"]
+            print(f"\ndecode step, {c['tokens']}-token session: retrieval {c['step_ms_retrieval']:.1f} ms, "
+                  f"window only {c['step_ms_window']:.1f} ms ({c['ratio']:.2f}x)")
+    finally:
+        configs.close()
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

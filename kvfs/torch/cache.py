@@ -72,8 +72,8 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
+import kvfs.torch.attention as attention
 from kvfs.ops import metrics
-from kvfs.torch import attention
 from kvfs.torch.cache_moves import MovesMixin
 from kvfs.torch.cache_recall import RecallMixin
 from kvfs.torch.fingerprint import (

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvfs.torch import attention
+import kvfs.torch.attention as attention
 from kvfs.torch.blocks import (
     BlockLayout,
     block_scores,
