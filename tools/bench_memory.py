@@ -16,7 +16,7 @@ the same rounds:
   (StreamingLLM), which shows the tests measure memory.
 
 Pass keys (the test of Landmark Attention, InfLLM): the filler "The grass is green. The sky is
-blue. The sun is yellow. Here we go. There and back again." one sentence a round, "The pass key
+blue. The sun is yellow. Here we go. There and back again." two sentences a round, "The pass key
 is 12345. Remember it. 12345 is the pass key." at a depth of 0-100 %, then the round "What is
 the pass key?" and the answer after "The pass key is": correct when it holds the five digits.
 
@@ -81,8 +81,10 @@ class Trial:
         return sum(len(r) for r in self.rounds)
 
 
-def passkey_trials(tok: Any, lengths: list[int], depths: list[float], seed: int = 0) -> list[Trial]:
-    """Per length and depth one conversation of about ``length`` tokens."""
+def passkey_trials(tok: Any, lengths: list[int], depths: list[float], seed: int = 0,
+                   per_round: int = 2) -> list[Trial]:
+    """Per length and depth one conversation of about ``length`` tokens, ``per_round``
+    filler sentences a round."""
     out = []
     for n in lengths:
         for d in depths:
@@ -91,8 +93,9 @@ def passkey_trials(tok: Any, lengths: list[int], depths: list[float], seed: int 
             first = tok.encode(FILLER[0])
             rounds, i = [first], 1
             while sum(map(len, rounds)) < n:
-                rounds.append(tok.encode(" " + FILLER[i % len(FILLER)]))
-                i += 1
+                rounds.append(tok.encode(" " + " ".join(FILLER[(i + j) % len(FILLER)]
+                                                        for j in range(per_round))))
+                i += per_round
             at = min(len(rounds), max(1, round(d * len(rounds))))
             rounds.insert(at, tok.encode(f" The pass key is {key}. Remember it. {key} is the pass key."))
             q = tok.encode("\nWhat is the pass key?")
@@ -239,10 +242,10 @@ def summary(res: dict[str, Any], ref: str = "full") -> dict[str, Any]:
 
 
 def passkey_lengths(quick: bool) -> tuple[list[int], list[float]]:
-    """Lengths (tokens) and depths of the pass-key trials: 3 x 14 = 42 (quick: 2 x 3)."""
+    """Lengths (tokens) and depths of the pass-key trials: 2 x 20 = 40 (quick: 2 x 3)."""
     if quick:
         return [400, 800], [0.2, 0.5, 0.8]
-    return [400, 800, 1600], [i / 13 for i in range(14)]
+    return [400, 800], [i / 19 for i in range(20)]
 
 
 def profile_perplexity(model: Any, ids: Any, configs: Configs, round_every: int) -> dict[str, Any]:

