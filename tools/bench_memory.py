@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Memory on a real model: pass keys and facts asked rounds later (SmolLM2-135M-Instruct).
 
-    python tools/bench_memory.py [--quick] [--json OUT]       (tools/bench_quality.py runs it)
+    python tools/bench_memory.py [--quick] [--json OUT]   (docs/quality.md, "Memory")
 
 Each conversation is fed round by round, as an agent feeds its model: one forward step per
 round, ``end_round()`` after it (a cache cannot change the prefill mask, so a single long
