@@ -80,9 +80,9 @@ def test_flush_kill_wipe_remount_resume_is_exact(make_mount, tmp_path: Path) -> 
     before = [prompt(30 + i, 6) for i in range(3)]
     after = [prompt(40 + i, 5) for i in range(2)]
     # retrieval on, choosing 2 of the old blocks of 4 tokens: the resumed sessions attend the
-    # blocks the key_bounds stream and meta.json kept, as a router that never stopped does
+    # blocks the key_centroids stream and meta.json kept, as a router that never stopped does
     ret = {"retrieval": True, "retrieval_block": 4,
-           "retrieval_bytes": 2 * 2 * 4 * geometry(tiny_llama()).session_token_bytes}
+           "retrieval_bytes": (2 + 2) * 4 * geometry(tiny_llama()).session_token_bytes}
     args = {"mount": str(m.root), "warm": str(warm), "window": WINDOW, "new": NEW, "retrieval": ret,
             "sessions": [{"sid": s, "seed": seed, "dtype": dt, "turns": [t[0].tolist() for t in before]}
                          for s, seed, dt in specs]}

@@ -1,5 +1,5 @@
 """Retrieval by relevance: the rule against a reference written from it, resume and fork
-token-identical to a run that never stopped (warm, cold, a new process), the key_bounds
+token-identical to a run that never stopped (warm, cold, a new process), the key_centroids
 stream (its bytes, torn / truncated / flipped / missing: recomputed from the stored keys),
 the budget taking retrieved blocks, fetch timing, refusals."""
 
@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import crc32c
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -19,7 +21,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("kvfs.warm")
 
 from kvfs.torch import KVRouter, KVUnsupported, TieredCache, geometry
-from kvfs.torch.blocks import HEADER_BYTES, STREAM, BlockLayout, bounds_of_keys
+from kvfs.torch.blocks import HEADER_BYTES, STREAM, BlockLayout, centroids_of_keys
+from kvfs.torch.retrieval import FRESH_BLOCKS
+from kvfs.torch.retrieval_store import chosen_from_meta
 from kvfs.torch.testing import RetrievalReference, generate_turns, prompt, tiny_llama
 from kvfs.warm import WarmTier
 
@@ -34,8 +38,8 @@ def model():
 
 def budget(model, blocks: int, block: int) -> int:
     """retrieval_bytes that attend ``blocks`` blocks of ``block`` tokens per layer (and keep
-    as many for reuse)."""
-    return 2 * blocks * block * geometry(model).session_token_bytes
+    FRESH_BLOCKS for reuse)."""
+    return (blocks + FRESH_BLOCKS) * block * geometry(model).session_token_bytes
 
 
 def make_router(tmp_path: Path, model, **kw) -> KVRouter:
@@ -137,7 +141,7 @@ def test_resume_continues_like_a_run_that_never_stopped(tmp_path, model, where):
     r = make_router(tmp_path, model, warm=tmp_path / ("warm2" if where == "cold" else "warm"))
     c = r.resume("s", model)
     assert [list(ch) for ch in c.retrieval.chosen] == chosen
-    assert c.retrieval.backfilled_blocks == 0  # every bound came from the stream
+    assert c.retrieval.backfilled_blocks == 0  # every centroid came from the stream
     got = continue_turns(model, c, conversation(BEFORE, outs), AFTER)
     assert got == expected[len(BEFORE):]
     r.close()
@@ -151,7 +155,7 @@ from kvfs.torch import KVRouter, geometry
 a = json.loads(sys.argv[1])
 m = tiny_llama(seed=0)
 r = KVRouter(mount=a["cold"], warm_root=a["warm"], max_kv_len=8, warm_options={"shards": 16},
-             retrieval_block=4, retrieval_bytes=2 * 3 * 4 * geometry(m).session_token_bytes)
+             retrieval_block=4, retrieval_bytes=(3 + 2) * 4 * geometry(m).session_token_bytes)
 c = r.resume("s", m)
 ids, out = torch.tensor([a["conv"]]), []
 for t in a["turns"]:
@@ -167,7 +171,7 @@ def test_resume_in_a_new_process_attends_the_same_blocks(tmp_path, model):
     expected = uninterrupted(tmp_path, model, BEFORE + AFTER)
     r = make_router(tmp_path, model)
     outs = generate_turns(model, r.cache("s", model), BEFORE, NEW)
-    r.close()  # flushes: every token, the bounds and the next step's blocks on the mount
+    r.close()  # flushes: every token, the centroids and the next step's blocks on the mount
     args = {"cold": str(tmp_path / "cold"), "warm": str(tmp_path / "warm-child"), "new": NEW,
             "conv": conversation(BEFORE, outs)[0].tolist(), "turns": [t[0].tolist() for t in AFTER]}
     p = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], capture_output=True,
@@ -200,7 +204,7 @@ def stored_history(warm, sid, model, seen):
     return [read_tokens(warm, sid, layer, geo, 0, seen, "cpu")[0] for layer in range(geo.num_layers)]
 
 
-def test_key_bounds_stream_holds_the_bounds_of_every_block_that_left(tmp_path, model):
+def test_key_centroids_stream_holds_the_centroids_of_every_block_that_left(tmp_path, model):
     r = make_router(tmp_path, model)
     c = r.cache("s", model)
     generate_turns(model, c, BEFORE, NEW)
@@ -212,8 +216,8 @@ def test_key_bounds_stream_holds_the_bounds_of_every_block_that_left(tmp_path, m
     got = lay.parse(raw[HEADER_BYTES:])
     keys = stored_history(r.warm, "s", model, c.seen)
     for layer, k in enumerate(keys):
-        assert torch.equal(got[:, layer], bounds_of_keys(k[..., 4:4 + n * 4, :], 4))
-        assert torch.equal(got[:, layer], c.retrieval.bounds(layer).cpu())
+        assert torch.equal(got[:, layer], centroids_of_keys(k[..., 4:4 + n * 4, :], 4))
+        assert torch.equal(got[:, layer], c.retrieval.centroids(layer).cpu())
     r.close()
     assert (tmp_path / "cold" / "sessions" / "s" / STREAM).stat().st_size == lay.offset(n)
 
@@ -226,14 +230,19 @@ def _damage(path: Path, how: str, lay: BlockLayout) -> None:
         del data[len(data) - lay.record_bytes // 2:]
     elif how == "header":  # another block size
         data[:HEADER_BYTES] = BlockLayout(8, 4, lay.geo).header()
-    elif how == "missing":  # a session written by another writer: no bounds at all
+    elif how == "earlier":  # the min/max bounds an earlier version wrote: another magic
+        head = bytearray(lay.header())
+        head[:8] = b"KVFSKB01"
+        head[60:64] = struct.pack("<I", crc32c.crc32c(bytes(head[:60])))
+        data[:HEADER_BYTES] = head
+    elif how == "missing":  # a session written by another writer: no centroids at all
         path.unlink()
         return
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("how", ["flip", "torn", "header", "missing"])
-def test_damaged_or_missing_bounds_are_recomputed_from_the_stored_keys(tmp_path, model, how):
+@pytest.mark.parametrize("how", ["flip", "torn", "header", "earlier", "missing"])
+def test_damaged_or_missing_centroids_are_recomputed_from_the_stored_keys(tmp_path, model, how):
     expected = uninterrupted(tmp_path, model, BEFORE + AFTER)
     r = make_router(tmp_path, model)
     outs = generate_turns(model, r.cache("s", model), BEFORE, NEW)
@@ -246,10 +255,10 @@ def test_damaged_or_missing_bounds_are_recomputed_from_the_stored_keys(tmp_path,
     _damage(f, how, lay)
     r = make_router(tmp_path, model, warm=tmp_path / "warm2")
     c = r.resume("s", model)
-    want = {"flip": n - 2, "torn": 1, "header": n, "missing": n}[how]
+    want = {"flip": n - 2, "torn": 1, "header": n, "earlier": n, "missing": n}[how]
     assert c.retrieval.backfilled_blocks == want
     got = continue_turns(model, c, conversation(BEFORE, outs), AFTER)
-    assert got == expected[len(BEFORE):]  # recomputed bounds are the same bytes
+    assert got == expected[len(BEFORE):]  # recomputed centroids are the same bytes
     r.save("s")
     raw = r.warm.side_read("s", STREAM, 0, r.warm.side_size("s", STREAM))
     m = c.retrieval.count[0]
@@ -274,6 +283,21 @@ def test_meta_without_a_retrieval_entry_resumes(tmp_path, model):
     continue_turns(model, c, conversation(BEFORE, outs), AFTER[:1])
     assert len(c.retrieval.chosen[0]) == 3
     r.close()
+
+
+def test_meta_choice_of_fewer_blocks_is_taken_back():
+    """A step whose recalled rounds held some blocks chooses fewer: a saved choice of the
+    same length on every layer fits; unequal lengths, too many blocks or bad indexes do not."""
+    lay = BlockLayout(4, 4, geometry(tiny_llama(seed=0)))
+
+    def saved(chosen):
+        return {"block": 4, "origin": 4, "tokens": 40, "chosen": chosen}
+
+    assert chosen_from_meta(saved([[1], [0]]), lay, 40, 6, 3, 2) == [(1,), (0,)]
+    assert chosen_from_meta(saved([[1, 2], [0, 3]]), lay, 40, 6, 3, 2) == [(1, 2), (0, 3)]
+    for bad in ([[1, 2], [0]], [[1, 2, 3, 4], [0, 1, 2, 3]], [[1, 6], [0, 1]], [[1, 1], [0, 2]]):
+        assert chosen_from_meta(saved(bad), lay, 40, 6, 3, 2) == [(), ()]
+    assert chosen_from_meta(saved([[1], [0]]), lay, 41, 6, 3, 2) == [(), ()]  # other tokens
 
 
 def test_budget_moves_take_retrieved_blocks_and_bring_them_back(tmp_path, model):

@@ -21,9 +21,10 @@ is 12345. Remember it. 12345 is the pass key." at a depth of 0-100 %, then the r
 the pass key?" and the answer after "The pass key is": correct when it holds the five digits.
 
 Facts: a dialogue ("User: ... / Assistant: ..." lines, one exchange a round) whose first three
-rounds give a name, a city and a number, then small talk (none of it names a person, a city or a
-number), then the three questions, each a round, answered after "Your name is" / "You live in" /
-"Your favorite number is": correct when the answer's first line holds the fact.
+rounds give a name, a city and a number, then 30 rounds of small talk (none of it names a
+person, a city or a number; ~700 tokens in all, so that the blocks a profile attends hold a
+fraction of it), then the three questions, each a round, answered after "Your name is" / "You
+live in" / "Your favorite number is": correct when the answer's first line holds the fact.
 """
 
 from __future__ import annotations
@@ -104,7 +105,21 @@ def passkey_trials(tok: Any, lengths: list[int], depths: list[float], seed: int 
     return out
 
 
-def fact_trials(tok: Any, n: int, small_talk: int = 9, seed: int = 0) -> list[Trial]:
+def _small_talk(rng: random.Random, n: int) -> list[tuple[str, str]]:
+    """``n`` rounds of small talk: the exchanges shuffled, reshuffled when used up (no
+    exchange twice in a row)."""
+    if n <= len(SMALL_TALK):
+        return rng.sample(SMALL_TALK, n)
+    out: list[tuple[str, str]] = []
+    while len(out) < n:
+        more = rng.sample(SMALL_TALK, len(SMALL_TALK))
+        if out and more[0] == out[-1]:
+            more.append(more.pop(0))
+        out += more
+    return out[:n]
+
+
+def fact_trials(tok: Any, n: int, small_talk: int = 30, seed: int = 0) -> list[Trial]:
     """``n`` dialogues: name, city, number in the first three rounds, ``small_talk`` rounds,
     then the three questions (each ``small_talk`` + 1 or more rounds after its fact)."""
     out = []
@@ -114,7 +129,7 @@ def fact_trials(tok: Any, n: int, small_talk: int = 9, seed: int = 0) -> list[Tr
         lines = [(f"Hi! My name is {name}.", "Nice to meet you! How can I help you today?"),
                  (f"I live in {city}.", "That sounds like a lovely place to live."),
                  (f"My favorite number is {num}.", "Thanks for telling me."),
-                 *rng.sample(SMALL_TALK, small_talk)]
+                 *_small_talk(rng, small_talk)]
         rounds = [tok.encode(f"User: {u}\nAssistant: {a}\n") for u, a in lines]
         facts = {"name": name, "city": city, "number": str(num)}
         qs = [(tok.encode(f"User: {q}\n"), tok.encode(f"Assistant: {pre}"), facts[kind])
@@ -312,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a few trials of each kind (minutes)")
     p.add_argument("--facts", type=int, default=20, help="fact dialogues (default 20)")
+    p.add_argument("--small-talk", type=int, default=30,
+                   help="rounds between the facts and the questions (default 30)")
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--configs", default="full,gov,ecommerce,iot,gov-window")
     p.add_argument("--no-passkey", action="store_true")
@@ -356,10 +373,13 @@ def main(argv: list[str] | None = None) -> int:
             show(f"pass key, {len(trials)} trials ({', '.join(map(str, lengths))} tokens, depth 0-100 %)",
                  out["passkey"]["summary"])
         if not args.no_facts:
-            trials = fact_trials(tok, 4 if args.quick else args.facts)
+            trials = fact_trials(tok, 4 if args.quick else args.facts, args.small_talk)
             res = run(model, tok, trials, configs, args.new_tokens, "facts")
-            out["facts"] = {"summary": summary(res), "answers": {k: v["answers"] for k, v in res.items()}}
-            show(f"facts asked 9-12 rounds later, {len(trials)} dialogues x 3", out["facts"]["summary"])
+            out["facts"] = {"small_talk": args.small_talk, "tokens": [t.tokens for t in trials],
+                            "summary": summary(res), "answers": {k: v["answers"] for k, v in res.items()}}
+            toks = sorted(t.tokens for t in trials)
+            show(f"facts asked {args.small_talk + 1}-{args.small_talk + 3} rounds later, {len(trials)} "
+                 f"dialogues x 3 ({toks[0]}-{toks[-1]} tokens before the questions)", out["facts"]["summary"])
         if not args.no_ppl:
             from bench_quality import DEFAULT_TEXT, load_text
 

@@ -129,7 +129,7 @@ class Profile:
     rope_reach: int = _spec("int", "reach: the farthest the sinks may be from the query, tokens "
                             "(capped at the model's max_position_embeddings)", min=1)
     retrieval: bool = _spec("bool", "attend, beside the sinks and the window, the old blocks whose "
-                            "key bounds best match the current queries (Quest); off: sinks and "
+                            "key centroids the current queries would attend most; off: sinks and "
                             "window only")
     retrieval_block: int = _spec("int", "tokens per retrieval block", min=1, max=4096)
     retrieval_bytes: int = _spec("size", "device bytes of the old blocks one session attends per "

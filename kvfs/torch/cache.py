@@ -84,7 +84,7 @@ from kvfs.torch.fingerprint import (
 )
 from kvfs.torch.layer import TieredLayer, window_slack
 from kvfs.torch.recall import summarize_keys
-from kvfs.torch.retrieval import Retrieval
+from kvfs.torch.retrieval import FRESH_BLOCKS, Retrieval
 from kvfs.torch.rope import RopeShift
 from kvfs.torch.spill import Spiller
 
@@ -188,19 +188,19 @@ class TieredCache(RecallMixin, MovesMixin, Cache):
             self.retrieval = self._make_retrieval(model_or_config, retrieval_block, retrieval_bytes)
 
     def _make_retrieval(self, model_or_config: Any, block: int, budget: int | None) -> Retrieval | None:
-        """The session's retrieval: ``budget`` device bytes of blocks (all layers), half of
-        them attended per step and half kept for reuse, so ``budget // (2 * block *
-        session_token_bytes)`` blocks attended per layer."""
+        """The session's retrieval: ``budget`` device bytes of blocks (all layers),
+        ``budget // (block * session_token_bytes)`` per layer, all attended but
+        :data:`~kvfs.torch.retrieval.FRESH_BLOCKS` kept for reuse."""
         if self.warm is None:
             raise ValueError("retrieval needs a warm tier (warm=...) to read old blocks from")
         if budget is None:
             raise ValueError("retrieval needs retrieval_bytes, the device bytes of the blocks "
                              "it attends per step")
-        attend = int(budget) // (2 * int(block) * self.geo.session_token_bytes)
+        attend = int(budget) // (int(block) * self.geo.session_token_bytes) - FRESH_BLOCKS
         if attend < 1:
-            log.warning("session %r: retrieval_bytes=%d holds fewer than two blocks of %d tokens "
+            log.warning("session %r: retrieval_bytes=%d holds fewer than %d blocks of %d tokens "
                         "(%d B each over all layers); retrieval is off", self.session_id, budget,
-                        block, block * self.geo.session_token_bytes)
+                        FRESH_BLOCKS + 1, block, block * self.geo.session_token_bytes)
             return None
         if not attention.installed(model_or_config):
             if not hasattr(model_or_config, "named_parameters"):

@@ -1,15 +1,15 @@
-"""Retrieval of old KV by relevance: one session's blocks, their bounds and the attended set.
+"""Retrieval of old KV by relevance: one session's blocks, their centroids and the attended set.
 
-Owns, for one :class:`~kvfs.torch.cache.TieredCache`: the key bounds of every block that
+Owns, for one :class:`~kvfs.torch.cache.TieredCache`: the key centroids of every block that
 has left the window (on the device, per layer, :mod:`kvfs.torch.blocks`), the blocks each
 layer attends and their K/V on the device, blocks kept for reuse, the fetches that bring
-newly chosen blocks up from the warm tier, the records of the ``key_bounds`` side stream and
+newly chosen blocks up from the warm tier, the records of the ``key_centroids`` side stream and
 the ``retrieval`` entry of ``meta.json`` (:mod:`kvfs.torch.retrieval_store` reads them back).
 
 The rule (deterministic: a function of the tokens alone, never of timing):
 
 * With retrieval the window reaches back to the start of its block (``block`` tokens from
-  ``origin`` = the sinks): blocks leave it whole, and each block's bounds are computed then.
+  ``origin`` = the sinks): blocks leave it whole, and each block's centroids are computed then.
 * Step ``t`` of layer ``l`` attends the sinks, the blocks chosen for it, the window and the
   step's input. After the attention of layer ``l`` at step ``t`` its queries rank every block
   that has left the window (:func:`~kvfs.torch.blocks.block_scores`); the top
@@ -40,25 +40,26 @@ import kvfs.torch.attention as attention
 from kvfs.torch.blocks import (
     BlockLayout,
     block_scores,
-    bounds_layout,
-    bounds_of_keys,
+    centroids_layout,
+    centroids_of_keys,
     next_slots,
     scoring_layout,
 )
 from kvfs.torch.fingerprint import KVUnsupported
 from kvfs.torch.recall import layer_pool, read_tokens
-from kvfs.torch.retrieval_store import chosen_from_meta, load_bounds, write_records
+from kvfs.torch.retrieval_store import chosen_from_meta, load_centroids, write_records
 
 if TYPE_CHECKING:
     from kvfs.torch.cache import TieredCache
 
 log = logging.getLogger("kvfs.torch.retrieval")
 
-#: Besides the chosen blocks, as many more are kept on the device per layer, least recently
-#: used out first: blocks leave the choice and come back often (three in four new choices
-#: were chosen in the last eight steps, measured on SmolLM2), and the last ``FRESH_BLOCKS``
-#: blocks to leave the window are chosen often while their bytes may still be on their way
-#: to the warm tier.
+#: Besides the chosen blocks, ``FRESH_BLOCKS`` more are kept on the device per layer, least
+#: recently used out first: the last blocks to leave the window are chosen often while their
+#: bytes may still be on their way to the warm tier, and blocks leave the choice and come
+#: back. The rest of the budget is attended: a block attended finds more than one kept
+#: (measured on SmolLM2, 16 blocks of budget: facts found 26 of 30 with 12 attended and 4
+#: kept, 27 with 14 and 2; 21 with 8 and 8).
 FRESH_BLOCKS = 2
 
 KV = tuple[torch.Tensor, torch.Tensor]  # one block of one layer: K, V [1, H, block, D]
@@ -67,18 +68,18 @@ KV = tuple[torch.Tensor, torch.Tensor]  # one block of one layer: K, V [1, H, bl
 class Retrieval:
     """One session's retrieval state (see the module docstring)."""
 
-    def __init__(self, cache: TieredCache, block: int, attend: int) -> None:
-        if block < 1 or attend < 1:
-            raise ValueError(f"retrieval needs block >= 1 and at least one block attended, got "
-                             f"block={block}, attend={attend}")
+    def __init__(self, cache: TieredCache, block: int, attend: int, keep: int = FRESH_BLOCKS) -> None:
+        if block < 1 or attend < 1 or keep < 0:
+            raise ValueError(f"retrieval needs block >= 1, at least one block attended and none "
+                             f"or more kept, got block={block}, attend={attend}, keep={keep}")
         self.c = cache
         self.layout = BlockLayout(int(block), cache.sink_tokens, cache.geo)
         self.block = int(block)
         self.attend = int(attend)
-        self.keep = self.attend  # blocks kept for reuse per layer, besides the chosen ones
+        self.keep = int(keep)  # blocks kept for reuse per layer, besides the chosen ones
         n = cache.num_layers
-        self.count = [0] * n  # blocks with bounds (left the window), per layer
-        self._bounds: torch.Tensor | None = None  # [layers, H, 2D, capacity]: scoring_layout
+        self.count = [0] * n  # blocks with centroids (left the window), per layer
+        self._cents: torch.Tensor | None = None  # [layers, H, D, 2 * capacity]: scoring_layout
         self._queries: list[torch.Tensor | None] = [None] * n  # this step's, until the last layer
         self.chosen: list[tuple[int, ...]] = [()] * n  # blocks of the next step, in slot order
         self._on: list[dict[int, KV]] = [{} for _ in range(n)]  # chosen blocks on the device
@@ -102,22 +103,22 @@ class Retrieval:
 
     @property
     def device_bytes(self) -> int:
-        n = 0 if self._bounds is None else self._bounds.numel()
+        n = 0 if self._cents is None else self._cents.numel()
         n += sum(k.numel() + v.numel() for d in (*self._on, *self._kept) for k, v in d.values())
         return n * self.c.geo.itemsize
 
     def step_growth(self, q: int) -> int:
         """Device bytes a step of ``q`` tokens may add at most: the chosen blocks, the blocks
-        leaving the window kept for reuse, their bounds."""
+        leaving the window kept for reuse, their centroids."""
         c, blk = self.c, self.block
         leaving = (c.window_from(c.seen + q) - c.window_from(c.seen)) // blk
         stb = c.geo.session_token_bytes
         chosen = max(0, min(self.attend, self.count[0] + leaving) - len(self._on[0]))
         kept = max(0, min(self.keep, len(self._kept[0]) + leaving + chosen) - len(self._kept[0]))
-        cap = 0 if self._bounds is None else self._bounds.shape[-1]
+        cap = 0 if self._cents is None else self._cents.shape[-1] // 2
         need = self.count[0] + leaving
         grown = need + max(8, need // 4) - cap if need > cap else 0
-        return (chosen + kept) * blk * stb + grown * stb  # a block's bounds: one token's K/V bytes
+        return (chosen + kept) * blk * stb + grown * stb  # a block's centroids: one token's K/V bytes
 
     def window_from(self, seen: int, base: int) -> int:
         """Start of the window for ``seen`` tokens, ``base`` the start without blocks:
@@ -148,12 +149,12 @@ class Retrieval:
 
     def left_window(self, layer: int, first: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Tokens ``[first, first + T)`` of ``layer`` (whole blocks, K/V ``[1, H, T, D]``) left
-        the window in this step: their bounds join the candidates, the last ones are kept."""
+        the window in this step: their centroids join the candidates, the last ones are kept."""
         b0 = (first - self.layout.origin) // self.block
         if b0 != self.count[layer]:
             raise AssertionError(f"layer {layer}: block {b0} left the window, expected {self.count[layer]}")
         nb = k.shape[-2] // self.block
-        self._append_bounds(layer, bounds_of_keys(k, self.block))
+        self._append_centroids(layer, centroids_of_keys(k, self.block))
         for j in range(max(0, nb - FRESH_BLOCKS), nb):
             s = slice(j * self.block, (j + 1) * self.block)
             self._keep_block(layer, b0 + j, (k[..., s, :].clone(), v[..., s, :].clone()))
@@ -165,30 +166,30 @@ class Retrieval:
         while len(kept) > self.keep:
             kept.popitem(last=False)
 
-    def _append_bounds(self, layer: int, new: torch.Tensor) -> None:
-        """Add ``[m, H, 2, D]`` bounds to ``layer`` (all layers grow by a quarter when the
+    def _append_centroids(self, layer: int, new: torch.Tensor) -> None:
+        """Add ``[m, H, 2, D]`` centroids to ``layer`` (all layers grow by a quarter when the
         first one is full: few copies)."""
-        n, cur, m = self.count[layer], self._bounds, new.shape[0]
+        n, cur, m = self.count[layer], self._cents, new.shape[0]
         lay = scoring_layout(new)
-        if cur is None or cur.shape[-1] < n + m:
+        if cur is None or cur.shape[-1] < 2 * (n + m):
             cap = n + m + max(8, (n + m) // 4)
-            grown = lay.new_empty((self.c.num_layers, *lay.shape[:2], cap))
+            grown = lay.new_empty((self.c.num_layers, *lay.shape[:2], 2 * cap))
             if cur is not None:
                 grown[..., :cur.shape[-1]] = cur
-            self._bounds = cur = grown
-        cur[layer, ..., n:n + m] = lay
+            self._cents = cur = grown
+        cur[layer, ..., 2 * n:2 * (n + m)] = lay
         self.count[layer] = n + m
 
     def scoring(self, layer: int | None = None) -> torch.Tensor:
-        """The bounds of the blocks that left the window, as :func:`block_scores` reads them
-        (``[layers, H, 2D, n]``, or one layer's)."""
+        """The centroids of the blocks that left the window, as :func:`block_scores` reads
+        them (``[layers, H, D, 2n]``, or one layer's)."""
         if layer is None:
-            return self._bounds[..., :self.count[-1]]
-        return self._bounds[layer, ..., :self.count[layer]]
+            return self._cents[..., :2 * self.count[-1]]
+        return self._cents[layer, ..., :2 * self.count[layer]]
 
-    def bounds(self, layer: int) -> torch.Tensor:
-        """``[n, H, 2, D]`` bounds of the blocks that left the window."""
-        return bounds_layout(self.scoring(layer))
+    def centroids(self, layer: int) -> torch.Tensor:
+        """``[n, H, 2, D]`` centroids of the blocks that left the window."""
+        return centroids_layout(self.scoring(layer))
 
     # --- the attended blocks ------------------------------------------------------------------
     def step_kv(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -321,12 +322,12 @@ class Retrieval:
     # --- storage ------------------------------------------------------------------------------
     def queue_records(self) -> None:
         """Queue the records of the blocks that left the window since the last call (all
-        layers have their bounds: called at the end of a step and before a flush)."""
+        layers have their centroids: called at the end of a step and before a flush)."""
         n = min(self.count)
         if n <= self.written or self.c.spiller is None:
             return
         first = self.written
-        new = bounds_layout(self._bounds[..., first:n].flatten(0, 1)).unflatten(1, (len(self.count), -1))
+        new = centroids_layout(self._cents[..., 2 * first:2 * n].flatten(0, 1)).unflatten(1, (len(self.count), -1))
         c = self.c
         c.spiller.submit_call(write_records, c.warm, c.session_id, self.layout, first, new)
         self.written = n
@@ -337,16 +338,16 @@ class Retrieval:
                 "chosen": [list(ch) for ch in self.chosen]}
 
     def load(self, meta: dict, tokens: int, window_start: int, device: torch.device | str) -> None:
-        """Resume: the bounds of the blocks before ``window_start`` (the side stream, checked,
-        completed from the stored keys: :func:`~kvfs.torch.retrieval_store.load_bounds`) and
-        the chosen blocks from ``meta.json`` when it saved them for exactly ``tokens``."""
+        """Resume: the centroids of the blocks before ``window_start`` (the side stream, checked,
+        completed from the stored keys: :func:`~kvfs.torch.retrieval_store.load_centroids`)
+        and the chosen blocks from ``meta.json`` when it saved them for exactly ``tokens``."""
         need = self.layout.blocks_before(window_start)
-        bounds, self.backfilled_blocks = load_bounds(self.c, self.layout, need)
-        self._bounds = None
+        cents, self.backfilled_blocks = load_centroids(self.c, self.layout, need)
+        self._cents = None
         for layer in range(self.c.num_layers):
             self.count[layer] = 0
             if need:
-                self._append_bounds(layer, bounds[:, layer].to(device))
+                self._append_centroids(layer, cents[:, layer].to(device))
         self.written = need
         self.chosen = chosen_from_meta(meta.get("retrieval"), self.layout, tokens, need,
                                        min(self.attend, need), self.c.num_layers)
@@ -354,14 +355,14 @@ class Retrieval:
             self._on[layer] = self._read(layer, list(self.chosen[layer])) if self.chosen[layer] else {}
 
     def copy_to(self, other: Retrieval) -> None:
-        """Give ``other`` (a fork's, empty) this state: bounds, chosen and kept blocks."""
+        """Give ``other`` (a fork's, empty) this state: centroids, chosen and kept blocks."""
         for layer in range(self.c.num_layers):
             if self._pending[layer] is not None:
                 self._settle(layer)
             other._on[layer] = {b: (k.clone(), v.clone()) for b, (k, v) in self._on[layer].items()}
             other._kept[layer] = OrderedDict((b, (k.clone(), v.clone()))
                                              for b, (k, v) in self._kept[layer].items())
-        other._bounds = None if self._bounds is None else self._bounds.clone()
+        other._cents = None if self._cents is None else self._cents.clone()
         other.count = list(self.count)
         other.chosen = list(self.chosen)
         other.written = self.written

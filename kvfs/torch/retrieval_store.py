@@ -1,16 +1,16 @@
-"""The retrieval state in storage: the ``key_bounds`` side stream and the ``meta.json`` entry.
+"""The retrieval state in storage: the ``key_centroids`` side stream and the ``meta.json`` entry.
 
 The live session appends one record per block that leaves its window (:func:`write_records`,
 run by the spill thread in order with the layer bytes) and saves the blocks its next step
 attends in ``meta.json`` (``retrieval``: ``block``, ``origin``, ``tokens``, ``chosen`` per
 layer in slot order; :func:`chosen_from_meta` takes them back only when they fit exactly).
 
-A resumed session needs the bounds of every block that has left its window. They come
-from the session's ``key_bounds`` stream (warm tier, or the mount through it) when its
+A resumed session needs the centroids of every block that has left its window. They come
+from the session's ``key_centroids`` stream (warm tier, or the mount through it) when its
 header matches the session's block layout and its records check; the records missing
 after the valid prefix -- a session written by an older version or by another writer, a
 record torn by a crash, a flipped bit, another block size -- are recomputed from the
-stored keys (exact: minimum and maximum of the same bytes) and the stream is rewritten
+stored keys (exact: the same sums of the same bytes) and the stream is rewritten
 to hold exactly those blocks, so the live session appends after them. Separate from
 :mod:`kvfs.torch.retrieval`, which runs per step; this runs once, at resume.
 """
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvfs.torch.blocks import HEADER_BYTES, STREAM, BlockLayout, bounds_of_keys
+from kvfs.torch.blocks import HEADER_BYTES, STREAM, BlockLayout, centroids_of_keys
 from kvfs.torch.recall import read_tokens
 
 if TYPE_CHECKING:
@@ -30,50 +30,50 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvfs.torch.retrieval")
 
-#: tokens per read while recomputing bounds (bounds the memory of a long backfill)
+#: tokens per read while recomputing centroids (bounds the memory of a long backfill)
 BACKFILL_TOKENS = 4096
 
 
-def stored_bounds(c: TieredCache, lay: BlockLayout, need: int) -> torch.Tensor:
+def stored_centroids(c: TieredCache, lay: BlockLayout, need: int) -> torch.Tensor:
     """The valid prefix (at most ``need`` records) of the session's stream, on the CPU."""
     warm, sid = c.warm, c.session_id
     size = warm.side_size(sid, STREAM)
     if size < HEADER_BYTES or not lay.header_matches(warm.side_read(sid, STREAM, 0, HEADER_BYTES)):
-        return bounds_shape(lay, 0)
+        return centroids_shape(lay, 0)
     end = min(size, lay.offset(need))
     whole = (end - HEADER_BYTES) // lay.record_bytes
     if whole <= 0:
-        return bounds_shape(lay, 0)
+        return centroids_shape(lay, 0)
     return lay.parse(warm.side_read(sid, STREAM, HEADER_BYTES, lay.offset(whole)))
 
 
-def bounds_shape(lay: BlockLayout, n: int) -> torch.Tensor:
+def centroids_shape(lay: BlockLayout, n: int) -> torch.Tensor:
     g = lay.geo
     return torch.empty((n, g.num_layers, g.num_kv_heads, 2, g.head_dim), dtype=g.dtype)
 
 
 def recompute(c: TieredCache, lay: BlockLayout, first: int, end: int) -> torch.Tensor:
-    """Bounds of blocks ``[first, end)`` from the stored keys ``[n, L, H, 2, D]`` (CPU)."""
-    out = bounds_shape(lay, end - first)
+    """Centroids of blocks ``[first, end)`` from the stored keys ``[n, L, H, 2, D]`` (CPU)."""
+    out = centroids_shape(lay, end - first)
     per = max(1, BACKFILL_TOKENS // lay.block)
     for b in range(first, end, per):
         e = min(end, b + per)
         a, z = lay.span(b)[0], lay.span(e - 1)[1]
         for layer in range(lay.geo.num_layers):
             k, _ = read_tokens(c.warm, c.session_id, layer, lay.geo, a, z, "cpu", promote=False)
-            out[b - first:e - first, layer] = bounds_of_keys(k, lay.block)
+            out[b - first:e - first, layer] = centroids_of_keys(k, lay.block)
     return out
 
 
-def load_bounds(c: TieredCache, lay: BlockLayout, need: int) -> tuple[torch.Tensor, int]:
-    """Bounds ``[need, L, H, 2, D]`` (CPU) of blocks ``[0, need)`` and how many were
+def load_centroids(c: TieredCache, lay: BlockLayout, need: int) -> tuple[torch.Tensor, int]:
+    """Centroids ``[need, L, H, 2, D]`` (CPU) of blocks ``[0, need)`` and how many were
     recomputed; afterwards the stream holds exactly their header and records."""
     warm, sid = c.warm, c.session_id
-    have = stored_bounds(c, lay, need)
+    have = stored_centroids(c, lay, need)
     valid = have.shape[0]
     size = warm.side_size(sid, STREAM)
     if valid < need:
-        log.info("session %r: %d of %d block bounds stored; recomputing %d from the stored keys",
+        log.info("session %r: %d of %d block centroids stored; recomputing %d from the stored keys",
                  sid, valid, need, need - valid)
         have = torch.cat([have, recompute(c, lay, valid, need)])
     keep = lay.offset(valid) if valid else 0  # a valid record implies a matching header
@@ -85,24 +85,25 @@ def load_bounds(c: TieredCache, lay: BlockLayout, need: int) -> tuple[torch.Tens
     return have, need - valid
 
 
-def write_records(warm: Any, sid: str, lay: BlockLayout, first: int, bounds: torch.Tensor) -> None:
-    """Spill thread: append the records of blocks ``first, ...`` (``bounds`` ``[m, L, H, 2,
+def write_records(warm: Any, sid: str, lay: BlockLayout, first: int, cents: torch.Tensor) -> None:
+    """Spill thread: append the records of blocks ``first, ...`` (``cents`` ``[m, L, H, 2,
     D]``, any device; the header first when ``first`` is 0)."""
-    data = lay.records(first, bounds.cpu())
+    data = lay.records(first, cents.cpu())
     if first == 0:
         data = memoryview(lay.header() + data.tobytes())
     new = warm.side_append(sid, STREAM, data)
-    want = lay.offset(first + bounds.shape[0])
+    want = lay.offset(first + cents.shape[0])
     if new != want:
         raise RuntimeError(f"session {sid!r}: {STREAM} is {new} bytes after appending records up "
-                           f"to block {first + bounds.shape[0]}, expected {want}")
+                           f"to block {first + cents.shape[0]}, expected {want}")
 
 
-def chosen_from_meta(saved: Any, layout: BlockLayout, tokens: int, blocks: int, each: int,
+def chosen_from_meta(saved: Any, layout: BlockLayout, tokens: int, blocks: int, most: int,
                      layers: int) -> list[tuple[int, ...]]:
     """The chosen blocks saved in meta.json when they fit this session exactly (same block
-    layout, saved at ``tokens``, ``each`` distinct valid blocks per layer); else none for
-    every layer (the first step then attends sinks and window only, and its queries choose)."""
+    layout, saved at ``tokens``, the same number of distinct valid blocks for every layer, at
+    most ``most``: fewer when recalled rounds held some blocks); else none for every layer
+    (the first step then attends sinks and window only, and its queries choose)."""
     none: list[tuple[int, ...]] = [()] * layers
     if not isinstance(saved, dict) or saved.get("block") != layout.block or \
             saved.get("origin") != layout.origin or saved.get("tokens") != tokens:
@@ -112,7 +113,7 @@ def chosen_from_meta(saved: Any, layout: BlockLayout, tokens: int, blocks: int, 
         return none
     out = []
     for ch in got:
-        if (not isinstance(ch, list) or len(ch) != each
+        if (not isinstance(ch, list) or len(ch) > most or len(ch) != len(got[0])
                 or not all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b < blocks for b in ch)
                 or len(set(ch)) != len(ch)):
             log.warning("meta.json retrieval entry does not fit the session; the first step "

@@ -300,7 +300,7 @@ class KVRouter(BudgetMixin):
                         recall_rounds=src.recall_rounds, spiller=self.spiller, router=self,
                         summary_dim=src.summary_dim, dtype=src.geo.dtype, retrieval=ret is not None,
                         retrieval_block=ret.block if ret else src.retrieval_block,
-                        retrieval_bytes=2 * ret.attend * ret.block * src.geo.session_token_bytes
+                        retrieval_bytes=(ret.attend + ret.keep) * ret.block * src.geo.session_token_bytes
                         if ret else None)
         c.fingerprint = src.fingerprint
         self.reserve(c, src.hot_bytes)
@@ -319,7 +319,7 @@ class KVRouter(BudgetMixin):
                     w.append(new_id, layer, w.read(src_id, layer, a, min(size, a + chunk), promote=False))
             for i, vec in enumerate(w.summaries(src_id)):
                 w.put_summary(new_id, i, vec)
-            size = w.side_size(src_id, STREAM)  # block key bounds (retrieval)
+            size = w.side_size(src_id, STREAM)  # block key centroids (retrieval)
             for a in range(0, size, chunk):
                 w.side_append(new_id, STREAM, w.side_read(src_id, STREAM, a, min(size, a + chunk)))
             w.put_meta(new_id, meta)

@@ -44,10 +44,10 @@ log = logging.getLogger("kvfs.warm")
 
 LAYER_RE = re.compile(r"layer_(0|[1-9][0-9]{0,9})")
 #: side streams: append-only byte files of a session beside its layers (the hot tier's
-#: ``key_bounds``), kept exactly like a layer (checksummed extents, write-behind,
+#: ``key_centroids``), kept exactly like a layer (checksummed extents, write-behind,
 #: migration, promotion) under stream numbers above every layer number
 SIDE_BASE = 1 << 31
-SIDE_STREAMS = {"key_bounds": SIDE_BASE}
+SIDE_STREAMS = {"key_centroids": SIDE_BASE}
 _SIDE_NAMES = {n: name for name, n in SIDE_STREAMS.items()}
 SUMMARIES = "summaries.f32"
 META = "meta.json"

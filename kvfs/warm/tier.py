@@ -152,8 +152,8 @@ class WarmTier:
         return self._append(sid, check_layer(layer), data)
 
     def side_append(self, sid: str, name: str, data: bytes | memoryview | np.ndarray) -> int:
-        """Append to the session's side stream ``name`` (``key_bounds``: the hot tier's
-        per-block key bounds, cold file ``sessions/<sid>/key_bounds``); returns its new
+        """Append to the session's side stream ``name`` (``key_centroids``: the hot tier's
+        per-block key centroids, cold file ``sessions/<sid>/key_centroids``); returns its new
         size. Stored, checksummed, written behind, migrated and deleted like a layer."""
         return self._append(sid, side_stream(name), data)
 
