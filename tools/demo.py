@@ -240,6 +240,9 @@ def list_mount(cold: Path, sid: str) -> None:
         print(f"$ cat {meta}")
         m = json.loads(meta.read_text())
         m["rounds"] = m["rounds"][:3] + [["..."]] if len(m["rounds"]) > 3 else m["rounds"]
+        ch = (m.get("retrieval") or {}).get("chosen")
+        if isinstance(ch, list) and len(ch) > 2:  # the blocks each layer attends next
+            m["retrieval"]["chosen"] = ch[:2] + [["..."]]
         print(json.dumps(m))
 
 
