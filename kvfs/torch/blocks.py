@@ -4,11 +4,9 @@ A session's tokens past the sinks are cut into blocks of ``block`` tokens from a
 ``origin`` (the sink count): block ``i`` is tokens ``[origin + i*block, origin + (i+1)*block)``.
 A block's representatives, per layer and KV head, are two centroids: the mean key (post-RoPE,
 as cached) of its first ``ceil(block/2)`` tokens and of the rest. A query ranks the blocks by
-the attention share the centroids would get (:func:`block_scores`). Measured on SmolLM2
-(facts asked 30 rounds later, ~700 tokens, 8 blocks of 16 attended, 10 dialogues): the
-exact keys' largest logits find 27 of the full cache's 30 answers, two centroids per block
-21, one mean key 17, the per-channel minimum and maximum of Quest (the same bytes as two
-centroids) 9: the bounds rank the blocks of the widest keys first, not those that matter.
+the attention share the centroids would get (:func:`block_scores`). They replace Quest's
+per-channel minimum and maximum (the same bytes), which on SmolLM2 ranked first the blocks
+whose keys spread widest, not the ones a head attends: a name said once was seldom found.
 
 Each centroid is summed token by token in float32, in token order, then divided by its
 token count (IEEE operations, each correctly rounded: the same bytes on any device), so

@@ -57,9 +57,8 @@ log = logging.getLogger("kvfs.torch.retrieval")
 #: Besides the chosen blocks, ``FRESH_BLOCKS`` more are kept on the device per layer, least
 #: recently used out first: the last blocks to leave the window are chosen often while their
 #: bytes may still be on their way to the warm tier, and blocks leave the choice and come
-#: back. The rest of the budget is attended: a block attended finds more than one kept
-#: (measured on SmolLM2, 16 blocks of budget: facts found 26 of 30 with 12 attended and 4
-#: kept, 27 with 14 and 2; 21 with 8 and 8).
+#: back. The rest of the budget is attended: on SmolLM2 a block attended found more of the
+#: facts of tools/bench_memory.py than a block kept.
 FRESH_BLOCKS = 2
 
 KV = tuple[torch.Tensor, torch.Tensor]  # one block of one layer: K, V [1, H, block, D]
@@ -68,15 +67,15 @@ KV = tuple[torch.Tensor, torch.Tensor]  # one block of one layer: K, V [1, H, bl
 class Retrieval:
     """One session's retrieval state (see the module docstring)."""
 
-    def __init__(self, cache: TieredCache, block: int, attend: int, keep: int = FRESH_BLOCKS) -> None:
-        if block < 1 or attend < 1 or keep < 0:
-            raise ValueError(f"retrieval needs block >= 1, at least one block attended and none "
-                             f"or more kept, got block={block}, attend={attend}, keep={keep}")
+    def __init__(self, cache: TieredCache, block: int, attend: int) -> None:
+        if block < 1 or attend < 1:
+            raise ValueError(f"retrieval needs block >= 1 and at least one block attended, got "
+                             f"block={block}, attend={attend}")
         self.c = cache
         self.layout = BlockLayout(int(block), cache.sink_tokens, cache.geo)
         self.block = int(block)
         self.attend = int(attend)
-        self.keep = int(keep)  # blocks kept for reuse per layer, besides the chosen ones
+        self.keep = FRESH_BLOCKS  # blocks kept for reuse per layer, besides the chosen ones
         n = cache.num_layers
         self.count = [0] * n  # blocks with centroids (left the window), per layer
         self._cents: torch.Tensor | None = None  # [layers, H, D, 2 * capacity]: scoring_layout
