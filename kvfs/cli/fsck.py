@@ -47,6 +47,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"problem: {p}")
     for r in res.repaired:
         print(f"repaired: {r}")
+    if res.index_budget:
+        per = (f", at most {res.index_per_uid_limit} per uid" if res.index_per_uid_limit
+               else "")
+        print(f"index: about {res.index_used} of {res.index_budget} bytes of its budget{per}")
+        for uid, n in list(res.index_by_uid.items())[:20]:
+            print(f"  uid {uid}: {n} index bytes")
+        if len(res.index_by_uid) > 20:
+            print(f"  ... {len(res.index_by_uid) - 20} more uids")
     state = {0: "clean", 1: "problems found", 2: "unusable"}[res.status]
     print(f"{a.volume}: {state}: {res.sessions} sessions, {res.files} files, "
           f"{res.bytes_checked} bytes verified")

@@ -5,7 +5,8 @@ order: both superblock slots (checksum and layout against the file); the needs-f
 (an error was seen while mounted); that the checkpoint tree is readable and well formed
 (else recovery needed a full scan); corrupt ring regions met by recovery; that every
 extent of every live file reads back with a valid checksum; that the usage records agree
-with the sessions; and that the index fits the tree region (else it is kept in the ring
+with the sessions; that no index budget is held by bitmap chunks without a live session;
+and that the index fits the tree region (else it is kept in the ring
 only). Repair rebuilds the checkpoint (a writable open does that), cuts each damaged file
 before its first bad extent, so what stays readable is a correct prefix, rewrites the usage
 records, and clears the mark; an index too large for the tree region stays in the ring,
@@ -21,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .errors import BadSuperblock, Corrupt, FormatError, KVFSError, VolumeBusy
-from .quota import Ledger, session_use
+from .quota import BITMAP_BYTES, Ledger, session_use
 from .store import Store
 from .volume import VolumeFile
 
@@ -39,6 +40,12 @@ class CheckResult:
     files: int = 0
     bytes_checked: int = 0
     in_use: bool = False  # a mount holds the volume: nothing was checked
+    # the index budget: leaf bytes the checkpoint takes (about) and the volume's limit,
+    # the per-uid limit (0: none) and each uid's charged index bytes
+    index_used: int = 0
+    index_budget: int = 0
+    index_per_uid_limit: int = 0
+    index_by_uid: dict[int, int] = field(default_factory=dict)
 
     def problem(self, msg: str) -> None:
         self.problems.append(msg)
@@ -194,6 +201,15 @@ def _check_usage(store: Store, res: CheckResult, counted: Ledger, repair: bool) 
         recorded.replace(counted)
         res.repaired.append(f"usage records of {len(wrong)} uids rewritten")
     counted.bitmap_chunks = len(store.idx.chunks)
+    res.index_used, res.index_budget = counted.estimate(), counted.limits.budget
+    res.index_per_uid_limit = counted.limits.index
+    res.index_by_uid = {uid: u[3] for uid, u in sorted(counted.use.items())}
+    if store.idx.empty_loaded:
+        res.problem(f"{store.idx.empty_loaded} bitmap chunks of the checkpoint mark no live "
+                    f"session: {store.idx.empty_loaded * BITMAP_BYTES} bytes of the index "
+                    "budget held by nothing")
+        if repair:
+            res.repaired.append(f"{store.idx.empty_loaded} empty bitmap chunks deleted")
     if not counted.fits() and not store.ring_only:
         res.problem(f"the index (about {counted.estimate()} bytes) does not fit a half of the "
                     f"tree region ({counted.limits.capacity} bytes): a mount keeps it in the "

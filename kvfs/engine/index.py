@@ -49,10 +49,11 @@ class Index:
     def __init__(self, tree: BTree, hot_cap: int) -> None:
         self.tree = tree
         self.hot_cap = hot_cap
-        # the bitmap in chunks of BITMAP_CHUNK bytes, only those holding a set bit or
-        # written once: memory follows the chunks a volume really has, whatever a crafted
-        # chunk index says
+        # the bitmap in chunks of BITMAP_CHUNK bytes, only those holding a set bit: memory
+        # and the index budget follow the live sessions, whatever a crafted chunk index
+        # says or however many session numbers creating and deleting used up
         self.chunks: dict[int, bytearray] = {}
+        self.empty_loaded = 0  # chunks without a set bit the checkpoint held (dropped)
         self.bitmap_dirty: set[int] = set()
         self.n_sessions = 0
         self.hot: OrderedDict[int, Session] = OrderedDict()  # clean sessions, LRU order
@@ -68,8 +69,10 @@ class Index:
     def load_bitmap(self, next_sno: int) -> None:
         """The live-session bitmap from the checkpoint; IndexCorrupt for a chunk that is
         not one (a key of the wrong length, a value over a chunk, a bit at or past
-        ``next_sno``, the superblock's next session number)."""
+        ``next_sno``, the superblock's next session number). A chunk without a set bit
+        (older kvfs kept them) is left out and deleted by the next checkpoint."""
         chunks: dict[int, bytearray] = {}
+        empty: set[int] = set()
         for key, val in self.tree.scan(b"B"):
             if len(key) != 5 or len(val) > BITMAP_CHUNK:
                 raise IndexCorrupt(f"bitmap chunk key {key!r} with {len(val)} bytes")
@@ -79,8 +82,13 @@ class Index:
             if top and i * BITS + top > next_sno:
                 raise IndexCorrupt(f"bitmap chunk {i} marks session {i * BITS + top - 1} live, "
                                    f"past the next session number {next_sno}")
-            chunks[i] = c
+            if top:
+                chunks[i] = c
+            else:
+                empty.add(i)
         self.chunks = chunks
+        self.empty_loaded = len(empty)
+        self.bitmap_dirty |= empty
         self.n_sessions = sum(int.from_bytes(c, "little").bit_count() for c in chunks.values())
 
     def live(self, sno: int) -> bool:
@@ -102,6 +110,8 @@ class Index:
             c[b >> 3] &= ~(1 << (b & 7)) & 0xFF
         self.n_sessions += int(live) - int(was)
         self.bitmap_dirty.add(i)
+        if not live and not any(c):  # its tree key goes at the checkpoint: no budget held
+            del self.chunks[i]
 
     # --------------------------------------------------------------- memory
     def cached(self, sno: int) -> Session | None:
@@ -224,8 +234,9 @@ class Index:
                 out[k] = None
             for i, c in enumerate(chunks):
                 out[chunk_key(s.name_hash, s.sno, i)] = c
-        for c in self.bitmap_dirty:
-            out[b"B" + c.to_bytes(4, "big")] = bytes(self.chunks[c])
+        for i in self.bitmap_dirty:
+            c = self.chunks.get(i)
+            out[b"B" + i.to_bytes(4, "big")] = None if c is None else bytes(c)
         return out
 
     def committed(self) -> None:
