@@ -123,3 +123,88 @@ def test_a_volume_whose_index_overflowed_mounts_with_every_session(other_users_d
     finally:
         assert m.stop() == 0, m.log_text()
     assert check_volume(str(vol)).status == CLEAN
+
+
+# times a user may set: the whole signed-nanosecond range exactly, beyond it EOVERFLOW
+TIME_MAX_NS = (1 << 63) - 1
+EXACT = [-(1 << 63), -300_000_000_123_456_789, -1, 0, 1_700_000_000_123_456_789, TIME_MAX_NS]
+BEYOND = [1.04e10, -1.1e10, 5e11]  # 2300-01-01, 1621, year ~17800 (seconds)
+
+
+def test_extreme_times_and_ids_by_an_unprivileged_user_survive_a_remount(other_users_dir: Path) -> None:
+    m = Mount(other_users_dir / "vol.kvfs", other_users_dir / "mnt", "64M", ("--allow-other",)).start()
+    try:
+        out = run_as(FLOODER, f"""
+            import errno, os
+            root = {str(m.sessions)!r}
+            got = []
+            for i, ns in enumerate({EXACT!r}):
+                d = os.path.join(root, f"t{{i}}")
+                os.mkdir(d)
+                p = os.path.join(d, "f")
+                with open(p, "wb") as f:
+                    f.write(b"x" * 10)
+                os.utime(p, ns=(ns, ns))
+                os.utime(d, ns=(ns, ns))
+                os.chmod(p, 0o640)  # writes the attribute entry with that time
+                os.chmod(d, 0o750)
+                got.append(os.stat(p).st_mtime_ns == ns and os.stat(d).st_mtime_ns == ns)
+            codes = []
+            p = os.path.join(root, "t0", "f")
+            for t in {BEYOND!r}:
+                try:
+                    os.utime(p, (t, t))
+                    codes.append(0)
+                except OSError as e:
+                    codes.append(e.errno)
+            os.chmod(p, 0o600)
+            os.mkdir(os.path.join(root, "w"))
+            with open(os.path.join(root, "w", "f"), "ab") as f:
+                f.write(b"y")
+                os.fsync(f.fileno())
+            print(all(got), codes, os.stat(p).st_mtime_ns)
+        """)
+        assert out == f"True {[errno.EOVERFLOW] * len(BEYOND)} {EXACT[0]}", out
+        assert run_as(OTHER, f"""
+            import os
+            d = os.path.join({str(m.sessions)!r}, "other")
+            os.mkdir(d)
+            with open(os.path.join(d, "f"), "wb") as f:
+                f.write(b"o")
+                os.fsync(f.fileno())
+            print("ok")
+        """) == "ok"  # other users' writes go on: no checkpoint failed
+        before = {p.name: (p.stat().st_mtime_ns, (p / "f").stat().st_mtime_ns,
+                           (p / "f").stat().st_mode, p.stat().st_mode)
+                  for p in m.sessions.iterdir() if p.name.startswith("t")}
+        m.remount()
+        after = {p.name: (p.stat().st_mtime_ns, (p / "f").stat().st_mtime_ns,
+                          (p / "f").stat().st_mode, p.stat().st_mode)
+                 for p in m.sessions.iterdir() if p.name.startswith("t")}
+        assert after == before
+        assert [after[f"t{i}"][:2] for i in range(1, len(EXACT))] == [(n, n) for n in EXACT[1:]]
+    finally:
+        assert m.stop() == 0, m.log_text()
+    r = check_volume(str(m.volume))
+    assert r.status == CLEAN, r.problems
+
+
+def test_mkdir_rmdir_churn_leaves_no_index_budget_behind(other_users_dir: Path) -> None:
+    m = Mount(other_users_dir / "vol.kvfs", other_users_dir / "mnt", "64M", ("--allow-other",)).start()
+    try:
+        run_as(FLOODER, f"""
+            import os
+            p = os.path.join({str(m.sessions)!r}, "d")
+            for _ in range(8050):  # past one bitmap chunk of session numbers
+                os.mkdir(p)
+                os.rmdir(p)
+        """)
+        os.mkdir(m.sessions / "kept")
+        m.remount()
+        assert os.listdir(m.sessions) == ["kept"]
+    finally:
+        assert m.stop() == 0, m.log_text()
+    r = check_volume(str(m.volume))
+    assert r.status == CLEAN, r.problems
+    # one chunk for the live session; the churned ones hold nothing
+    assert FLOODER not in r.index_by_uid and r.index_used < quota.BITMAP_BYTES + 500, r

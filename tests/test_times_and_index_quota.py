@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvfs.engine.errors import IndexFull, QuotaExceeded
-from kvfs.engine.fsck import CLEAN, PROBLEMS, check_volume
+from kvfs.engine.errors import BadId, IndexFull, QuotaExceeded, TimeRange
+from kvfs.engine.format import HDR_SIZE, SMETA_FMT, TIME_MAX, TIME_MIN, U32_MAX
+from kvfs.engine.fsck import CLEAN, PROBLEMS, UNUSABLE, check_volume
 from kvfs.engine.index import BITMAP_CHUNK, BITS
 from kvfs.engine.quota import BITMAP_BYTES
 from kvfs.engine.store import Store
@@ -118,3 +119,141 @@ def test_the_budget_never_refuses_for_nothing(vol) -> None:
     except IndexFull as e:  # what empty bitmap chunks did
         pytest.fail(f"index budget full of deleted sessions: {e}")
     s.close()
+
+
+# ---------------------------------------------------------------------------- times
+EXTREMES = [TIME_MIN, -(10**18) - 123_456_789, -1, 0, 1, 1_700_000_000_123_456_789, TIME_MAX]
+
+
+def times_of(s: Store) -> list[tuple]:
+    out = []
+    for name in sorted(s.list_sessions()):
+        st = s.session_stat(name)
+        out.append((name, st.mode, st.uid, st.gid, st.mtime_ns, st.atime_ns))
+        for f in s.list_files(name):
+            ft = s.file_stat(name, f)
+            out.append((name, f, ft.mode, ft.uid, ft.gid, ft.mtime_ns, ft.atime_ns))
+    return out
+
+
+def test_every_time_a_record_holds_is_stored_exactly(vol) -> None:
+    s = Store.create(vol, 16 * MB)
+    for i, ns in enumerate(EXTREMES):
+        s.create_session(f"s{i}", uid=4301)
+        s.create_file(f"s{i}", "f", uid=4301)
+        # a mode change writes the attributes to the ring too (T_SMETA / T_FMETA)
+        s.set_session_attrs(f"s{i}", mode=0o750, uid=U32_MAX - 1, gid=U32_MAX - 1,
+                            atime_ns=ns, mtime_ns=ns)
+        s.set_file_attrs(f"s{i}", "f", mode=0o7777, uid=U32_MAX - 1, gid=0, atime_ns=ns,
+                         mtime_ns=ns)
+    want = times_of(s)
+    assert [w[4] for w in want if len(w) == 6] == EXTREMES
+    s.checkpoint()
+    s.close()
+    s = Store.open(vol)
+    assert times_of(s) == want
+    s.checkpoint()  # and checkpoints again
+    s.close()
+    assert check_volume(vol).status == CLEAN
+
+
+@pytest.mark.parametrize("bad", [TIME_MAX + 1, TIME_MIN - 1, 1 << 70, -(1 << 70)])
+def test_a_time_no_record_holds_is_refused_before_anything_changes(vol, bad) -> None:
+    s = Store.create(vol, 16 * MB)
+    s.create_session("a", uid=4301)
+    s.create_file("a", "f", uid=4301)
+    before = times_of(s)
+    with pytest.raises(TimeRange):
+        s.set_session_attrs("a", mode=0o700, atime_ns=0, mtime_ns=bad)
+    with pytest.raises(TimeRange):
+        s.set_file_attrs("a", "f", mode=0o600, atime_ns=bad)
+    assert times_of(s) == before
+    s.checkpoint()  # the checkpoint and the other users' writes go on
+    s.append("a", "f", 0, b"x" * 100)
+    after = times_of(s)
+    s.close()
+    s = Store.open(vol)
+    assert times_of(s) == after and s.read("a", "f", 0, 100) == b"x" * 100
+    s.close()
+
+
+@pytest.mark.parametrize("bad", [1e19, -1e19, float("inf"), float("nan"), 1e300])
+def test_float_times_out_of_range_are_refused(vol, bad) -> None:
+    s = Store.create(vol, 16 * MB)
+    s.create_session("a")
+    with pytest.raises(TimeRange):
+        s.set_session_attrs("a", mtime=bad)
+    s.set_session_attrs("a", mtime=-1.5)  # before 1970 is a time
+    assert s.session_stat("a").mtime_ns == -1_500_000_000
+    s.close()
+
+
+@pytest.mark.parametrize("field,bad", [("uid", U32_MAX + 1), ("gid", -1), ("mode", 1 << 32),
+                                       ("uid", -5)])
+def test_ids_that_do_not_fit_are_refused(vol, field, bad) -> None:
+    s = Store.create(vol, 16 * MB)
+    s.create_session("a")
+    s.create_file("a", "f")
+    with pytest.raises(BadId):
+        s.set_session_attrs("a", **{field: bad})
+    with pytest.raises(BadId):
+        s.set_file_attrs("a", "f", **{field: bad})
+    with pytest.raises(BadId):
+        s.create_session("b", **{field: bad})
+    with pytest.raises(BadId):
+        s.create_file("a", "g", **{field: bad})
+    assert s.list_sessions() == ["a"] and s.list_files("a") == ["f"]
+    s.close()
+    assert check_volume(vol).status == CLEAN
+
+
+def _negative_time_volume(vol: str) -> tuple[int, list]:
+    """A volume whose ring (past the checkpoint) holds attribute entries with negative
+    times; returns the volume offset of the session's entry and what a clean open sees."""
+    s = Store.create(vol, 16 * MB)
+    s.checkpoint()
+    s.create_session("neg", uid=4301)
+    s.create_file("neg", "f", uid=4301)
+    s.set_file_attrs("neg", "f", mode=0o640, mtime_ns=-(10**18))
+    s.set_session_attrs("neg", mode=0o750, mtime_ns=-(10**18))
+    off = s.ring.phys(s.idx.find("neg").meta_pos)
+    s.create_session("later")  # the entry is inside the ring, not its torn tail
+    s.ring.sync()
+    s.crash()
+    return off, []
+
+
+def test_negative_time_entries_replay(vol) -> None:
+    _negative_time_volume(vol)
+    s = Store.open(vol)
+    assert s.session_stat("neg").mode == 0o750 and s.file_stat("neg", "f").mode == 0o640
+    s.close()
+    assert check_volume(vol).status == CLEAN
+
+
+@pytest.mark.parametrize("how", ["flip", "tear", "truncate"])
+def test_negative_time_entries_torn_truncated_or_flipped(vol, how) -> None:
+    off, _ = _negative_time_volume(vol)
+    with open(vol, "r+b") as fh:
+        if how == "truncate":  # the volume file cut inside the entry: refused, not a crash
+            fh.truncate(off + 40)
+        else:
+            fh.seek(off)
+            raw = bytearray(fh.read(HDR_SIZE + SMETA_FMT.size + 3))
+            if how == "flip":
+                for i in range(HDR_SIZE, HDR_SIZE + SMETA_FMT.size):  # the times' bytes too
+                    raw[i] ^= 0x80
+            else:
+                raw[HDR_SIZE // 2:] = bytes(len(raw) - HDR_SIZE // 2)
+            fh.seek(off)
+            fh.write(raw)
+    r = check_volume(vol)
+    assert r.status in (PROBLEMS, UNUSABLE) and r.problems
+    if how != "truncate":
+        s = Store.open(vol, force=True)
+        assert "later" in s.list_sessions()
+        for name in s.list_sessions():  # whatever survived is readable and checkpoints
+            st = s.session_stat(name)
+            assert TIME_MIN <= st.mtime_ns <= TIME_MAX
+        s.create_session("after")
+        s.close()

@@ -29,6 +29,15 @@ class BadRange(KVFSError):
     """Offset/length/size out of range, e.g. truncate beyond size (EINVAL)."""
 
 
+class TimeRange(KVFSError):
+    """A time outside what records hold: signed 64-bit nanoseconds since the epoch,
+    1677-09-21 to 2262-04-11 (EOVERFLOW); nothing changed."""
+
+
+class BadId(KVFSError):
+    """A uid, gid or mode that does not fit its 32-bit field (EINVAL); nothing changed."""
+
+
 class NotEmpty(KVFSError):
     """Directory not empty (ENOTEMPTY)."""
 

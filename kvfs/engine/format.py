@@ -219,6 +219,10 @@ def align(n: int, a: int = ALIGN) -> int:
 
 
 # payload of T_SMETA: mode, uid, gid, next_fno, ctime_ns, mtime_ns, then the UTF-8 name
-SMETA_FMT = struct.Struct("<IIIIQQ")
+# (times signed, as in the checkpoint records: a time before 1970 is negative; the bytes
+# of every time an older kvfs could write and checkpoint read the same)
+SMETA_FMT = struct.Struct("<IIIIqq")
 # payload of T_FMETA: mode, uid, gid, ctime_ns, mtime_ns, then the UTF-8 name
-FMETA_FMT = struct.Struct("<IIIQQ")
+FMETA_FMT = struct.Struct("<IIIqq")
+TIME_MIN, TIME_MAX = -(1 << 63), (1 << 63) - 1  # ns since the epoch a record holds
+U32_MAX = 0xFFFFFFFF

@@ -14,8 +14,8 @@ import hashlib
 import struct
 from dataclasses import dataclass, field
 
-from .errors import BadName, Corrupt, NameTooLong
-from .format import ALIGN, FMETA_FMT, MAX_ENTRY_RAW, SMETA_FMT
+from .errors import BadId, BadName, Corrupt, NameTooLong, TimeRange
+from .format import ALIGN, FMETA_FMT, MAX_ENTRY_RAW, SMETA_FMT, TIME_MAX, TIME_MIN, U32_MAX
 
 CHUNK = 1000  # bytes of a record per B+ tree value
 MAX_NAME = 255
@@ -39,6 +39,37 @@ def check_name(name: str) -> bytes:
     if len(b) > MAX_NAME:
         raise NameTooLong(f"name of {len(b)} bytes is over {MAX_NAME}")
     return b
+
+
+def check_time(ns: int | None, what: str = "time") -> int | None:
+    """``ns`` (nanoseconds since the epoch, None: unchanged) if a record can hold it, else
+    TimeRange: checked before anything changes, so no time fails a record or a checkpoint."""
+    if ns is None:
+        return None
+    if isinstance(ns, bool) or not isinstance(ns, int) or not TIME_MIN <= ns <= TIME_MAX:
+        raise TimeRange(f"{what} {ns!r} ns is outside 1677-09-21..2262-04-11 "
+                        f"([{TIME_MIN}, {TIME_MAX}] ns since the epoch)")
+    return ns
+
+
+def seconds_ns(t: float | None, what: str = "time") -> int | None:
+    """Float seconds as checked nanoseconds (TimeRange for a time beyond, inf or NaN)."""
+    if t is None:
+        return None
+    try:
+        ns = int(t * 1e9)
+    except (OverflowError, ValueError):
+        raise TimeRange(f"{what} {t!r} s is not a time a record holds") from None
+    return check_time(ns, what)
+
+
+def check_id(v: int | None, what: str) -> int | None:
+    """A uid, gid or mode that fits its u32 field (None: unchanged), else BadId."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= U32_MAX:
+        raise BadId(f"{what} {v!r} does not fit 32 bits")
+    return v
 
 
 def name_hash(name: str) -> int:

@@ -90,9 +90,12 @@ from .records import (
     MAX_FNO,
     FileRec,
     Session,
+    check_id,
     check_name,
+    check_time,
     fmeta_payload,
     name_hash,
+    seconds_ns,
     smeta_payload,
 )
 from .recovery import recover
@@ -105,8 +108,14 @@ log = logging.getLogger(__name__)
 
 
 
-def _ns(t: float | None) -> int | None:
-    return None if t is None else int(t * 1e9)
+def _attrs(mode: int | None, uid: int | None, gid: int | None, atime: float | None,
+           mtime: float | None, atime_ns: int | None, mtime_ns: int | None
+           ) -> tuple[int | None, int | None, int | None, int | None, int | None]:
+    """Attribute changes checked before any is made: a value no record holds is refused
+    (TimeRange, BadId), never left in memory to fail the next checkpoint."""
+    a = check_time(atime_ns, "atime") if atime_ns is not None else seconds_ns(atime, "atime")
+    m = check_time(mtime_ns, "mtime") if mtime_ns is not None else seconds_ns(mtime, "mtime")
+    return check_id(mode, "mode"), check_id(uid, "uid"), check_id(gid, "gid"), a, m
 
 
 class Store(ReadPath, Reporting):
@@ -251,11 +260,12 @@ class Store(ReadPath, Reporting):
 
     def create_session(self, name: str, mode: int = 0o700, uid: int = 0, gid: int = 0) -> None:
         check_name(name)
+        check_id(mode, "mode"), check_id(uid, "uid"), check_id(gid, "gid")
         if self.idx.find(name) is not None:
             raise Exists(f"session {name!r} exists")
         self._admit(uid, sessions=1, index=session_base(name))
         now = time.time_ns()
-        s = Session(self.next_sno, name, name_hash(name), mode, uid, gid, now, now, now, -1)
+        s = Session(self.next_sno, name, name_hash(name), mode & 0o7777, uid, gid, now, now, now, -1)
         self.emit_smeta(s)
         self.next_sno += 1
         self.idx.set_live(s.sno, True)
@@ -283,14 +293,17 @@ class Store(ReadPath, Reporting):
         size = sum(f.size for f in s.files.values())
         stored = sum(f.stored() for f in s.files.values())
         return SessionStat(s.name, s.sno, s.mode, s.uid, s.gid, s.ctime / 1e9, s.mtime / 1e9,
-                           s.atime / 1e9, len(s.files), size, stored)
+                           s.atime / 1e9, len(s.files), size, stored, s.ctime, s.mtime, s.atime)
 
     def set_session_attrs(self, name: str, mode: int | None = None, uid: int | None = None,
                           gid: int | None = None, atime: float | None = None,
-                          mtime: float | None = None) -> None:
+                          mtime: float | None = None, *, atime_ns: int | None = None,
+                          mtime_ns: int | None = None) -> None:
+        """Change what is not None; times in float seconds or exact ``*_ns``."""
         s = self._session(name)
-        s.atime = s.atime if atime is None else _ns(atime)  # 0 is a time, not "unset"
-        s.mtime = s.mtime if mtime is None else _ns(mtime)
+        mode, uid, gid, a, m = _attrs(mode, uid, gid, atime, mtime, atime_ns, mtime_ns)
+        s.atime = s.atime if a is None else a  # 0 is a time, not "unset"
+        s.mtime = s.mtime if m is None else m
         if (mode, uid, gid) != (None, None, None):
             s.mode = s.mode if mode is None else mode & 0o7777
             old = s.uid
@@ -308,6 +321,7 @@ class Store(ReadPath, Reporting):
         check_name(name)
         if s.file(name) is not None:
             raise Exists(f"file {name!r} exists in session {session!r}")
+        check_id(mode, "mode"), check_id(uid, "uid"), check_id(gid, "gid")
         self._admit(s.uid, files=1, index=file_base(name))
         if s.next_fno >= MAX_FNO:  # numbers are never reused: 2^32 - 1 files made in it
             raise NoSpace(f"session {session!r} has used every file number")
@@ -330,14 +344,17 @@ class Store(ReadPath, Reporting):
     def file_stat(self, session: str, name: str) -> FileStat:
         _, f = self._file(session, name)
         return FileStat(f.name, f.size, f.stored(), f.mode, f.uid, f.gid, f.ctime / 1e9,
-                        f.mtime / 1e9, f.atime / 1e9)
+                        f.mtime / 1e9, f.atime / 1e9, f.ctime, f.mtime, f.atime)
 
     def set_file_attrs(self, session: str, name: str, mode: int | None = None, uid: int | None = None,
                        gid: int | None = None, atime: float | None = None,
-                       mtime: float | None = None) -> None:
+                       mtime: float | None = None, *, atime_ns: int | None = None,
+                       mtime_ns: int | None = None) -> None:
+        """Change what is not None; times in float seconds or exact ``*_ns``."""
         s, f = self._file(session, name)
-        f.atime = f.atime if atime is None else _ns(atime)  # 0 is a time, not "unset"
-        f.mtime = f.mtime if mtime is None else _ns(mtime)
+        mode, uid, gid, a, m = _attrs(mode, uid, gid, atime, mtime, atime_ns, mtime_ns)
+        f.atime = f.atime if a is None else a  # 0 is a time, not "unset"
+        f.mtime = f.mtime if m is None else m
         if (mode, uid, gid) != (None, None, None):
             f.mode = f.mode if mode is None else mode & 0o7777
             f.uid, f.gid = f.uid if uid is None else uid, f.gid if gid is None else gid

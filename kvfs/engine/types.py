@@ -76,6 +76,9 @@ class FileStat:
     ctime: float
     mtime: float
     atime: float
+    ctime_ns: int | None = None  # the same times exactly (a float loses the nanoseconds)
+    mtime_ns: int | None = None
+    atime_ns: int | None = None
 
 
 @dataclass
@@ -91,6 +94,9 @@ class SessionStat:
     files: int
     size: int  # raw bytes over all files
     stored: int
+    ctime_ns: int | None = None  # the same times exactly (a float loses the nanoseconds)
+    mtime_ns: int | None = None
+    atime_ns: int | None = None
 
 
 @dataclass

@@ -32,6 +32,8 @@ ERRNO: list[tuple[type[errors.KVFSError], int]] = [
     (errors.BadName, errno.EINVAL),
     (errors.NotAppend, errno.EPERM),
     (errors.BadRange, errno.EINVAL),
+    (errors.TimeRange, errno.EOVERFLOW),
+    (errors.BadId, errno.EINVAL),
     (errors.NotEmpty, errno.ENOTEMPTY),
     (errors.QuotaExceeded, errno.EDQUOT),
     (errors.NoSpace, errno.ENOSPC),

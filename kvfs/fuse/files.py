@@ -207,11 +207,19 @@ class Counters:
     write_req_max: int = 0
 
 
-def _ns(t: float) -> int:
-    return int(t * 1e9)
+def _ns(t: float | int) -> int:
+    return t if isinstance(t, int) else int(t * 1e9)  # int: exact nanoseconds
 
 
-def make_attr(ino: int, mode: int, uid: int, gid: int, times: tuple[float, float, float],
+def _times(st: Any) -> tuple[float | int, float | int, float | int]:
+    """(atime, mtime, ctime) of a stat, exact nanoseconds where it has them."""
+    if getattr(st, "mtime_ns", None) is not None:
+        return st.atime_ns, st.mtime_ns, st.ctime_ns
+    return st.atime, st.mtime, st.ctime
+
+
+def make_attr(ino: int, mode: int, uid: int, gid: int,
+              times: tuple[float | int, float | int, float | int],
               size: int = 0, stored: int = 0, nlink: int = 1,
               timeout: float = ATTR_TIMEOUT) -> EntryAttributes:
     """Attributes of one inode; ``st_blocks`` counts stored (compressed) bytes for du."""
@@ -233,14 +241,14 @@ def make_attr(ino: int, mode: int, uid: int, gid: int, times: tuple[float, float
 def session_attr(ino: int, st: Any) -> EntryAttributes:
     """A session directory from a ``SessionStat``."""
     return make_attr(ino, stat.S_IFDIR | (st.mode & 0o7777), st.uid, st.gid,
-                     (st.atime, st.mtime, st.ctime), nlink=2)
+                     _times(st), nlink=2)
 
 
 def file_attr(ino: int, st: Any, pending: Pending | None, nlink: int = 1) -> EntryAttributes:
     """A file from a ``FileStat``; its size includes the bytes still buffered."""
     size = pending.size if pending is not None else st.size
     return make_attr(ino, stat.S_IFREG | (st.mode & 0o7777), st.uid, st.gid,
-                     (st.atime, st.mtime, st.ctime), size, st.stored, nlink=nlink)
+                     _times(st), size, st.stored, nlink=nlink)
 
 
 def negative() -> EntryAttributes:

@@ -46,6 +46,7 @@ import trio
 from pyfuse3 import EntryAttributes, FileInfo, FUSEError, RequestContext, SetattrFields
 
 from kvfs.engine import errors
+from kvfs.engine.records import check_time
 from kvfs.ops import agents, metrics
 
 from .buffers import MAX_PENDING, WriteBuffers, on_live
@@ -337,9 +338,11 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
             "mode": attr.st_mode & 0o7777 if fields.update_mode else None,
             "uid": attr.st_uid if fields.update_uid else None,
             "gid": attr.st_gid if fields.update_gid else None,
-            "atime": attr.st_atime_ns / 1e9 if fields.update_atime else None,
-            "mtime": attr.st_mtime_ns / 1e9 if fields.update_mtime else None,
+            "atime_ns": attr.st_atime_ns if fields.update_atime else None,
+            "mtime_ns": attr.st_mtime_ns if fields.update_mtime else None,
         }
+        # EOVERFLOW for a time no record holds, before the size or anything else changes
+        check_time(changes["atime_ns"], "atime"), check_time(changes["mtime_ns"], "mtime")
         if fields.update_size:
             if len(key) == 1:
                 raise FUSEError(errno.EISDIR)
