@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvfs.engine.errors import BadId, IndexFull, QuotaExceeded, TimeRange
+from kvfs.engine.errors import BadId, IndexFull, QuotaExceeded, RecordFull, TimeRange
 from kvfs.engine.format import HDR_SIZE, SMETA_FMT, TIME_MAX, TIME_MIN, U32_MAX
 from kvfs.engine.fsck import CLEAN, PROBLEMS, UNUSABLE, check_volume
 from kvfs.engine.index import BITMAP_CHUNK, BITS
 from kvfs.engine.quota import BITMAP_BYTES
+from kvfs.engine.records import MAX_RECORD, chunk_key
 from kvfs.engine.store import Store
 from kvfs.engine.types import StoreConfig
 
@@ -257,3 +258,31 @@ def test_negative_time_entries_torn_truncated_or_flipped(vol, how) -> None:
             assert TIME_MIN <= st.mtime_ns <= TIME_MAX
         s.create_session("after")
         s.close()
+
+
+def test_one_session_record_never_grows_past_what_its_keys_number(vol) -> None:
+    """A record over ``MAX_RECORD`` (65,535 chunks) has no key for its last chunks: every
+    checkpoint would fail. Scaled down here; files and extents both grow a record."""
+    s = Store.create(vol, 16 * MB)
+    s.max_record = 3000
+    s.create_session("big", uid=4301)
+    made = 0
+    with pytest.raises(RecordFull):
+        for made in range(1000):
+            s.create_file("big", f"f{made:03d}".ljust(100, "x"), uid=4301)
+    assert 10 < made < 30
+    with pytest.raises(RecordFull):
+        for i in range(1000):
+            s.append("big", "f000".ljust(100, "x"), i, b"y")
+    s.create_session("small", uid=4301)  # other sessions of the same user go on
+    s.create_file("small", "f", uid=4301)
+    s.checkpoint()
+    assert len(s.idx.find("big").encode()) <= 3000
+    s.close()
+    s = Store.open(vol)
+    assert len(s.list_files("big")) == made
+    s.close()
+    assert check_volume(vol).status == CLEAN
+    assert MAX_RECORD == 1000 * 0xFFFF
+    with pytest.raises(OverflowError):  # what the limit keeps away from the checkpoint
+        chunk_key(0, 1, MAX_RECORD // 1000 + 1)

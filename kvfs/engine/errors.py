@@ -51,6 +51,11 @@ class IndexFull(NoSpace):
     extent until some are deleted; reads, deletions and checkpoints still work."""
 
 
+class RecordFull(NoSpace):
+    """One session's checkpoint record would pass what its chunk keys number (ENOSPC):
+    no more files or extents in that session; other sessions are not affected."""
+
+
 class QuotaExceeded(KVFSError):
     """The caller's uid is at one of its quotas: sessions, bytes, index share (EDQUOT);
     nothing changed. Not a NoSpace: other users still have room."""

@@ -20,6 +20,7 @@ from .format import ALIGN, FMETA_FMT, MAX_ENTRY_RAW, SMETA_FMT, TIME_MAX, TIME_M
 CHUNK = 1000  # bytes of a record per B+ tree value
 MAX_NAME = 255
 MAX_FNO = 0xFFFFFFFF  # file numbers stay below it: a session's next one is a u32
+MAX_RECORD = CHUNK * 0xFFFF  # a session record's chunks are numbered by a u16 in their key
 
 _SESS = struct.Struct("<QQIIIIqqqqI")  # sno, name_hash, mode, uid, gid, next_fno, c/m/atime ns, meta_pos, nfiles
 _FILE = struct.Struct("<IIIIqqqqI")  # fno, mode, uid, gid, c/m/atime ns, meta_pos, nextents

@@ -65,7 +65,16 @@ from .blocks import Encoded, encode_entries
 from .btree import BTree, TreeRoot
 from .checkpoint import write_checkpoint
 from .codec import Codec
-from .errors import BadRange, Exists, FormatError, NeedsFsck, NoSpace, NotAppend, NotFound
+from .errors import (
+    BadRange,
+    Exists,
+    FormatError,
+    NeedsFsck,
+    NoSpace,
+    NotAppend,
+    NotFound,
+    RecordFull,
+)
 from .failsafe import FsckMark, guarded
 from .format import (
     BLOCK,
@@ -83,11 +92,21 @@ from .format import (
     entry_size,
 )
 from .index import Index
-from .quota import EXTENT_BYTES, Ledger, Limits, file_base, file_use, session_base, session_use
+from .quota import (
+    EXTENT_BYTES,
+    INDEX,
+    Ledger,
+    Limits,
+    file_base,
+    file_use,
+    session_base,
+    session_use,
+)
 from .reads import ReadPath
 from .reclaim import reclaim
 from .records import (
     MAX_FNO,
+    MAX_RECORD,
     FileRec,
     Session,
     check_id,
@@ -278,11 +297,21 @@ class Store(ReadPath, Reporting):
         self.mark_cut(s.sno)
         self.quota.sub(s.uid, session_use(s))
 
-    def _admit(self, uid: int, **more: int) -> None:
+    max_record = MAX_RECORD  # bytes of one session's checkpoint record (tests lower it)
+
+    def _admit(self, uid: int, session: Session | None = None, **more: int) -> None:
         """Quotas and the index budget (``quota.Ledger.admit``) before a change grows the
-        index; the bitmap chunks the tree holds count too."""
+        index; the bitmap chunks the tree holds count too. A change to ``session`` must
+        also leave its record encodable, or every later checkpoint would fail."""
         self.quota.bitmap_chunks = len(self.idx.chunks)
         self.quota.admit(uid, **more)
+        add = more.get("index", 0)
+        # the owner's index bytes bound each of its records: counted only past the limit
+        if session is not None and self.quota.of(uid)[INDEX] + add > self.max_record:
+            have = session_use(session)[INDEX]
+            if have + add > self.max_record:
+                raise RecordFull(f"session {session.name!r}: its index record would pass "
+                                 f"{self.max_record} bytes ({have} now): start another session")
 
     def quota_room(self, session: str) -> int | None:
         """Data bytes the owner of ``session`` may still add (None: no byte quota)."""
@@ -322,7 +351,7 @@ class Store(ReadPath, Reporting):
         if s.file(name) is not None:
             raise Exists(f"file {name!r} exists in session {session!r}")
         check_id(mode, "mode"), check_id(uid, "uid"), check_id(gid, "gid")
-        self._admit(s.uid, files=1, index=file_base(name))
+        self._admit(s.uid, s, files=1, index=file_base(name))
         if s.next_fno >= MAX_FNO:  # numbers are never reused: 2^32 - 1 files made in it
             raise NoSpace(f"session {session!r} has used every file number")
         now = time.time_ns()
@@ -377,7 +406,7 @@ class Store(ReadPath, Reporting):
         need = sum(self.ring.cost(min(step, len(mv) - i) + BLOCK_ENTRY.size * (step // BLOCK + 1) + 64)
                    for i in range(0, len(mv), step))
         with self._lock:
-            self._admit(s.uid, nbytes=len(mv), index=EXTENT_BYTES * len(range(0, len(mv), step)))
+            self._admit(s.uid, s, nbytes=len(mv), index=EXTENT_BYTES * len(range(0, len(mv), step)))
             self._ensure_room(need, s)
         # Compressing needs no lock: only this writer touches the codec and the file's end.
         encs = encode_entries(self.append_codec, mv, step, (s.sno, f.fno))
