@@ -174,6 +174,8 @@ def test_extreme_times_and_ids_by_an_unprivileged_user_survive_a_remount(other_u
                 os.fsync(f.fileno())
             print("ok")
         """) == "ok"  # other users' writes go on: no checkpoint failed
+        wide = m.sessions / "w" / "f"
+        os.chown(wide, 0xFFFFFFFE, 0xFFFFFFFE)  # the largest ids chown can set
         before = {p.name: (p.stat().st_mtime_ns, (p / "f").stat().st_mtime_ns,
                            (p / "f").stat().st_mode, p.stat().st_mode)
                   for p in m.sessions.iterdir() if p.name.startswith("t")}
@@ -182,6 +184,7 @@ def test_extreme_times_and_ids_by_an_unprivileged_user_survive_a_remount(other_u
                           (p / "f").stat().st_mode, p.stat().st_mode)
                  for p in m.sessions.iterdir() if p.name.startswith("t")}
         assert after == before
+        assert (wide.stat().st_uid, wide.stat().st_gid) == (0xFFFFFFFE, 0xFFFFFFFE)
         assert [after[f"t{i}"][:2] for i in range(1, len(EXACT))] == [(n, n) for n in EXACT[1:]]
     finally:
         assert m.stop() == 0, m.log_text()
@@ -204,6 +207,11 @@ def test_mkdir_rmdir_churn_leaves_no_index_budget_behind(other_users_dir: Path) 
         assert os.listdir(m.sessions) == ["kept"]
     finally:
         assert m.stop() == 0, m.log_text()
+    s = Store.open(str(m.volume), readonly=True)
+    try:
+        assert sorted(s.idx.chunks) == [8051 // 8000]  # the chunk of "kept" only
+    finally:
+        s.crash()
     r = check_volume(str(m.volume))
     assert r.status == CLEAN, r.problems
     # one chunk for the live session; the churned ones hold nothing
