@@ -279,7 +279,7 @@ class Store(ReadPath, Reporting):
 
     def create_session(self, name: str, mode: int = 0o700, uid: int = 0, gid: int = 0) -> None:
         check_name(name)
-        check_id(mode, "mode"), check_id(uid, "uid"), check_id(gid, "gid")
+        _attrs(mode, uid, gid, None, None, None, None)
         if self.idx.find(name) is not None:
             raise Exists(f"session {name!r} exists")
         self._admit(uid, sessions=1, index=session_base(name))
@@ -350,7 +350,7 @@ class Store(ReadPath, Reporting):
         check_name(name)
         if s.file(name) is not None:
             raise Exists(f"file {name!r} exists in session {session!r}")
-        check_id(mode, "mode"), check_id(uid, "uid"), check_id(gid, "gid")
+        _attrs(mode, uid, gid, None, None, None, None)
         self._admit(s.uid, s, files=1, index=file_base(name))
         if s.next_fno >= MAX_FNO:  # numbers are never reused: 2^32 - 1 files made in it
             raise NoSpace(f"session {session!r} has used every file number")

@@ -342,7 +342,8 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
             "mtime_ns": attr.st_mtime_ns if fields.update_mtime else None,
         }
         # EOVERFLOW for a time no record holds, before the size or anything else changes
-        check_time(changes["atime_ns"], "atime"), check_time(changes["mtime_ns"], "mtime")
+        check_time(changes["atime_ns"], "atime")
+        check_time(changes["mtime_ns"], "mtime")
         if fields.update_size:
             if len(key) == 1:
                 raise FUSEError(errno.EISDIR)
