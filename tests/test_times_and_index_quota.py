@@ -17,7 +17,7 @@ from kvfs.engine.format import HDR_SIZE, SMETA_FMT, TIME_MAX, TIME_MIN, U32_MAX
 from kvfs.engine.fsck import CLEAN, PROBLEMS, UNUSABLE, check_volume
 from kvfs.engine.index import BITMAP_CHUNK, BITS
 from kvfs.engine.quota import BITMAP_BYTES
-from kvfs.engine.records import MAX_RECORD, chunk_key
+from kvfs.engine.records import MAX_RECORD, chunk_key, session_key_sno
 from kvfs.engine.store import Store
 from kvfs.engine.types import StoreConfig
 
@@ -286,3 +286,25 @@ def test_one_session_record_never_grows_past_what_its_keys_number(vol) -> None:
     assert MAX_RECORD == 1000 * 0xFFFF
     with pytest.raises(OverflowError):  # what the limit keeps away from the checkpoint
         chunk_key(0, 1, MAX_RECORD // 1000 + 1)
+
+
+def test_records_of_sessions_that_are_gone_are_flagged_and_purged(vol) -> None:
+    s = Store.create(vol, 16 * MB)
+    for name in ("gone", "kept"):
+        s.create_session(name, uid=4301)
+    s.checkpoint()
+    sno = s.idx.find("gone").sno
+    s.idx.set_live(sno, False)  # the bit cleared but its record left in the tree
+    s.checkpoint()
+    s.crash()
+    r = check_volume(vol)
+    assert r.status == PROBLEMS
+    assert any("1 session records of sessions that no longer exist" in p for p in r.problems)
+    r = check_volume(vol, repair=True)
+    assert "1 records of deleted sessions purged" in r.repaired
+    r = check_volume(vol)
+    assert r.status == CLEAN, r.problems
+    s = Store.open(vol)
+    assert s.list_sessions() == ["kept"]
+    assert [session_key_sno(k) for k, _ in s.tree.scan(b"S")] == [s.idx.find("kept").sno]
+    s.close()

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from .errors import BadSuperblock, Corrupt, FormatError, KVFSError, VolumeBusy
 from .quota import BITMAP_BYTES, Ledger, session_use
+from .records import session_key_sno
 from .store import Store
 from .volume import VolumeFile
 
@@ -187,6 +188,27 @@ def _check_store(store: Store, res: CheckResult, repair: bool,
     _check_usage(store, res, counted, repair)
 
 
+def _check_orphans(store: Store, res: CheckResult, repair: bool) -> None:
+    """Record chunks of sessions the bitmap says are gone (and no delete since the
+    checkpoint purges): index budget charged to nobody; repair purges them."""
+    orphans: dict[int, int] = {}
+    nbytes = 0
+    for key, val in store.tree.scan(b"S"):
+        try:
+            sno = session_key_sno(key)
+        except Corrupt:
+            continue  # the tree check reports keys of the wrong shape
+        if not store.idx.live(sno) and sno not in store.idx.purge:
+            orphans[sno] = int.from_bytes(key[1:9], "big")
+            nbytes += len(key) + len(val) + 3
+    if orphans:
+        res.problem(f"{len(orphans)} session records of sessions that no longer exist: "
+                    f"{nbytes} bytes of the index budget held by nothing")
+        if repair:
+            store.idx.purge.update(orphans)
+            res.repaired.append(f"{len(orphans)} records of deleted sessions purged")
+
+
 def _check_usage(store: Store, res: CheckResult, counted: Ledger, repair: bool) -> None:
     """The usage records against the sessions; the index's size against the tree region."""
     recorded = store.quota
@@ -204,6 +226,8 @@ def _check_usage(store: Store, res: CheckResult, counted: Ledger, repair: bool) 
     res.index_used, res.index_budget = counted.estimate(), counted.limits.budget
     res.index_per_uid_limit = counted.limits.index
     res.index_by_uid = {uid: u[3] for uid, u in sorted(counted.use.items())}
+    if not store.ring_only and not store.counters["full_scans"]:
+        _check_orphans(store, res, repair)
     if store.idx.empty_loaded:
         res.problem(f"{store.idx.empty_loaded} bitmap chunks of the checkpoint mark no live "
                     f"session: {store.idx.empty_loaded * BITMAP_BYTES} bytes of the index "
