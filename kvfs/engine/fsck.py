@@ -5,8 +5,8 @@ order: both superblock slots (checksum and layout against the file); the needs-f
 (an error was seen while mounted); that the checkpoint tree is readable and well formed
 (else recovery needed a full scan); corrupt ring regions met by recovery; that every
 extent of every live file reads back with a valid checksum; that the usage records agree
-with the sessions; that no index budget is held by bitmap chunks without a live session;
-and that the index fits the tree region (else it is kept in the ring
+with the sessions; that no index budget is held by nothing (bitmap chunks without a live
+session, records of deleted sessions); and that the index fits the tree region (else it is kept in the ring
 only). Repair rebuilds the checkpoint (a writable open does that), cuts each damaged file
 before its first bad extent, so what stays readable is a correct prefix, rewrites the usage
 records, and clears the mark; an index too large for the tree region stays in the ring,
