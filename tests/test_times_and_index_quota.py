@@ -308,3 +308,16 @@ def test_records_of_sessions_that_are_gone_are_flagged_and_purged(vol) -> None:
     assert s.list_sessions() == ["kept"]
     assert [session_key_sno(k) for k, _ in s.tree.scan(b"S")] == [s.idx.find("kept").sno]
     s.close()
+
+
+def test_kvfs_fsck_prints_the_index_budget_per_uid(vol, capsys) -> None:
+    from kvfs.cli import fsck as fsck_cli
+
+    s = Store.create(vol, 16 * MB, StoreConfig(quota_index_share=0.25))
+    s.create_session("a", uid=4301)
+    s.create_session("b", uid=4302)
+    s.close()
+    assert fsck_cli.main([vol, "-q"]) == CLEAN
+    out = capsys.readouterr().out
+    assert "index: about " in out and " bytes of its budget" in out
+    assert "  uid 4301: " in out and "  uid 4302: " in out

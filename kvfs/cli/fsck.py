@@ -48,9 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in res.repaired:
         print(f"repaired: {r}")
     if res.index_budget:
-        per = (f", at most {res.index_per_uid_limit} per uid" if res.index_per_uid_limit
-               else "")
-        print(f"index: about {res.index_used} of {res.index_budget} bytes of its budget{per}")
+        print(f"index: about {res.index_used} of {res.index_budget} bytes of its budget")
         for uid, n in list(res.index_by_uid.items())[:20]:
             print(f"  uid {uid}: {n} index bytes")
         if len(res.index_by_uid) > 20:

@@ -41,11 +41,10 @@ class CheckResult:
     files: int = 0
     bytes_checked: int = 0
     in_use: bool = False  # a mount holds the volume: nothing was checked
-    # the index budget: leaf bytes the checkpoint takes (about) and the volume's limit,
-    # the per-uid limit (0: none) and each uid's charged index bytes
+    # the index budget: leaf bytes the checkpoint takes (about), the volume's limit, and
+    # each uid's charged index bytes (the per-uid share is the mount's option, not stored)
     index_used: int = 0
     index_budget: int = 0
-    index_per_uid_limit: int = 0
     index_by_uid: dict[int, int] = field(default_factory=dict)
 
     def problem(self, msg: str) -> None:
@@ -224,7 +223,6 @@ def _check_usage(store: Store, res: CheckResult, counted: Ledger, repair: bool) 
         res.repaired.append(f"usage records of {len(wrong)} uids rewritten")
     counted.bitmap_chunks = len(store.idx.chunks)
     res.index_used, res.index_budget = counted.estimate(), counted.limits.budget
-    res.index_per_uid_limit = counted.limits.index
     res.index_by_uid = {uid: u[3] for uid, u in sorted(counted.use.items())}
     if not store.ring_only and not store.counters["full_scans"]:
         _check_orphans(store, res, repair)
