@@ -43,7 +43,7 @@ from .policy import EvictionPolicy, LRUGroups
 from .reads import Reader
 from .records import Slot
 from .resident import Resident
-from .rootdir import DEFAULT_ROOT, RootDir
+from .rootdir import DEFAULT_ROOT, RootDir, open_root
 from .shards import ShardStore
 from .validate import Validator
 from .writeback import WriteBehind
@@ -76,7 +76,8 @@ class WarmTier:
         self._dirs: list[RootDir] = []
         self.cold: ColdBackend | None = None
         try:  # each a WarmError if it is not safely ours
-            top = self._keep(RootDir(root))
+            top = self._keep(open_root(root))
+            self.root_path = root = top.path  # a private fallback when the name was squatted
             base = self._keep(top.sub(self.volume_id)) if self.volume_id is not None else top
             locks = SessionLocks(self._keep(base.sub("locks")))
             self.rootdir = self._keep(claim_dir(base))  # this process's shards (flock'ed)
