@@ -89,7 +89,7 @@ def test_symlinked_root_is_refused(tmp_path):
 
 
 @as_root
-def test_planted_root_of_another_user_is_refused_and_nothing_is_touched(shared):
+def test_planted_root_of_another_user_is_left_untouched_and_a_private_one_used(shared):
     """A user pre-creates the root 0777 and plants the names a root agent would write
     (.lock, the shard's temporary name) as symlinks to a precious file and to a new one."""
     root, victim, made = shared / "kvfs-warm", shared / "precious", shared / "created-by-agent"
@@ -102,14 +102,15 @@ def test_planted_root_of_another_user_is_refused_and_nothing_is_touched(shared):
         os.symlink({str(victim)!r}, {str(root / tmp_name)!r})
         os.symlink({str(made)!r}, {str(root / shard_file_name(1, 4))!r})
     """)
-    with pytest.raises(WarmError, match=f"owned by uid {ATTACKER}"):
-        WarmTier(None, str(root), shards=4)
+    with WarmTier(None, str(root), shards=4) as w:  # a private fallback, logged
+        w.append("s", 0, b"x")
+        assert os.path.dirname(w.root_path) == str(shared) and w.root_path != str(root)
     assert victim.read_text() == "do not truncate" and not made.exists()
     assert os.lstat(root).st_uid == ATTACKER and len(os.listdir(root)) == 3
 
 
 @as_root
-def test_non_root_agent_meeting_another_users_root_gets_a_warm_error(shared):
+def test_non_root_agent_meeting_another_users_root_gets_a_private_one(shared):
     root = shared / "kvfs-warm"
     out = run_as(ATTACKER, f"""
         from kvfs.warm import WarmTier
@@ -120,12 +121,59 @@ def test_non_root_agent_meeting_another_users_root_gets_a_warm_error(shared):
     assert out == "ok" and os.lstat(root).st_uid == ATTACKER and mode(root) == 0o700
     out = run_as(OTHER, f"""
         from kvfs.warm import WarmTier
-        try:
-            WarmTier(None, {str(root)!r}, shards=4)
-        except Exception as e:
-            print(type(e).__name__, e)
+        with WarmTier(None, {str(root)!r}, shards=4) as w:
+            w.append("mine", 0, b"y")
+            print(w.root_path)
     """)
-    assert out.startswith("WarmError") and f"owned by uid {ATTACKER}" in out and str(root) in out
+    assert out.startswith(str(root) + ".private-") and os.lstat(out).st_uid == OTHER
+    assert mode(Path(out)) == 0o700 and os.lstat(root).st_uid == ATTACKER
+
+
+@as_root
+@pytest.mark.parametrize("plant", ["dir", "symlink", "file", "open-dir"])
+def test_a_per_uid_root_squatted_by_another_user_falls_back_to_a_private_one(shared, plant,
+                                                                           caplog):
+    """Another user pre-creates our per-uid root (or its lock directory's path) in a
+    world-writable tmpfs: the tier and the locks every process of ours takes move to one
+    private fallback, logged, and the squatter's names are left alone."""
+    from kvfs.warm.rootdir import open_root
+    root = shared / f"kvfs-warm-{os.geteuid()}"
+    decoy = shared / "decoy"
+    run_as(ATTACKER, f"""
+        import os
+        kind = {plant!r}
+        if kind == "dir":
+            os.mkdir({str(root)!r}, 0o700)
+        elif kind == "open-dir":
+            os.mkdir({str(root)!r}); os.chmod({str(root)!r}, 0o777)
+        elif kind == "file":
+            open({str(root)!r}, "w").close()
+        else:
+            os.mkdir({str(decoy)!r}, 0o777); os.symlink({str(decoy)!r}, {str(root)!r})
+        # a fake fallback name of its own must be skipped, not used
+        os.mkdir({str(root) + ".private-0000"!r}, 0o777)
+    """)
+    with caplog.at_level("ERROR", logger="kvfs.warm"):
+        with WarmTier(None, str(shared / "kvfs-warm-{uid}"), shards=4, volume_id="vol-1") as w:
+            w.append("s", 0, b"x")
+            got = Path(w.root_path)
+    assert any("using the private warm root" in r.getMessage() for r in caplog.records)
+    assert got.name.startswith(root.name + ".private-") and got.name != root.name + ".private-0000"
+    assert os.lstat(got).st_uid == os.geteuid() and mode(got) == 0o700
+    again = open_root(str(root))  # another process of ours (the vLLM store) finds the same
+    try:
+        assert again.path == str(got)
+        SessionLocks(again.sub("vol-1").sub("locks"))
+    finally:
+        again.close()
+    assert not decoy.exists() or os.listdir(decoy) == []
+
+
+def test_a_root_of_ours_refused_outside_a_shared_directory_stays_an_error(tmp_path):
+    from kvfs.warm.rootdir import open_root
+    (tmp_path / "warm").symlink_to(tmp_path)
+    with pytest.raises(WarmError, match="symbolic link"):
+        open_root(str(tmp_path / "warm"))
 
 
 def test_symlinks_planted_inside_our_root_are_never_followed(tmp_path):

@@ -29,7 +29,7 @@ from kvfs.torch.meta import acknowledge
 from kvfs.torch.meta import stored as stored_meta
 from kvfs.torch.rope import RopeShift
 from kvfs.torch.router_budget import BudgetMixin
-from kvfs.torch.spill import Spiller
+from kvfs.torch.spill import Spiller, SpillError
 from kvfs.warm import mount_info
 
 log = logging.getLogger("kvfs.torch.router")
@@ -126,7 +126,8 @@ class KVRouter(BudgetMixin):
         self.warm = warm
         if self._own_warm:  # kvfs-stat shows this process's hot tier beside its RAM tier
             warm.stats_extra = self._published
-        self.spiller = Spiller(warm, max_pending_bytes=max_pending_bytes)
+        # one spiller for every session: one session's failed spill stays that session's
+        self.spiller = Spiller(warm, max_pending_bytes=max_pending_bytes, isolate=True)
         self._sessions: OrderedDict[str, TieredCache] = OrderedDict()  # LRU first
         self._accounted: dict[str, int] = {}
         self.hot_total = 0
@@ -160,6 +161,7 @@ class KVRouter(BudgetMixin):
             self.release(session_id, flush=False)
         if fresh:
             self.spiller.wait()  # nothing of the old session may land after the delete
+            self.spiller.forget(session_id)
             if self.warm.where(session_id) is not None:
                 self.warm.delete(session_id)
         elif stored_meta(self.warm, session_id) is not None:
@@ -186,7 +188,9 @@ class KVRouter(BudgetMixin):
         c = self._new_cache(session_id, model)
         dev = device if device is not None else _model_device(model, self.device)
         self.spiller.wait()
-        self.warm.clear_lost(session_id)  # continues from the mount's copy
+        if self.spiller.forget(session_id) is not None:
+            log.warning("session %r: resumed from the mount after its spill failed", session_id)
+        self.warm.clear_lost(session_id)  # continues from the mount's copy; a stale one dropped
         meta = stored_meta(self.warm, session_id)  # KVCorrupt for any bad field
         if meta is None and self.warm.where(session_id) is not None:
             raise KVCorrupt(f"session {session_id!r} is stored but its meta.json is missing or "
@@ -256,12 +260,13 @@ class KVRouter(BudgetMixin):
         """
         c = self._sessions.pop(session_id, None)
         if not flush:  # a session whose RAM copy was lost is let go too (WarmLost)
+            self.spiller.forget(session_id)
             self.warm.clear_lost(session_id)
         if c is None:
             return
         if flush:
             c.flush()
-            self.spiller.wait()
+            self.spiller.wait(sid=session_id)
             self.warm.release(session_id)  # synced to the mount; another process may take it
         self.hot_total -= self._accounted.pop(session_id, 0)
         for lay in c.layers:
@@ -375,13 +380,24 @@ class KVRouter(BudgetMixin):
         and fsync'd. Raises (``WarmError``) when the mount cannot take them (unmounted,
         full): never only a log line. Without a mount, the RAM tier holds them, msynced."""
         self._check_open()
-        for c in self._sessions.values():
-            c.flush(wait=False)
+        failed: dict[str, BaseException] = {}
+        for sid, c in self._sessions.items():
+            try:
+                c.flush(wait=False)
+            except SpillError as e:  # that session's error: its own calls raise it
+                failed[sid] = e
         self.spiller.wait()
         self.warm.flush()
         if self.mount is not None:
-            self.warm.sync()
-            acknowledge(self.warm, list(self._sessions), self._acked)  # durable: say so
+            self.warm.sync()  # a lost session is logged there and left out
+        failed.update(self.spiller.failed())
+        failed.update((sid, None) for sid in self.warm.lost() if sid not in failed)
+        for sid, e in failed.items():
+            log.warning("flush: session %r is not flushed (%s); its own calls say so, the "
+                        "other sessions are flushed", sid, e or "its RAM copy was lost")
+        if self.mount is not None:
+            ok = [sid for sid in self._sessions if sid not in failed]
+            acknowledge(self.warm, ok, self._acked)  # durable: say so
 
     def save(self, session_id: str) -> None:
         """:meth:`flush` for one session."""
@@ -389,7 +405,7 @@ class KVRouter(BudgetMixin):
         c = self._sessions.get(session_id)
         if c is not None:
             c.flush(wait=False)
-        self.spiller.wait()
+        self.spiller.wait(sid=session_id)
         self.warm.flush(session_id)
         if self.mount is not None:
             self.warm.sync(session_id)
@@ -415,6 +431,7 @@ class KVRouter(BudgetMixin):
         self._check_open()
         self.release(session_id, flush=False)
         self.spiller.wait()  # nothing of the session may land after the delete
+        self.spiller.forget(session_id)
         self.warm.delete(session_id)
         self._acked.pop(session_id, None)
 

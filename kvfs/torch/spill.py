@@ -14,8 +14,14 @@ submitted before it. The thread lingers a little (``linger_s``, or until
 ``linger_bytes`` are pending, or someone waits) and then writes each file's pending tokens
 as one append: one decode step hands over one token per layer, and per-token appends
 would cost the forward pass more in GIL and CPU time than the bytes are worth. ``wait(ticket)`` blocks until a given job (default: all) is done.
-A failed write is kept and re-raised as :class:`SpillError` by the next ``submit`` or
-``wait``; after a failure no further appends are attempted (the file would get a hole).
+A failed write is that session's error: kept, logged and re-raised as :class:`SpillError` by
+the session's next ``submit`` or a ``wait(sid=...)`` for it, never by another session's
+call (the router serves many sessions through one spiller); after a failure no further
+jobs of that session run (its file would get a hole) until ``forget(sid)`` (the session
+was resumed from the mount or deleted). A job that names no session (``sid`` "") fails
+the whole spiller. A spiller of one session (a standalone cache's, ``isolate=False``)
+raises its session's failure from every ``wait``. A call job's session is its ``sid=`` or its first ``str`` argument
+(every call the cache queues is ``fn(sid, ...)`` or ``fn(warm, sid, ...)``).
 
 Never imports transformers; never decides *what* to spill (``kvfs.torch.cache`` does).
 """
@@ -93,8 +99,9 @@ class Spiller:
     """Ordered background writer of token-major KV bytes into a warm tier."""
 
     def __init__(self, warm: Any, *, max_pending_bytes: int = 64 << 20, name: str = "kvfs-spill",
-                 linger_s: float = 0.25, linger_bytes: int = 1 << 20) -> None:
+                 linger_s: float = 0.25, linger_bytes: int = 1 << 20, isolate: bool = False) -> None:
         self.warm = warm
+        self.isolate = isolate  # many sessions (a router's): a wait raises only its own
         self.max_pending_bytes = int(max_pending_bytes)
         self.linger_s = linger_s
         self.linger_bytes = min(int(linger_bytes), self.max_pending_bytes // 2)
@@ -104,7 +111,8 @@ class Spiller:
         self._next_ticket = 0
         self._done_ticket = -1
         self._pending_bytes = 0
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # a failure no session owns: every call's
+        self._failed: dict[str, BaseException] = {}  # sid -> its failure: only its calls'
         self._closing = False
         self._pool: PinnedPool | None = None
         # statistics
@@ -139,13 +147,15 @@ class Spiller:
             job = _Job(nbytes, sid, layer, start_byte, k=kv_to_token_major(k, v))
         return self._put(job)
 
-    def submit_call(self, fn: Callable[..., Any], *args: Any) -> int:
+    def submit_call(self, fn: Callable[..., Any], *args: Any, sid: str | None = None) -> int:
         """Queue ``fn(*args)`` to run after every job submitted so far; returns a ticket."""
-        return self._put(_Job(0, fn=fn, args=args))
+        if sid is None:
+            sid = next((a for a in args[:2] if isinstance(a, str)), "")
+        return self._put(_Job(0, sid=sid, fn=fn, args=args))
 
     def _put(self, job: _Job) -> int:
         with self._cv:
-            self._raise_if_failed()
+            self._raise_if_failed(job.sid)
             if self._closing:
                 raise SpillError("spill thread is closed")
             if self._pending_bytes and self._pending_bytes + job.nbytes > self.max_pending_bytes:
@@ -160,7 +170,7 @@ class Spiller:
                 finally:
                     self._waiters -= 1
                 self.stall_s += time.perf_counter() - t0
-                self._raise_if_failed()
+                self._raise_if_failed(job.sid)
             job.ticket = self._next_ticket
             self._next_ticket += 1
             self._q.append(job)
@@ -171,8 +181,11 @@ class Spiller:
                 self._cv.notify_all()  # wake the thread only when it has something new to do
             return job.ticket
 
-    def wait(self, ticket: int | None = None, timeout: float | None = None) -> None:
-        """Block until job ``ticket`` (default: every job submitted so far) has run."""
+    def wait(self, ticket: int | None = None, timeout: float | None = None,
+             sid: str | None = None) -> None:
+        """Block until job ``ticket`` (default: every job submitted so far) has run; then
+        raise a failure of session ``sid`` (given) or one no session owns, never another
+        session's."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             target = self._next_ticket - 1 if ticket is None else ticket
@@ -186,15 +199,30 @@ class Spiller:
                     self._cv.wait(0.5 if left is None else min(left, 0.5))
             finally:
                 self._waiters -= 1
-            self._raise_if_failed()
+            self._raise_if_failed(sid)
 
     @property
     def pending_bytes(self) -> int:
         return self._pending_bytes
 
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise SpillError(f"background spill to the warm tier failed: {self._error}") from self._error
+    def _raise_if_failed(self, sid: str | None = None) -> None:
+        err = self._error
+        if err is None and sid is None and not self.isolate and self._failed:
+            err = next(iter(self._failed.values()))
+        elif err is None:
+            err = self._failed.get(sid or "")
+        if err is not None:
+            raise SpillError(f"background spill to the warm tier failed: {err}") from err
+
+    def failed(self) -> dict[str, BaseException]:
+        """The sessions whose spill failed, each with its error."""
+        with self._cv:
+            return dict(self._failed)
+
+    def forget(self, sid: str) -> BaseException | None:
+        """Clear ``sid``'s failure (it is resumed from the mount, or deleted); returns it."""
+        with self._cv:
+            return self._failed.pop(sid, None)
 
     def close(self, timeout: float = 60.0) -> None:
         """Drain the queue and stop the thread (idempotent). Raises a pending failure."""
@@ -226,13 +254,11 @@ class Spiller:
                     self._cv.wait(left)
                 jobs = list(self._q)
                 self._q.clear()
-            failed = self._error is not None
-            if not failed:
+            if self._error is None:
                 try:
                     self._execute(jobs)
                 except BaseException as e:  # noqa: BLE001 - kept and re-raised to the caller
                     log.exception("spill job failed")
-                    failed = True
                     with self._cv:
                         self._error = e
             with self._cv:
@@ -242,41 +268,64 @@ class Spiller:
                 self._cv.notify_all()
 
     def _execute(self, jobs: list[_Job]) -> None:
-        """Run ``jobs``: appends grouped per file (order kept), call jobs as barriers."""
+        """Run ``jobs``: appends grouped per file (order kept), call jobs as barriers. A
+        session's failure stops only that session's jobs."""
         groups: dict[tuple[str, int], list[_Job]] = {}
         for j in jobs:
             if j.fn is not None:
                 self._write_groups(groups)
                 groups = {}
-                j.fn(*j.args)
+                if j.sid:
+                    self._guarded(j.sid, j.fn, *j.args)
+                else:
+                    j.fn(*j.args)
             else:
                 groups.setdefault((j.sid, j.layer), []).append(j)
         self._write_groups(groups)
 
+    def _guarded(self, sid: str, fn: Callable[..., Any], *args: Any) -> None:
+        """Run one job of session ``sid`` unless it failed before; a failure is kept as its."""
+        if sid in self._failed:
+            return
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - kept and re-raised to that session's calls
+            log.error("session %r: background spill to the warm tier failed: %s; its later "
+                      "writes are dropped until it is resumed from the mount", sid, e)
+            with self._cv:
+                self._failed[sid] = e
+
     def _write_groups(self, groups: dict[tuple[str, int], list[_Job]]) -> None:
         for (sid, layer), js in groups.items():
-            i = 0
-            while i < len(js):  # runs of jobs that continue each other
-                n = i + 1
-                end = js[i].start_byte + js[i].nbytes
-                while n < len(js) and js[n].start_byte == end:
-                    end += js[n].nbytes
-                    n += 1
-                run = js[i:n]
-                data = self._bytes_of_run(run)
-                new_size = self.warm.append(sid, layer, data)
-                for x in run:
-                    if x.staged is not None and self._pool is not None:
-                        self._pool.put(x.staged)
-                    x.k = x.v = x.staged = None
-                if new_size != end:
-                    raise SpillError(
-                        f"session {sid!r} layer {layer}: warm file is {new_size} bytes after an "
-                        f"append that should end at {end} (another writer, or a stale session?)")
-                self.appends += 1
-                self.written_bytes += data.nbytes
-                metrics.hot_spills.inc(data.nbytes)
-                i = n
+            self._guarded(sid, self._write_file, sid, layer, js)
+
+    def _write_file(self, sid: str, layer: int, js: list[_Job]) -> None:
+        try:
+            self._write_runs(sid, layer, js)
+        finally:  # staged buffers go back to the pool whether or not the bytes were written
+            for x in js:
+                if x.staged is not None and self._pool is not None:
+                    self._pool.put(x.staged)
+                x.k = x.v = x.staged = None
+
+    def _write_runs(self, sid: str, layer: int, js: list[_Job]) -> None:
+        i = 0
+        while i < len(js):  # runs of jobs that continue each other
+            n = i + 1
+            end = js[i].start_byte + js[i].nbytes
+            while n < len(js) and js[n].start_byte == end:
+                end += js[n].nbytes
+                n += 1
+            data = self._bytes_of_run(js[i:n])
+            new_size = self.warm.append(sid, layer, data)
+            if new_size != end:
+                raise SpillError(
+                    f"session {sid!r} layer {layer}: warm file is {new_size} bytes after an "
+                    f"append that should end at {end} (another writer, or a stale session?)")
+            self.appends += 1
+            self.written_bytes += data.nbytes
+            metrics.hot_spills.inc(data.nbytes)
+            i = n
 
     def _bytes_of_run(self, run: list[_Job]) -> np.ndarray:
         parts = [self._bytes_of(j) for j in run]

@@ -18,6 +18,7 @@ import errno
 import logging
 import os
 import stat
+import tempfile
 
 from kvfs.ops.profiles import user_path
 
@@ -221,3 +222,63 @@ class RootDir:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+FALLBACK_TAG = ".private-"
+
+
+def _shared_parent(parent: str) -> bool:
+    """Whether any user may create names in ``parent`` (sticky, world-writable)."""
+    try:
+        st = os.stat(parent)
+    except OSError:
+        return False
+    return bool(st.st_mode & stat.S_ISVTX and st.st_mode & 0o002)
+
+
+def _fallbacks(parent: str, base: str) -> list[RootDir]:
+    """Our checked fallback roots beside ``base``, oldest name order; names another user
+    planted (or symlinks) fail ``RootDir``'s checks and are skipped."""
+    try:
+        names = sorted(n for n in os.listdir(parent) if n.startswith(base + FALLBACK_TAG))
+    except OSError:
+        return []
+    out = []
+    for n in names:
+        try:
+            out.append(RootDir(os.path.join(parent, n)))
+        except WarmError:
+            continue
+    return out
+
+
+def open_root(path: str) -> RootDir:
+    """The checked warm root ``path`` (``{uid}`` expanded), or, when another user
+    squatted that name in a shared directory, this uid's private fallback beside it."""
+    try:
+        return RootDir(path)
+    except WarmError as e:
+        full = os.path.abspath(user_path(path, os.geteuid()))
+        parent, base = os.path.split(full)
+        if not _shared_parent(parent):
+            raise
+        refusal = str(e)
+    found = _fallbacks(parent, base)
+    if not found:
+        try:
+            made = tempfile.mkdtemp(prefix=base + FALLBACK_TAG, dir=parent)  # 0700, new
+        except OSError as err:
+            raise WarmError(f"{refusal}; and no private fallback could be made in "
+                            f"{parent!r}: {_reason(err)}") from err
+        found = _fallbacks(parent, base)  # another process may have made one first
+        for extra in found[1:]:
+            if extra.path == made:
+                extra.close()
+                os.rmdir(made)  # empty: ours, never used
+        found = found[:1]
+    if not found:
+        raise WarmError(f"{refusal}; and no private fallback is usable in {parent!r}")
+    for extra in found[1:]:
+        extra.close()
+    log.error("%s; using the private warm root %s instead", refusal, found[0].path)
+    return found[0]

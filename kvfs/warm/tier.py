@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -43,10 +44,12 @@ from .policy import EvictionPolicy, LRUGroups
 from .reads import Reader
 from .records import Slot
 from .resident import Resident
-from .rootdir import DEFAULT_ROOT, RootDir
+from .rootdir import DEFAULT_ROOT, RootDir, open_root
 from .shards import ShardStore
 from .validate import Validator
 from .writeback import WriteBehind
+
+log = logging.getLogger("kvfs.warm")
 
 
 class WarmTier:
@@ -76,7 +79,8 @@ class WarmTier:
         self._dirs: list[RootDir] = []
         self.cold: ColdBackend | None = None
         try:  # each a WarmError if it is not safely ours
-            top = self._keep(RootDir(root))
+            top = self._keep(open_root(root))
+            self.root_path = root = top.path  # a private fallback when the name was squatted
             base = self._keep(top.sub(self.volume_id)) if self.volume_id is not None else top
             locks = SessionLocks(self._keep(base.sub("locks")))
             self.rootdir = self._keep(claim_dir(base))  # this process's shards (flock'ed)
@@ -367,7 +371,9 @@ class WarmTier:
 
     def sync(self, sid: str | None = None) -> None:
         """Return once every byte of ``sid`` (default: of every session) is on the mount and
-        fsynced; WarmError when the mount cannot be reached or refuses the bytes."""
+        fsynced; WarmError when the mount cannot be reached or refuses the bytes. A lost
+        session (``WarmLost``) is raised by a sync of that session only: a sync of every
+        session logs it and syncs the others (it is that session's error, not theirs)."""
         if self.cold is None:
             raise WarmError("no cold tier to sync to")
         if sid is not None:
@@ -381,8 +387,12 @@ class WarmTier:
                             + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""))
 
     def _raise_lost(self, sid: str | None) -> None:
-        for lost in [sid] if sid is not None else self.held.lost():
-            self.held.check_lost(lost)
+        if sid is not None:
+            self.held.check_lost(sid)
+            return
+        for lost in self.held.lost():
+            log.warning("warm session %r: its RAM copy was lost (the mount's copy is newer); "
+                        "not synced, left to that session's own calls", lost)
 
     def release(self, sid: str) -> None:
         """Sync ``sid`` (when there is a cold tier) and give up its lock and hold, so that
@@ -399,8 +409,19 @@ class WarmTier:
         if h is not None:
             self.held.let_go(sid, h)
 
+    def lost(self) -> list[str]:
+        """The sessions whose RAM copy was dropped because someone else wrote them."""
+        return self.held.lost()
+
     def clear_lost(self, sid: str) -> None:
-        """The agent let go of a lost session, or resumes it from the mount's copy."""
+        """The agent let go of a lost session, or resumes it from the mount's copy: a RAM
+        copy older than the mount's (even one held and checked before) is dropped now, so
+        what follows reads the mount's session, not the stale copy."""
+        if self.cold is not None and self.held.get(check_sid(sid)) is not None:
+            try:
+                self.valid.validate(sid)
+            except WarmError as e:  # the mount is away: checked again on the next pass
+                log.warning("warm session %r: cannot check it against the mount: %s", sid, e)
         self.held.clear_lost(sid)
 
     def owned(self) -> list[str]:

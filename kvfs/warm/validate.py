@@ -4,7 +4,9 @@ Deletion wins: each session has an incarnation id (random, 64 bits, made with th
 session), written to ``sessions/<sid>/.incarnation`` with its first bytes. Before a RAM
 copy is used -- the first use in a process, every pass -- it is checked against the
 mount: a copy removed there (while we had written it), made anew (another incarnation),
-cut shorter than what we wrote, or grown by someone else means the RAM copy is dropped
+cut shorter than what we wrote, grown by someone else, or holding another ``meta.json``
+than the one we last wrote or read there (a session written on elsewhere to the same
+sizes: sizes alone cannot tell) means the RAM copy is dropped
 (one log line) and the mount's copy is the session. Every use of a session checks that its
 directory still exists (one lstat), so ``rm -r`` on the mount is seen at once.
 
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import logging
 
-from .cold import ColdBackend
+from .cold import META, ColdBackend
 from .format import FLAG_CLEAN, FLAG_ON_COLD
 from .held import HeldSessions
 from .ids import WarmError, check_sid
@@ -57,21 +59,27 @@ class Validator:
                 except WarmError as e:  # the mount is away: the RAM copy serves; checked later
                     log.warning("warm session %r: cannot check it against the mount: %s", sid, e)
 
+    def mount_meta(self, sid: str, cs: object) -> bytes | None:
+        """The mount's meta.json of ``sid`` (None when it has no copy): the session's
+        content version, compared with the one this copy last wrote or read."""
+        return self.cold.read_small(sid, META) if cs is not None and self.cold else None
+
     def validate(self, sid: str) -> None:
         with self.res.io_lock(sid):
             cs = self.cold.state(sid)
+            meta = self.mount_meta(sid, cs)
             with self.res.locked(sid) as slot:
                 f, s = self.res.warm(slot, sid)
                 if s is None:
                     return
-                stale = self.stale_reason(s, cs)
+                stale = self.stale_reason(s, cs, meta)
                 if stale is not None:
                     self.forget_locked(slot, f, s, *stale)
                 elif cs is not None and s.flags & FLAG_ON_COLD:
                     self.held.see(sid)
 
-    def stale_reason(self, s: WarmSession,
-                     cs: tuple[dict[int, int], int | None] | None) -> tuple[str, bool] | None:
+    def stale_reason(self, s: WarmSession, cs: tuple[dict[int, int], int | None] | None,
+                     meta: bytes | None = None) -> tuple[str, bool] | None:
         """Why the RAM copy ``s`` is not the mount's session any more, and whether it is
         because someone else wrote the session (rather than cut or removed it: a user's
         ``rm -r`` or truncate wins quietly); None: it is the mount's session."""
@@ -94,6 +102,8 @@ class Validator:
                 return f"layer_{layer} was cut to {c} bytes through the mount (we wrote {floor})", False
             if c > end:
                 return f"layer_{layer} grew to {c} bytes on the mount (ours has {end})", True
+        if meta is not None and s.cmeta is not None and meta != s.cmeta:
+            return "its meta.json on the mount is not the one this copy wrote or read", True
         return None
 
     def forget(self, sid: str, reason: str) -> None:

@@ -163,12 +163,13 @@ class WriteBehind:
         res = self.res
         with res.io_lock(sid):
             cs = self.cold.state(sid)
+            mount_meta = self.valid.mount_meta(sid, cs)
             with res.locked(sid) as slot:
                 f, s = res.warm(slot, sid)
                 if s is None:
                     res.dirty.drop(sid)
                     return None
-                stale = self.valid.stale_reason(s, cs)
+                stale = self.valid.stale_reason(s, cs, mount_meta)
                 if stale is not None:
                     self.valid.forget_locked(slot, f, s, *stale)
                     return None
