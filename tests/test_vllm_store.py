@@ -400,3 +400,75 @@ def test_server_key_is_made_once_and_kept_private(tmp_path) -> None:
     other.parent.chmod(0o777)
     with pytest.raises(PermissionError, match="directory"):
         server_key(str(other))
+
+
+def _through(body, headers=(), path="/v1/chat/completions", chunks=1):
+    """The body and content-length vLLM's app gets from the session middleware."""
+    import asyncio
+
+    from kvfs.vllm.sessions import SessionNames
+
+    got = {}
+
+    async def app(scope, receive, send):
+        msg = await receive()
+        got["body"] = msg["body"]
+        got["length"] = dict(scope["headers"]).get(b"content-length")
+
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    step = -(-len(raw) // chunks)
+    parts = [{"type": "http.request", "body": raw[i:i + step], "more_body": i + step < len(raw)}
+             for i in range(0, len(raw), step)]
+
+    async def receive():
+        return parts.pop(0)
+    scope = {"type": "http", "method": "POST", "path": path, "root_path": "",
+             "headers": [(b"content-length", str(len(raw)).encode()), *headers]}
+    asyncio.run(SessionNames(app)(scope, receive, None))
+    assert got["length"] == str(len(got["body"])).encode()
+    return got["body"]
+
+
+def test_session_named_by_header_or_user() -> None:
+    """Precedence: kv_transfer_params.session, then X-Session-Id, then user; other keys of
+    kv_transfer_params are kept; other paths and unparsable bodies pass untouched."""
+    hdr = [(b"X-Session-Id", b"from-header")]
+    body = {"model": "m", "messages": [], "user": "from-user"}
+
+    def session(raw):
+        return json.loads(raw)["kv_transfer_params"]["session"]
+    assert session(_through(body)) == "from-user"
+    assert session(_through(body, hdr, chunks=3)) == "from-header"
+    assert session(_through(body, hdr, path="/v1/completions")) == "from-header"
+    explicit = {**body, "kv_transfer_params": {"session": "explicit", "x": 1}}
+    assert json.loads(_through(explicit, hdr))["kv_transfer_params"] == {"session": "explicit", "x": 1}
+    other = {**body, "kv_transfer_params": {"x": 1}}
+    assert json.loads(_through(other))["kv_transfer_params"] == {"x": 1, "session": "from-user"}
+    plain = {"model": "m", "messages": []}
+    assert _through(plain) == json.dumps(plain).encode()  # nothing names a session
+    assert _through(body, path="/v1/models") == json.dumps(body).encode()
+    assert _through(b"{not json", hdr) == b"{not json"
+
+
+def test_kvfs_serve_command(tmp_path) -> None:
+    import configparser
+
+    from kvfs.vllm.serve import command
+
+    cmd = command(["MODEL", "--mount", str(tmp_path), "--dtype", "float32",
+                   "--kvfs-config", '{"prefix_chunk": 0}'], python="py")
+    assert cmd[:5] == ["py", "-m", "vllm.entrypoints.openai.api_server", "--model", "MODEL"]
+    kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector_extra_config"] == {"prefix_chunk": 0, "mount": str(tmp_path)}
+    assert kv["kv_load_failure_policy"] == "recompute"
+    assert cmd[cmd.index("--middleware") + 1] == "kvfs.vllm.sessions.SessionNames"
+    assert cmd[cmd.index("--shutdown-timeout") + 1] == "60" and cmd[-2:] == ["--dtype", "float32"]
+    mine = command(["M", "--mount", str(tmp_path), "--shutdown-timeout=5"], python="py")
+    assert [a for a in mine if a.startswith("--shutdown-timeout")] == ["--shutdown-timeout=5"]
+    for bad in (["M", "--mount", str(tmp_path / "none")],
+                ["M", "--mount", str(tmp_path), "--kv-transfer-config", "{}"]):
+        with pytest.raises(SystemExit):
+            command(bad)
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(os.path.dirname(__file__), "..", "setup.cfg"))
+    assert "kvfs-serve = kvfs.vllm.serve:main" in cfg["options.entry_points"]["console_scripts"]

@@ -79,10 +79,7 @@ class SessionStore:
     # --- names --------------------------------------------------------------------------
     def session_dir(self, sid: str, salt: str | None) -> str:
         """The directory under ``sessions/`` of tenant ``salt``'s session ``sid``."""
-        if not salt:
-            return sid
-        doc = json.dumps([salt, sid]).encode()  # unambiguous: no (salt, id) pair shares it
-        return "tenant-" + hmac.new(self.key, doc, hashlib.sha256).hexdigest()[:40]
+        return session_dir(self.key, sid, salt)
 
     def prefix_entries(self, salt: str | None, ids: list[int] | np.ndarray, chunk: int) -> list[str]:
         """The entry names of the full ``chunk``-token runs of ``ids`` (:func:`prefix_keys`
@@ -269,6 +266,16 @@ def prefix_keys(fp: str, salt: str | None, ids: list[int] | np.ndarray, chunk: i
         h = hmac.new(key, h + arr[j * chunk:(j + 1) * chunk].tobytes(), hashlib.sha256).digest()
         out.append("prefix-" + h.hex()[:40])
     return out
+
+
+def session_dir(key: bytes, sid: str, salt: str | None) -> str:
+    """The directory under ``sessions/`` of tenant ``salt``'s session ``sid`` for a server
+    with ``key``: ``sid`` itself for the default tenant (no salt), else ``tenant-`` and 40
+    hex digits of an HMAC over both."""
+    if not salt:
+        return sid
+    doc = json.dumps([salt, sid]).encode()  # unambiguous: no two (salt, id) pairs share it
+    return "tenant-" + hmac.new(key, doc, hashlib.sha256).hexdigest()[:40]
 
 
 def default_key_file() -> str:

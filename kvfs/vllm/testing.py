@@ -90,8 +90,12 @@ class VLLMServer:
 
     def __init__(self, model: Path, log: Path, *, kv_config: dict | None = None,
                  block_size: int = 32, max_model_len: int = 4096, kv_space_gib: int = 1,
-                 prefix_caching: bool = True, extra_args: tuple[str, ...] = ()) -> None:
+                 prefix_caching: bool = True, extra_args: tuple[str, ...] = (),
+                 kvfs_serve: dict | None = None) -> None:
+        """``kvfs_serve``: start through ``kvfs-serve`` (``python -m kvfs.vllm.serve``) with
+        ``{"mount": ..., **connector keys}`` instead of ``kv_config``."""
         self.model, self.log_path, self.kv_config = model, log, kv_config
+        self.kvfs_serve = kvfs_serve
         self.args = ["--dtype", "float32", "--enforce-eager", "--block-size", str(block_size),
                      "--max-model-len", str(max_model_len), "--gpu-memory-utilization", "0.05",
                      "--served-model-name", "m", "--disable-uvicorn-access-log",
@@ -110,8 +114,13 @@ class VLLMServer:
     def start(self) -> VLLMServer:
         assert self.proc is None, "already started"
         self.port = free_port()
-        cmd = [str(VLLM_PY), *SERVE, str(self.model), "--host", "127.0.0.1",
-               "--port", str(self.port), *self.args]
+        if self.kvfs_serve is not None:
+            extra = {k: v for k, v in self.kvfs_serve.items() if k != "mount"}
+            head = ["-m", "kvfs.vllm.serve", str(self.model), "--mount",
+                    str(self.kvfs_serve["mount"]), "--kvfs-config", json.dumps(extra)]
+        else:
+            head = [*SERVE, str(self.model)]
+        cmd = [str(VLLM_PY), *head, "--host", "127.0.0.1", "--port", str(self.port), *self.args]
         if self.kv_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_config)]
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it
