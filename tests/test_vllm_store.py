@@ -472,3 +472,12 @@ def test_kvfs_serve_command(tmp_path) -> None:
     cfg = configparser.ConfigParser()
     cfg.read(os.path.join(os.path.dirname(__file__), "..", "setup.cfg"))
     assert "kvfs-serve = kvfs.vllm.serve:main" in cfg["options.entry_points"]["console_scripts"]
+
+
+def test_bench_vllm_imports_as_a_module_without_path_edits() -> None:
+    import sys
+
+    before = list(sys.path)
+    import bench_vllm
+
+    assert sys.path == before and callable(bench_vllm.main)
