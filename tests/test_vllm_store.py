@@ -402,7 +402,7 @@ def test_server_key_is_made_once_and_kept_private(tmp_path) -> None:
         server_key(str(other))
 
 
-def _through(body, headers=(), path="/v1/chat/completions", chunks=1):
+def _through(body, headers=(), path="/v1/chat/completions", chunks=1, per_api_key=False):
     """The body and content-length vLLM's app gets from the session middleware."""
     import asyncio
 
@@ -424,7 +424,7 @@ def _through(body, headers=(), path="/v1/chat/completions", chunks=1):
         return parts.pop(0)
     scope = {"type": "http", "method": "POST", "path": path, "root_path": "",
              "headers": [(b"content-length", str(len(raw)).encode()), *headers]}
-    asyncio.run(SessionNames(app)(scope, receive, None))
+    asyncio.run(SessionNames(app, per_api_key)(scope, receive, None))
     assert got["length"] == str(len(got["body"])).encode()
     return got["body"]
 
@@ -450,23 +450,45 @@ def test_session_named_by_header_or_user() -> None:
     assert _through(b"{not json", hdr) == b"{not json"
 
 
+def test_tenant_per_api_key(monkeypatch) -> None:
+    """With a tenant per API key, the salt comes from the key: another key's requests, with
+    any salt they send, are another tenant; the client's salt only splits its key's."""
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    body = {"model": "m", "prompt": "x", "user": "agent-7"}
+
+    def salt(key, extra=None):
+        b = {**body, **({"cache_salt": extra} if extra else {})}
+        auth = [(b"authorization", f"Bearer {key}".encode())] if key else []
+        return json.loads(_through(b, auth, path="/v1/completions", per_api_key=True))["cache_salt"]
+    a = salt("key-a")
+    assert a == salt("key-a") and a != salt("key-b") and a != salt(None)
+    assert salt("key-b", a) not in (a, salt("key-b"))  # naming A's salt is not being A
+    assert salt("key-a", "sub") != a
+    assert len(a) <= 128 and not set(a) & set("@/\\\0")
+    assert "cache_salt" not in json.loads(_through(body))  # off by default
+
+
 def test_kvfs_serve_command(tmp_path) -> None:
     import configparser
 
     from kvfs.vllm.serve import command
 
-    cmd = command(["MODEL", "--mount", str(tmp_path), "--dtype", "float32",
-                   "--kvfs-config", '{"prefix_chunk": 0}'], python="py")
+    cmd, env = command(["MODEL", "--mount", str(tmp_path), "--dtype", "float32",
+                        "--kvfs-config", '{"prefix_chunk": 0}'], python="py")
+    assert env == {}
     assert cmd[:5] == ["py", "-m", "vllm.entrypoints.openai.api_server", "--model", "MODEL"]
     kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
     assert kv["kv_connector_extra_config"] == {"prefix_chunk": 0, "mount": str(tmp_path)}
     assert kv["kv_load_failure_policy"] == "recompute"
     assert cmd[cmd.index("--middleware") + 1] == "kvfs.vllm.sessions.SessionNames"
     assert cmd[cmd.index("--shutdown-timeout") + 1] == "60" and cmd[-2:] == ["--dtype", "float32"]
-    mine = command(["M", "--mount", str(tmp_path), "--shutdown-timeout=5"], python="py")
+    mine, _ = command(["M", "--mount", str(tmp_path), "--shutdown-timeout=5"], python="py")
     assert [a for a in mine if a.startswith("--shutdown-timeout")] == ["--shutdown-timeout=5"]
+    _, env = command(["M", "--mount", str(tmp_path), "--tenant-per-api-key", "--api-key", "a"])
+    assert env == {"KVFS_TENANT_PER_API_KEY": "1"}
     for bad in (["M", "--mount", str(tmp_path / "none")],
-                ["M", "--mount", str(tmp_path), "--kv-transfer-config", "{}"]):
+                ["M", "--mount", str(tmp_path), "--kv-transfer-config", "{}"],
+                ["M", "--mount", str(tmp_path), "--tenant-per-api-key"]):
         with pytest.raises(SystemExit):
             command(bad)
     cfg = configparser.ConfigParser()
