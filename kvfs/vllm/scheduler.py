@@ -1,10 +1,11 @@
 """The scheduler half of the connector: which prompt tokens kvfs holds, what to load and save.
 
 Runs in vLLM's scheduler (engine core) process. For a request that names a session it reads
-the session's ids on the mount (:meth:`SessionStore.lookup`) and offers the longest prefix
+the ids of that session of the request's tenant (its ``cache_salt``:
+:meth:`SessionStore.session_dir`) on the mount (:meth:`SessionStore.lookup`) and offers the longest prefix
 of the prompt that agrees with them, cut to whole blocks and leaving the prompt's last token
 to compute (vLLM needs one token to run). A request without a session is matched run by run
-against prefix entries (``chunk`` tokens each, named by a chained hash of the ids:
+against prefix entries (``chunk`` tokens each, named by a keyed chained hash of the ids:
 :func:`~kvfs.vllm.store.prefix_keys`). Blocks vLLM already holds in its own prefix cache are
 not loaded again. When the request finishes, its computed tokens (prompt and output, less
 the last sampled token, which was never fed through the model) are handed to the worker to
