@@ -38,8 +38,8 @@ def world(tmp_path_factory):
     d = tmp_path_factory.mktemp("vllm")
     model = model_dir(d / "model")
     mount = Mount(d / "vol.kvvol", d / "mnt", size="256M").start()
-    server = VLLMServer(model, d / "server.log", kv_config=connector_config(mount.mountpoint),
-                        block_size=BLOCK)
+    server = VLLMServer(model, d / "server.log", block_size=BLOCK, dev_mode=True,
+                        kv_config=connector_config(mount.mountpoint, key_file=str(d / "key")))
     try:
         yield {"dir": d, "model": model, "mount": mount, "server": server, "state": {}}
     finally:
@@ -196,9 +196,10 @@ def test_kvrouter_session_continues_in_vllm(world) -> None:
     if server.proc is None:
         server.start()
     prompt = full[0].tolist() + tok.encode(" And then?", add_special_tokens=False)
-    # a cache_salt of its own: no block of the earlier chats in vLLM's prefix cache serves it
-    out, params = complete(server, prompt, kv_transfer_params={"session": "agent-2"},
-                           cache_salt="agent-2")
+    # no block of the earlier chats in vLLM's prefix cache serves it (a KVRouter session is
+    # the default tenant's: a cache_salt would make it another tenant's request)
+    server.reset_prefix_cache()
+    out, params = complete(server, prompt, kv_transfer_params={"session": "agent-2"})
     assert params["kvfs_loaded_tokens"] == stored - stored % BLOCK > 0
     fresh, _ = complete(server, prompt, cache_salt="recompute")  # vLLM's own prefill of all
     assert out == fresh
@@ -209,8 +210,8 @@ def test_kvrouter_session_continues_in_vllm(world) -> None:
     after = meta(mount, "agent-2")["tokens"]
     token_bytes = 2 * 2 * 32 * 4
     os.truncate(mount.sessions / "agent-2" / "layer_1", 10 * token_bytes)
-    again, params = complete(server, prompt, kv_transfer_params={"session": "agent-2"},
-                             cache_salt="agent-2-cut")
+    server.reset_prefix_cache()
+    again, params = complete(server, prompt, kv_transfer_params={"session": "agent-2"})
     assert params["kvfs_loaded_tokens"] > 0 and again == out
     # the old meta.json already claimed as many tokens: wait for the layers to agree too
     deadline = time.monotonic() + 60

@@ -3,7 +3,12 @@ store, the block-layout probe; and KVRouter.record_tokens."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
+import stat
+from types import SimpleNamespace as NS
 
 import numpy as np
 import pytest
@@ -12,17 +17,37 @@ import torch
 from kvfs.torch.fingerprint import KVGeometry, KVUnsupported
 from kvfs.torch.tokens import TOKENS, common_prefix, decode, encode, read_ids, record_ids
 from kvfs.vllm.paged import probe_layout
-from kvfs.vllm.scheduler import parts_of, session_of
-from kvfs.vllm.store import SessionStore, agreed, prefix_keys
+from kvfs.vllm.scheduler import SchedulerSide, parts_of, session_of
+from kvfs.vllm.store import SessionStore, agreed, prefix_keys, server_key
 from kvfs.warm.coldfiles import ColdStore
 
 GEO = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
+KEY = bytes(range(32))
+NOBODY = 54321  # another local user
+
+
+@pytest.fixture(autouse=True)
+def _state_home(tmp_path, monkeypatch):
+    """Server keys made by the tests go to the test's directory, not the user's home."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
 
 
 @pytest.fixture
 def root(tmp_path):
     (tmp_path / "sessions").mkdir()
     return tmp_path
+
+
+def _req(rid, prompt, sid="s", salt=None, computed=0, out=()):
+    """The fields of a vLLM request the scheduler half reads."""
+    return NS(request_id=rid, prompt_token_ids=list(prompt), sampling_params=None,
+              kv_transfer_params=None if sid is None else {"session": sid},
+              num_computed_tokens=computed, all_token_ids=list(prompt) + list(out),
+              cache_salt=salt)
+
+
+_IDLE = NS(scheduled_new_reqs=[], scheduled_cached_reqs=NS(
+    req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]))
 
 
 def test_token_records_rebuild_an_edited_history(root) -> None:
@@ -72,7 +97,7 @@ def _kv(n: int, seed: int) -> list[np.ndarray]:
 
 
 def test_session_store_turns_edits_and_other_models(root) -> None:
-    st = SessionStore(str(root), "sha256:aa", GEO, summary_dim=8)
+    st = SessionStore(str(root), "sha256:aa", GEO, summary_dim=8, key=KEY)
     ids = np.arange(100, 110)
     kv = _kv(10, 0)
     keys = np.ones((10, 2, 4), np.float32)
@@ -96,7 +121,7 @@ def test_session_store_turns_edits_and_other_models(root) -> None:
     assert (root / "sessions" / "s" / "layer_0").stat().st_size == 6 * 64
     assert st.read("s", 0, 0, 4).tobytes() == kv[0][:4 * 64].tobytes()
     # another model: not reused, not written over
-    other = SessionStore(str(root), "sha256:bb", GEO, summary_dim=8)
+    other = SessionStore(str(root), "sha256:bb", GEO, summary_dim=8, key=KEY)
     assert other.lookup("s") is None
     with pytest.raises(ValueError, match="another model|written by model"):
         other.append_turn("s", edit, _kv(6, 3), 0, None)
@@ -108,13 +133,14 @@ def test_session_store_turns_edits_and_other_models(root) -> None:
 
 def test_prefix_entries_are_chained_salted_and_found_in_order(root) -> None:
     ids = list(range(40))
-    keys = prefix_keys("sha256:aa", None, ids, 8)
+    keys = prefix_keys("sha256:aa", None, ids, 8, KEY)
     assert len(keys) == 5 and len(set(keys)) == 5
-    assert prefix_keys("sha256:aa", None, ids[:17], 8) == keys[:2]  # a prefix's names
-    assert prefix_keys("sha256:aa", "tenant", ids, 8)[0] != keys[0]
-    assert prefix_keys("sha256:bb", None, ids, 8)[0] != keys[0]
-    assert prefix_keys("sha256:aa", None, [1] + ids[1:], 8)[3] != keys[3]  # chained
-    st = SessionStore(str(root), "sha256:aa", GEO, summary_dim=8)
+    assert prefix_keys("sha256:aa", None, ids[:17], 8, KEY) == keys[:2]  # a prefix's names
+    assert prefix_keys("sha256:aa", "tenant", ids, 8, KEY)[0] != keys[0]
+    assert prefix_keys("sha256:bb", None, ids, 8, KEY)[0] != keys[0]
+    assert prefix_keys("sha256:aa", None, [1] + ids[1:], 8, KEY)[3] != keys[3]  # chained
+    assert prefix_keys("sha256:aa", None, ids, 8, b"k" * 32)[0] != keys[0]  # keyed
+    st = SessionStore(str(root), "sha256:aa", GEO, summary_dim=8, key=KEY)
     for j in (0, 1, 3):
         st.append_turn(keys[j], np.array(ids[8 * j:8 * j + 8]), _kv(8, j), 0, None)
     assert st.present(keys) == 2  # the run stops at the first missing entry
@@ -131,7 +157,7 @@ def test_session_names_from_requests() -> None:
             self.kv_transfer_params = params
     assert session_of(R({"session": "agent-7"})) == "agent-7"
     assert session_of(R(None)) is None
-    for bad in ("../x", ".hidden", "a/b", "prefix-abc", 7, "x" * 201):
+    for bad in ("../x", ".hidden", "a/b", "prefix-abc", "tenant-abc", 7, "x" * 201):
         assert session_of(R({"session": bad})) is None
 
 
@@ -181,7 +207,7 @@ def test_kvrouter_records_its_token_ids(root) -> None:
         cache.end_round()
         router.record_tokens("agent", full[0])
         router.flush()
-    st = SessionStore(str(root), cache.fingerprint, cache.geo)
+    st = SessionStore(str(root), cache.fingerprint, cache.geo, key=KEY)
     got = st.lookup("agent")
     assert got.tokens == full.shape[1] - 1
     assert got.ids.tolist() == full[0, :-1].tolist()
@@ -203,7 +229,7 @@ def test_worker_loads_checks_ids_and_saves(root) -> None:
     from kvfs.vllm.scheduler import LoadJob, SaveJob, StepPlan
     from kvfs.vllm.worker import WorkerSide
 
-    st = SessionStore(str(root), "sha256:aa", GEO, summary_dim=8)
+    st = SessionStore(str(root), "sha256:aa", GEO, summary_dim=8, key=KEY)
     ids = np.arange(500, 512)
     kv = _kv(12, 5)
     st.append_turn("s", ids, kv, 0, None)
@@ -245,19 +271,11 @@ def test_worker_loads_checks_ids_and_saves(root) -> None:
 
 
 def test_scheduler_offers_agreeing_blocks_and_plans_loads_and_saves(root) -> None:
-    from types import SimpleNamespace as NS
-
-    from kvfs.vllm.scheduler import SchedulerSide
-
-    st = SessionStore(str(root), "sha256:aa", GEO, summary_dim=8)
+    st = SessionStore(str(root), "sha256:aa", GEO, summary_dim=8, key=KEY)
     ids = list(range(100, 120))
     st.append_turn("s", np.array(ids), _kv(20, 0), 0, None)
     sch = SchedulerSide(st, block_size=4, chunk=8)
-
-    def req(rid, prompt, sid="s", computed=0, out=()):
-        return NS(request_id=rid, prompt_token_ids=prompt, kv_transfer_params={"session": sid},
-                  sampling_params=None, num_computed_tokens=computed,
-                  all_token_ids=list(prompt) + list(out), cache_salt=None)
+    req = _req
     edited = ids[:10] + [7] * 6
     assert sch.matched(req("a", ids + [1, 2]), 0) == (20, False)  # all 20 stored, whole blocks
     assert sch.matched(req("b", edited), 4) == (4, False)  # agrees on 10 -> 8, vLLM has 4
@@ -273,12 +291,215 @@ def test_scheduler_offers_agreeing_blocks_and_plans_loads_and_saves(root) -> Non
     assert (b.req_id, b.start, b.end, b.expect, b.block_ids) == ("b", 4, 8, ids[4:8], [1, 2, 3])
     delay, info = sch.finished(req("a", ids + [1, 2], computed=25, out=[3, 4, 5, 6]), [5, 6, 7, 8, 9, 10, 11])
     assert delay and info == {"session": "s", "kvfs_loaded_tokens": 20, "kvfs_stored_tokens": 25}
-    (save,) = sch.plan(NS(scheduled_new_reqs=[], scheduled_cached_reqs=NS(
-        req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]))).saves
+    (save,) = sch.plan(_IDLE).saves
     assert save.sid == "s" and save.ids == ids + [1, 2, 3, 4, 5] and save.entries == []
     # no session: prefix entries of whole 8-token runs
     delay, info = sch.finished(req("d", ids, sid=None, computed=19), [1, 2, 3, 4, 5])
-    (save,) = sch.plan(NS(scheduled_new_reqs=[], scheduled_cached_reqs=NS(
-        req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]))).saves
+    (save,) = sch.plan(_IDLE).saves
     assert delay and save.sid is None and save.ids == ids[:16] and len(save.entries) == 2
     assert info == {"kvfs_loaded_tokens": 0}
+
+
+def test_tenants_see_and_change_only_their_own_sessions(root) -> None:
+    """A request's cache_salt is its tenant: another tenant's request naming the same
+    session is offered none of its KV, and its turn is stored apart, never over it."""
+    st = SessionStore(str(root), "sha256:aa", GEO, summary_dim=8, key=KEY)
+    ids = list(range(100, 132))
+    st.append_turn("agent-7", np.array(ids), _kv(32, 0), 0, None)
+    sch = SchedulerSide(st, block_size=4, chunk=8)
+    assert sch.matched(_req("a", ids + [1], sid="agent-7"), 0) == (32, False)
+    # tenant B, same name, a prompt agreeing on the first 16 tokens: nothing to guess from
+    guess = ids[:16] + [9] * 8
+    assert sch.matched(_req("b1", guess, sid="agent-7", salt="tenant-B"), 0) == (0, False)
+    delay, info = sch.finished(_req("b1", guess, sid="agent-7", salt="tenant-B", computed=24),
+                               [1, 2, 3, 4, 5, 6])
+    assert delay and info["session"] == "agent-7" and info["kvfs_loaded_tokens"] == 0
+    (save,) = sch.plan(_IDLE).saves
+    assert save.sid.startswith("tenant-") and save.sid == st.session_dir("agent-7", "tenant-B")
+    st.append_turn(save.sid, np.array(save.ids), _kv(24, 1), 0, None)
+    got = st.lookup("agent-7")  # the default tenant's session is untouched
+    assert got.tokens == 32 and got.ids.tolist() == ids
+    assert st.read("agent-7", 0, 0, 32).tobytes() == _kv(32, 0)[0].tobytes()
+    assert sch.matched(_req("a2", ids + [1], sid="agent-7"), 0) == (32, False)
+    assert sch.matched(_req("b2", guess + [5], sid="agent-7", salt="tenant-B"), 0) == (24, False)
+    assert sch.matched(_req("c", guess + [5], sid="agent-7", salt="tenant-C"), 0) == (0, False)
+    # the directory is not the name's, and only the server's key tells which it is
+    assert save.sid != st.session_dir("agent-7", "tenant-C")
+    other = SessionStore(str(root), "sha256:aa", GEO, summary_dim=8, key=b"k" * 32)
+    assert other.session_dir("agent-7", "tenant-B") != save.sid
+    assert session_of(_req("x", [1], sid=save.sid)) is None  # no request names it directly
+    assert sorted(p.name for p in (root / "sessions").iterdir()) == sorted(["agent-7", save.sid])
+
+
+def _public_prefix_names(fp, salt, ids, chunk):
+    """The names another user can compute from what a request shows: the chain of plain
+    hashes over fingerprint, salt and ids (no secret)."""
+    h = hashlib.sha256(f"{fp}\0{salt or ''}".encode()).digest()
+    arr = np.asarray(ids, dtype="<u4")
+    out = []
+    for j in range(arr.size // chunk):
+        h = hashlib.sha256(h + arr[j * chunk:(j + 1) * chunk].tobytes()).digest()
+        out.append("prefix-" + h.hex()[:40])
+    return out
+
+
+def test_prefix_entries_cannot_be_squatted(root, caplog) -> None:
+    """Another user pre-creates the directories a prefix would be stored under: the server
+    stores it anyway (its names need its key), and a foreign directory at one of its own
+    names is neither read nor written, only logged."""
+    from kvfs.vllm.scheduler import SaveJob
+    from kvfs.vllm.worker import WorkerSide
+
+    st = SessionStore(str(root), "sha256:aa", GEO, summary_dim=8, key=KEY)
+    sch = SchedulerSide(st, block_size=4, chunk=8)
+    ids = list(range(300, 324))
+    for name in _public_prefix_names("sha256:aa", None, ids, 8):
+        d = root / "sessions" / name
+        d.mkdir()
+        os.chown(d, NOBODY, NOBODY)
+    delay, _ = sch.finished(_req("p", ids, sid=None, computed=24), [1, 2, 3, 4, 5, 6])
+    (save,) = sch.plan(_IDLE).saves
+    assert delay and len(save.entries) == 3
+    for j, name in enumerate(save.entries):
+        st.append_turn(name, np.array(ids[8 * j:8 * j + 8]), _kv(8, j), 0, None)
+    assert sch.matched(_req("q", ids + [1], sid=None), 0) == (24, False)
+    # a foreign directory at the server's own name (a leaked key): skipped with a log line
+    more = ids + list(range(900, 916))
+    squat = st.prefix_entries(None, more, 8)[3]
+    (root / "sessions" / squat).mkdir()
+    os.chown(root / "sessions" / squat, NOBODY, NOBODY)
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros((12, 2, 4, 8)) for i in (0, 1)}
+    w = WorkerSide(st)
+    try:
+        w.register(caches, 4, _cpu_like_writer)
+        with caplog.at_level(logging.WARNING, logger="kvfs.vllm"):
+            w._save(SaveJob("r", None, list(range(10)), more, st.prefix_entries(None, more, 8)))
+    finally:
+        w.close()
+    assert any(squat in r.getMessage() and "not stored" in r.getMessage() for r in caplog.records)
+    assert st.lookup(squat) is None
+    assert (root / "sessions" / squat).stat().st_uid == NOBODY and not os.listdir(root / "sessions" / squat)
+    assert sch.matched(_req("q2", more + [1], sid=None), 0) == (24, False)
+
+
+def test_server_key_is_made_once_and_kept_private(tmp_path) -> None:
+    path = tmp_path / "state" / "kvfs" / "vllm.key"
+    key = server_key()  # the default place: $XDG_STATE_HOME/kvfs/vllm.key
+    assert len(key) == 32 and server_key(str(path)) == key
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    path.chmod(0o644)  # readable by others: names made with it could be pre-created
+    with pytest.raises(PermissionError, match="not private"):
+        server_key(str(path))
+    path.chmod(0o600)
+    os.chown(path, NOBODY, NOBODY)
+    with pytest.raises(PermissionError, match="uid 54321"):
+        server_key(str(path))
+    other = tmp_path / "open" / "k"
+    other.parent.mkdir(mode=0o777)
+    other.parent.chmod(0o777)
+    with pytest.raises(PermissionError, match="directory"):
+        server_key(str(other))
+
+
+def _through(body, headers=(), path="/v1/chat/completions", chunks=1, per_api_key=False):
+    """The body and content-length vLLM's app gets from the session middleware."""
+    import asyncio
+
+    from kvfs.vllm.sessions import SessionNames
+
+    got = {}
+
+    async def app(scope, receive, send):
+        msg = await receive()
+        got["body"] = msg["body"]
+        got["length"] = dict(scope["headers"]).get(b"content-length")
+
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    step = -(-len(raw) // chunks)
+    parts = [{"type": "http.request", "body": raw[i:i + step], "more_body": i + step < len(raw)}
+             for i in range(0, len(raw), step)]
+
+    async def receive():
+        return parts.pop(0)
+    scope = {"type": "http", "method": "POST", "path": path, "root_path": "",
+             "headers": [(b"content-length", str(len(raw)).encode()), *headers]}
+    asyncio.run(SessionNames(app, per_api_key)(scope, receive, None))
+    assert got["length"] == str(len(got["body"])).encode()
+    return got["body"]
+
+
+def test_session_named_by_header_or_user() -> None:
+    """Precedence: kv_transfer_params.session, then X-Session-Id, then user; other keys of
+    kv_transfer_params are kept; other paths and unparsable bodies pass untouched."""
+    hdr = [(b"X-Session-Id", b"from-header")]
+    body = {"model": "m", "messages": [], "user": "from-user"}
+
+    def session(raw):
+        return json.loads(raw)["kv_transfer_params"]["session"]
+    assert session(_through(body)) == "from-user"
+    assert session(_through(body, hdr, chunks=3)) == "from-header"
+    assert session(_through(body, hdr, path="/v1/completions")) == "from-header"
+    explicit = {**body, "kv_transfer_params": {"session": "explicit", "x": 1}}
+    assert json.loads(_through(explicit, hdr))["kv_transfer_params"] == {"session": "explicit", "x": 1}
+    other = {**body, "kv_transfer_params": {"x": 1}}
+    assert json.loads(_through(other))["kv_transfer_params"] == {"x": 1, "session": "from-user"}
+    plain = {"model": "m", "messages": []}
+    assert _through(plain) == json.dumps(plain).encode()  # nothing names a session
+    assert _through(body, path="/v1/models") == json.dumps(body).encode()
+    assert _through(b"{not json", hdr) == b"{not json"
+
+
+def test_tenant_per_api_key(monkeypatch) -> None:
+    """With a tenant per API key, the salt comes from the key: another key's requests, with
+    any salt they send, are another tenant; the client's salt only splits its key's."""
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    body = {"model": "m", "prompt": "x", "user": "agent-7"}
+
+    def salt(key, extra=None):
+        b = {**body, **({"cache_salt": extra} if extra else {})}
+        auth = [(b"authorization", f"Bearer {key}".encode())] if key else []
+        return json.loads(_through(b, auth, path="/v1/completions", per_api_key=True))["cache_salt"]
+    a = salt("key-a")
+    assert a == salt("key-a") and a != salt("key-b") and a != salt(None)
+    assert salt("key-b", a) not in (a, salt("key-b"))  # naming A's salt is not being A
+    assert salt("key-a", "sub") != a
+    assert len(a) <= 128 and not set(a) & set("@/\\\0")
+    assert "cache_salt" not in json.loads(_through(body))  # off by default
+
+
+def test_kvfs_serve_command(tmp_path) -> None:
+    import configparser
+
+    from kvfs.vllm.serve import command
+
+    cmd, env = command(["MODEL", "--mount", str(tmp_path), "--dtype", "float32",
+                        "--kvfs-config", '{"prefix_chunk": 0}'], python="py")
+    assert env == {}
+    assert cmd[:5] == ["py", "-m", "vllm.entrypoints.openai.api_server", "--model", "MODEL"]
+    kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector_extra_config"] == {"prefix_chunk": 0, "mount": str(tmp_path)}
+    assert kv["kv_load_failure_policy"] == "recompute"
+    assert cmd[cmd.index("--middleware") + 1] == "kvfs.vllm.sessions.SessionNames"
+    assert cmd[cmd.index("--shutdown-timeout") + 1] == "60" and cmd[-2:] == ["--dtype", "float32"]
+    mine, _ = command(["M", "--mount", str(tmp_path), "--shutdown-timeout=5"], python="py")
+    assert [a for a in mine if a.startswith("--shutdown-timeout")] == ["--shutdown-timeout=5"]
+    _, env = command(["M", "--mount", str(tmp_path), "--tenant-per-api-key", "--api-key", "a"])
+    assert env == {"KVFS_TENANT_PER_API_KEY": "1"}
+    for bad in (["M", "--mount", str(tmp_path / "none")],
+                ["M", "--mount", str(tmp_path), "--kv-transfer-config", "{}"],
+                ["M", "--mount", str(tmp_path), "--tenant-per-api-key"]):
+        with pytest.raises(SystemExit):
+            command(bad)
+    cfg = configparser.ConfigParser()
+    cfg.read(os.path.join(os.path.dirname(__file__), "..", "setup.cfg"))
+    assert "kvfs-serve = kvfs.vllm.serve:main" in cfg["options.entry_points"]["console_scripts"]
+
+
+def test_bench_vllm_imports_as_a_module_without_path_edits() -> None:
+    import sys
+
+    before = list(sys.path)
+    import bench_vllm
+
+    assert sys.path == before and callable(bench_vllm.main)

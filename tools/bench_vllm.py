@@ -2,6 +2,9 @@
 
     .venv/bin/python tools/bench_vllm.py [--quick] [--out DIR]      (make bench-vllm)
 
+kvfs is imported from the environment (``make setup`` installs it into ``.venv``; from a
+checkout that is not installed, ``PYTHONPATH=.``).
+
 One server with the connector over a fresh kvfs mount; figures 1-3 compare requests that
 name a session (kvfs) with requests of the same server that do not, under a ``cache_salt``
 of their own (so no kvfs prefix entry or cached block of another request serves them),
@@ -38,10 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kvfs.testing import Mount  # noqa: E402
-from kvfs.vllm.testing import VLLMServer, connector_config, model_dir  # noqa: E402
+from kvfs.testing import Mount
+from kvfs.vllm.testing import VLLMServer, connector_config, model_dir
 
 log = logging.getLogger("bench_vllm")
 BLOCK = 32

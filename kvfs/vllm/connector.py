@@ -10,7 +10,9 @@ Loaded by vLLM from ``kv_transfer_config``::
 finished turns, default true), ``prefix_chunk`` (tokens per prefix entry for
 requests without a session, a multiple of the block size; default 8 blocks; 0: such
 requests are left to vLLM), ``model_fingerprint`` (for a checkpoint without
-safetensors), ``summary_dim`` (default: the mount's profile). The class only routes vLLM's
+safetensors), ``summary_dim`` (default: the mount's profile), ``key_file`` (the server's
+secret that names salted sessions and prefix entries, default
+``$XDG_STATE_HOME/kvfs/vllm.key``: :func:`kvfs.vllm.store.server_key`). The class only routes vLLM's
 calls: the scheduler half is :mod:`kvfs.vllm.scheduler`, the worker half
 :mod:`kvfs.vllm.worker`, the files :mod:`kvfs.vllm.store`.
 """
@@ -29,7 +31,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvfs.vllm.identity import served_model
 from kvfs.vllm.scheduler import SchedulerSide, StepPlan
-from kvfs.vllm.store import SessionStore, session_locks
+from kvfs.vllm.store import SessionStore, server_key, session_locks
 from kvfs.vllm.worker import WorkerSide, cpu_writer
 
 if TYPE_CHECKING:
@@ -73,7 +75,8 @@ class KVFSConnector(KVConnectorBase_V1):
         from kvfs.torch.router import mount_info, mount_profile  # noqa: PLC0415
 
         dim = int(extra.get("summary_dim") or mount_profile(mount_info(mount)).summary_dim)
-        store = SessionStore(mount, fp, geo, dim, locks=session_locks(mount))
+        store = SessionStore(mount, fp, geo, dim, locks=session_locks(mount),
+                             key=server_key(extra.get("key_file")))
         self.block_size = vllm_config.cache_config.block_size
         self.sched: SchedulerSide | None = None
         self.worker: WorkerSide | None = None

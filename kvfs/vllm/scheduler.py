@@ -1,10 +1,11 @@
 """The scheduler half of the connector: which prompt tokens kvfs holds, what to load and save.
 
 Runs in vLLM's scheduler (engine core) process. For a request that names a session it reads
-the session's ids on the mount (:meth:`SessionStore.lookup`) and offers the longest prefix
+the ids of that session of the request's tenant (its ``cache_salt``:
+:meth:`SessionStore.session_dir`) on the mount (:meth:`SessionStore.lookup`) and offers the longest prefix
 of the prompt that agrees with them, cut to whole blocks and leaving the prompt's last token
 to compute (vLLM needs one token to run). A request without a session is matched run by run
-against prefix entries (``chunk`` tokens each, named by a chained hash of the ids:
+against prefix entries (``chunk`` tokens each, named by a keyed chained hash of the ids:
 :func:`~kvfs.vllm.store.prefix_keys`). Blocks vLLM already holds in its own prefix cache are
 not loaded again. When the request finishes, its computed tokens (prompt and output, less
 the last sampled token, which was never fed through the model) are handed to the worker to
@@ -18,7 +19,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfs.vllm.store import SESSION_RE, SessionStore, agreed, prefix_keys
+from kvfs.vllm.store import SESSION_RE, SessionStore, agreed
 
 log = logging.getLogger("kvfs.vllm")
 
@@ -46,7 +47,7 @@ class LoadJob:
 @dataclass
 class SaveJob:
     req_id: str
-    sid: str | None  # the session, or None: prefix entries
+    sid: str | None  # the session's stored name (its tenant's), or None: prefix entries
     block_ids: list[int]
     ids: list[int]  # every token of the request whose KV is in the blocks
     entries: list[str] = field(default_factory=list)  # prefix entry names, one per chunk
@@ -102,14 +103,18 @@ class SchedulerSide:
         self._loaded: dict[str, int] = {}  # req_id -> tokens loaded (reported back at the end)
         self._saves: list[SaveJob] = []
 
+    def _dir(self, request: Any, sid: str) -> str:
+        """The stored name of the request's session: its tenant's (``cache_salt``)."""
+        return self.store.session_dir(sid, getattr(request, "cache_salt", None))
+
     def matched(self, request: Any, num_computed: int) -> tuple[int, bool]:
         sid = session_of(request)
         prompt = list(request.prompt_token_ids or [])
         source: str | list[str]
         if sid is not None:
-            stored = self.store.lookup(sid, sizes=False)
+            source = self._dir(request, sid)
+            stored = self.store.lookup(source, sizes=False)
             usable = min(agreed(stored, prompt), len(prompt) - 1)
-            source = sid
         elif self.chunk:
             source = self._entries(request, prompt[:len(prompt) - 1])
             have = num_computed // self.chunk  # runs vLLM holds need not be in kvfs
@@ -125,7 +130,7 @@ class SchedulerSide:
         return n, False
 
     def _entries(self, request: Any, ids: list[int]) -> list[str]:
-        return prefix_keys(self.store.fp, getattr(request, "cache_salt", None), ids, self.chunk)
+        return self.store.prefix_entries(getattr(request, "cache_salt", None), ids, self.chunk)
 
     def after_alloc(self, request: Any, num_external: int) -> None:
         if num_external > 0:
@@ -173,5 +178,6 @@ class SchedulerSide:
             return False, info
         ids = list(request.all_token_ids[:computed])
         entries = self._entries(request, ids) if sid is None else []
-        self._saves.append(SaveJob(rid, sid, list(block_ids), ids, entries))
+        stored = self._dir(request, sid) if sid is not None else None
+        self._saves.append(SaveJob(rid, stored, list(block_ids), ids, entries))
         return True, info

@@ -12,19 +12,31 @@ so a reader that checks the ids before and after reading layer bytes sees any re
 Sessions a ``KVRouter`` process has open are left alone: the connector takes the warm
 tier's per-session lock (:class:`kvfs.warm.owners.SessionLocks`) around each write.
 
+Tenants: a request's ``cache_salt`` is its tenant, part of the session's identity. The
+default tenant (no salt) keeps ``sessions/<id>/``, the name a ``KVRouter`` uses; a salted
+tenant's session ``<id>`` is ``sessions/tenant-<HMAC(server key, [salt, id])>/``, so two
+tenants may use one name without seeing or changing each other's KV, and no one without
+the server's key (:func:`server_key`) can predict or pre-create a tenant's directory.
+
 Prefix entries (requests without a session): ``sessions/prefix-<hash>/``, one per run of
-``chunk`` tokens, keyed by a chained hash of every token id up to the run's end and the
-model fingerprint; the same files, one round each.
+``chunk`` tokens, keyed by a chain of HMACs under the server's key over the model
+fingerprint, the salt and every token id up to the run's end (so another user of a shared
+mount cannot pre-create the name the server will store a prefix under); the same files,
+one round each. A directory that is not the server's (another uid, or writable by group or
+other) is never read or written (:mod:`kvfs.warm.checked`): it is logged and skipped.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import json
 import logging
 import os
 import re
+import secrets
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -39,8 +51,9 @@ from kvfs.warm.coldfiles import ColdStore
 log = logging.getLogger("kvfs.vllm.store")
 
 #: what a request may call its session: the mount's name rules, no dot first, and not a
-#: prefix entry's name
-SESSION_RE = re.compile(r"(?!prefix-)[A-Za-z0-9_][A-Za-z0-9_.@:+=-]{0,199}")
+#: prefix entry's or a salted tenant's directory name
+SESSION_RE = re.compile(r"(?!prefix-|tenant-)[A-Za-z0-9_][A-Za-z0-9_.@:+=-]{0,199}")
+KEY_BYTES = 32
 
 
 @dataclass(frozen=True)
@@ -57,10 +70,21 @@ class SessionStore:
     """Reads and writes sessions of one model (fingerprint + geometry) on one mount."""
 
     def __init__(self, mount: str, fp: str, geo: KVGeometry, summary_dim: int = 128,
-                 locks: object | None = None) -> None:
+                 locks: object | None = None, key: bytes | None = None) -> None:
         self.cold = ColdStore(mount)
         self.mount, self.fp, self.geo, self.dim = mount, fp, geo, summary_dim
         self.locks = locks  # a SessionLocks, or None (a plain directory)
+        self.key = key if key is not None else server_key()
+
+    # --- names --------------------------------------------------------------------------
+    def session_dir(self, sid: str, salt: str | None) -> str:
+        """The directory under ``sessions/`` of tenant ``salt``'s session ``sid``."""
+        return session_dir(self.key, sid, salt)
+
+    def prefix_entries(self, salt: str | None, ids: list[int] | np.ndarray, chunk: int) -> list[str]:
+        """The entry names of the full ``chunk``-token runs of ``ids`` (:func:`prefix_keys`
+        under this server's key)."""
+        return prefix_keys(self.fp, salt, ids, chunk, key=self.key)
 
     # --- reads --------------------------------------------------------------------------
     def lookup(self, sid: str, sizes: bool = True) -> Stored | None:
@@ -228,18 +252,90 @@ def agreed(stored: Stored | None, prompt: list[int] | np.ndarray) -> int:
     return 0 if stored is None else common_prefix(stored.ids, prompt)
 
 
-def prefix_keys(fp: str, salt: str | None, ids: list[int] | np.ndarray, chunk: int) -> list[str]:
-    """The entry names of the full ``chunk``-token runs of ``ids``: entry ``j`` is a hash
-    chained over the model fingerprint, the request's cache salt (vLLM's isolation of
-    tenants) and every id up to the run's end, so it names the whole prefix, stably across
-    processes (vLLM's own block hashes are seeded per process unless PYTHONHASHSEED is set)."""
-    h = hashlib.sha256(f"{fp}\0{salt or ''}".encode()).digest()
+def prefix_keys(fp: str, salt: str | None, ids: list[int] | np.ndarray, chunk: int,
+                key: bytes) -> list[str]:
+    """The entry names of the full ``chunk``-token runs of ``ids``: entry ``j`` is an HMAC
+    under ``key`` chained over the model fingerprint, the request's cache salt (its tenant)
+    and every id up to the run's end, so it names the whole prefix, stably across processes
+    (vLLM's own block hashes are seeded per process unless PYTHONHASHSEED is set), and only
+    the key's holder can tell which name a prefix will be stored under."""
+    h = hmac.new(key, f"{fp}\0{salt or ''}".encode(), hashlib.sha256).digest()
     arr = np.asarray(ids, dtype="<u4")
     out = []
     for j in range(arr.size // chunk):
-        h = hashlib.sha256(h + arr[j * chunk:(j + 1) * chunk].tobytes()).digest()
+        h = hmac.new(key, h + arr[j * chunk:(j + 1) * chunk].tobytes(), hashlib.sha256).digest()
         out.append("prefix-" + h.hex()[:40])
     return out
+
+
+def session_dir(key: bytes, sid: str, salt: str | None) -> str:
+    """The directory under ``sessions/`` of tenant ``salt``'s session ``sid`` for a server
+    with ``key``: ``sid`` itself for the default tenant (no salt), else ``tenant-`` and 40
+    hex digits of an HMAC over both."""
+    if not salt:
+        return sid
+    doc = json.dumps([salt, sid]).encode()  # unambiguous: no two (salt, id) pairs share it
+    return "tenant-" + hmac.new(key, doc, hashlib.sha256).hexdigest()[:40]
+
+
+def default_key_file() -> str:
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(state, "kvfs", "vllm.key")
+
+
+def server_key(path: str | None = None) -> bytes:
+    """The server's secret that names salted sessions and prefix entries: ``path`` (default
+    ``$XDG_STATE_HOME/kvfs/vllm.key``), made once (0600, in a 0700 directory) and read by
+    every later server of this uid, so names survive restarts. A key file or directory
+    another uid owns or others may read is refused: names made with a known key could be
+    pre-created. Servers that share sessions (one volume, several nodes) share the file."""
+    path = path or default_key_file()
+    d = os.path.dirname(path) or "."
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    _check_private(d, os.lstat(d), True)
+    try:
+        return _read_key(path)
+    except FileNotFoundError:
+        pass
+    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, secrets.token_bytes(KEY_BYTES))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, path)  # whole or absent; a concurrent server's key wins if it was first
+        log.info("kvfs.vllm: new server key %s", path)
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
+    return _read_key(path)
+
+
+def _read_key(path: str) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        _check_private(path, st, False)
+        raw = os.read(fd, KEY_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(raw) != KEY_BYTES:
+        raise PermissionError(f"kvfs.vllm: server key {path!r} holds {len(raw)} bytes, not "
+                              f"{KEY_BYTES}: remove it to make a new one")
+    return raw
+
+
+def _check_private(path: str, st: os.stat_result, want_dir: bool) -> None:
+    kind_ok = stat.S_ISDIR(st.st_mode) if want_dir else stat.S_ISREG(st.st_mode)
+    mode = stat.S_IMODE(st.st_mode)
+    if not kind_ok or st.st_uid != os.getuid() or mode & (0o022 if want_dir else 0o077):
+        raise PermissionError(
+            f"kvfs.vllm: server key {'directory' if want_dir else 'file'} {path!r} (uid "
+            f"{st.st_uid}, mode {mode:04o}) is not private to uid {os.getuid()}: refused "
+            "(names made with a key others can read or replace could be pre-created)")
 
 
 def session_locks(mount: str) -> object | None:

@@ -90,15 +90,21 @@ class VLLMServer:
 
     def __init__(self, model: Path, log: Path, *, kv_config: dict | None = None,
                  block_size: int = 32, max_model_len: int = 4096, kv_space_gib: int = 1,
-                 prefix_caching: bool = True, extra_args: tuple[str, ...] = ()) -> None:
+                 prefix_caching: bool = True, extra_args: tuple[str, ...] = (),
+                 kvfs_serve: dict | None = None, dev_mode: bool = False) -> None:
+        """``kvfs_serve``: start through ``kvfs-serve`` (``python -m kvfs.vllm.serve``) with
+        ``{"mount": ..., **connector keys}`` instead of ``kv_config``. ``dev_mode``: vLLM's
+        development endpoints (:meth:`reset_prefix_cache`)."""
         self.model, self.log_path, self.kv_config = model, log, kv_config
+        self.kvfs_serve = kvfs_serve
         self.args = ["--dtype", "float32", "--enforce-eager", "--block-size", str(block_size),
                      "--max-model-len", str(max_model_len), "--gpu-memory-utilization", "0.05",
                      "--served-model-name", "m", "--disable-uvicorn-access-log",
                      "--shutdown-timeout", "60",  # drain: pending saves finish before exit
                      *([] if prefix_caching else ["--no-enable-prefix-caching"]), *extra_args]
         self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib),
-                    "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
+                    "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
+                    **({"VLLM_SERVER_DEV_MODE": "1"} if dev_mode else {})}
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
         self.starts = 0
@@ -110,8 +116,13 @@ class VLLMServer:
     def start(self) -> VLLMServer:
         assert self.proc is None, "already started"
         self.port = free_port()
-        cmd = [str(VLLM_PY), *SERVE, str(self.model), "--host", "127.0.0.1",
-               "--port", str(self.port), *self.args]
+        if self.kvfs_serve is not None:
+            extra = {k: v for k, v in self.kvfs_serve.items() if k != "mount"}
+            head = ["-m", "kvfs.vllm.serve", str(self.model), "--mount",
+                    str(self.kvfs_serve["mount"]), "--kvfs-config", json.dumps(extra)]
+        else:
+            head = [*SERVE, str(self.model)]
+        cmd = [str(VLLM_PY), *head, "--host", "127.0.0.1", "--port", str(self.port), *self.args]
         if self.kv_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_config)]
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it
@@ -136,6 +147,21 @@ class VLLMServer:
                 self.stop()
                 raise RuntimeError(f"vllm serve not up after {START_TIMEOUT} s:\n{self.log_tail()}")
             time.sleep(0.5)
+
+    def reset_prefix_cache(self, timeout: float = 60.0) -> None:
+        """Empty vLLM's own prefix cache (``dev_mode``), so that what a request is offered
+        beyond the prompt's computed blocks comes from kvfs. vLLM refuses while blocks are
+        held (a finished turn's, until the connector has stored it): retried."""
+        deadline = time.monotonic() + timeout
+        while True:
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{self.port}/reset_prefix_cache", method="POST")
+            with urllib.request.urlopen(req, timeout=10) as r:
+                if json.loads(r.read()).get("success"):
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError("vLLM did not reset its prefix cache")
+            time.sleep(0.2)
 
     def stop(self, timeout: float = 120.0) -> int:
         """SIGINT the server and wait (then SIGKILL what is left of its process group);

@@ -31,6 +31,7 @@ from kvfs.torch.tokens import read_ids
 from kvfs.vllm.paged import BlockLayout, CacheWriter, probe_layout
 from kvfs.vllm.scheduler import LoadJob, SaveJob, StepPlan
 from kvfs.vllm.store import SessionStore, agreed
+from kvfs.warm import WarmError
 
 log = logging.getLogger("kvfs.vllm")
 
@@ -191,8 +192,16 @@ class WorkerSide:
         if job.sid is None:
             chunk = ids.size // max(1, len(job.entries))
             for j, name in enumerate(job.entries):
-                if self.store.lookup(name) is None:  # entries never change once written
+                if self.store.lookup(name) is not None:  # entries never change once written
+                    continue
+                try:
                     self._store(name, job.block_ids, ids[j * chunk:(j + 1) * chunk], 0, j * chunk)
+                except WarmError as e:
+                    # not ours (refused) or unwritable: later runs could never be matched
+                    # past it, so they are not stored either
+                    log.warning("prefix entry %r not stored (%s); the prefix is stored up to "
+                                "token %d", name, e, j * chunk)
+                    break
             return
         with self.store.owned(job.sid) as mine:
             if mine:
