@@ -343,11 +343,13 @@ def session_locks(mount: str) -> object | None:
     KVRouter over that mount takes), or None when ``mount`` is a plain directory."""
     from kvfs.torch.router import mount_info, mount_profile  # noqa: PLC0415
     from kvfs.warm.owners import SessionLocks  # noqa: PLC0415
-    from kvfs.warm.rootdir import RootDir  # noqa: PLC0415
+    from kvfs.warm.rootdir import open_root  # noqa: PLC0415
 
     info = mount_info(mount)
     uuid = (((info or {}).get("store") or {}).get("volume") or {}).get("uuid")
     if info is None or not uuid:
         return None
     root = os.path.expanduser(mount_profile(info).warm_root)
-    return SessionLocks(RootDir(root).sub(uuid).sub("locks"))
+    # the root the warm tier uses: a per-uid root squatted by another user falls back to the
+    # same private one, so the server and a KVRouter over the mount share their locks
+    return SessionLocks(open_root(root).sub(uuid).sub("locks"))
