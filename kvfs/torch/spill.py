@@ -207,7 +207,7 @@ class Spiller:
 
     def _raise_if_failed(self, sid: str | None = None) -> None:
         err = self._error
-        if err is None and sid is None and not self.isolate and self._failed:
+        if err is None and not self.isolate and self._failed:  # one session's spiller: any
             err = next(iter(self._failed.values()))
         elif err is None:
             err = self._failed.get(sid or "")
