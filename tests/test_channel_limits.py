@@ -514,3 +514,22 @@ def test_fuzzed_frames_get_clean_answers_and_the_mount_stays_up(kvfs):
     ch = Channel.open(str(kvfs.mountpoint))  # still serving
     assert ch is not None
     ch.close()
+
+
+def test_a_read_out_of_memory_does_not_mark_the_volume(tmp_path, monkeypatch):
+    vol = str(tmp_path / "v.kvfs")
+    s = Store.create(vol, 16 * MB)
+    s.create_session("s")
+    s.create_file("s", "f")
+    s.append("s", "f", 0, b"x" * 5000)
+
+    def no_memory(*a, **kw):  # noqa: ANN002, ANN003, ANN202 - what a huge request met
+        raise MemoryError
+
+    monkeypatch.setattr(type(s), "_read_jobs", no_memory)
+    with pytest.raises(MemoryError):
+        s.read("s", "f", 0, 5000)
+    assert not s.needs_fsck  # nothing on the volume is wrong
+    monkeypatch.undo()
+    assert s.read("s", "f", 0, 5000) == b"x" * 5000
+    s.close()
