@@ -2,8 +2,8 @@
 
 kvfs's clients (the warm tier's write-behind and migration, recall, resume, the tools)
 reach the mount through FUSE like any program, and also through this Unix socket
-(abstract name ``kvfs-<volume uuid>-<pid>``, shown in ``/.kvfs/stats`` under
-``channel``): they ask for a session's extents and read the blocks from the volume
+(abstract name ``kvfs-<volume uuid>-<128 random bits>``, bound before the kernel mount so
+nobody can take it first, shown in ``/.kvfs/stats`` under ``channel``): they ask for a session's extents and read the blocks from the volume
 themselves (``kvfs.engine.direct``), and send a round's appends for every layer as one
 request with one durability point. The mount stays the only authority on names, extents
 and the ring, and the only writer of the volume. Protocol: ``kvfs.channel.protocol`` and
@@ -14,7 +14,10 @@ and groups (``SO_PEERCRED``, ``SO_PEERGROUPS``) against the mount (without
 ``--allow-other`` only its owner reaches it), the session directory (search; read to
 list it; write to create a file in it) and the file (read, write), root passing the
 checks as with ``default_permissions``. The volume's path goes only to a peer that may
-read the volume file; any other gets EACCES and uses the files.
+read the volume file; any other gets EACCES and uses the files. The peer is known at
+accept, before anything is read for it, and every request and connection is bounded
+(the limits below and in ``kvfs.channel.protocol``; docs/reliability.md lists them):
+a limit is an errno that changes nothing, never the mount's or the volume's trouble.
 
 One thread per connection serves its requests, calling the ``Store`` directly (it is
 thread-safe), so the FUSE loop never waits for a client. Where the FUSE layer holds state
