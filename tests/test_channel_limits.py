@@ -492,7 +492,7 @@ def test_fuzzed_frames_get_clean_answers_and_the_mount_stays_up(kvfs):
     name = socket_name(kvfs)
     seen: set[int] = set()
 
-    @settings(derandomize=True, max_examples=400, deadline=None, database=None,
+    @settings(derandomize=True, max_examples=1000, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
     @given(bodies(), st.sampled_from(["exact", "short", "long"]))
     def one(req: tuple[int, bytes], length: str) -> None:

@@ -89,14 +89,15 @@ class Peer:
 
 
 def recv_body(conn: socket.socket, n: int) -> memoryview:
-    """``n`` bytes, allocated as they arrive (``BODY_CHUNK`` at a time): a header that
-    announces a large body costs nothing until its bytes come."""
+    """``n`` bytes, allocated as they arrive: ``BODY_CHUNK`` first, then doubled each time
+    the bytes so far filled it, so a header announcing a large body costs nothing until
+    its bytes come, and never more than twice what came."""
     if n <= BODY_CHUNK:
         return P.recv_exact(conn, n) if n else memoryview(b"")
     buf = bytearray()
     while len(buf) < n:
         got = len(buf)
-        buf.extend(bytes(min(BODY_CHUNK, n - got)))  # realloc grows in place (mremap)
+        buf.extend(bytes(min(max(got, BODY_CHUNK), n - got)))
         with memoryview(buf) as mv:
             P.recv_exact(conn, len(buf) - got, mv[got:])
     return memoryview(buf)
