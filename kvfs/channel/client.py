@@ -118,6 +118,7 @@ class Channel:
             self.close()
             raise
         self._idle.append((first, time.monotonic()))
+        self._conns = 1  # connections open, idle or in use
         self.cache = ExtentCache(self.view)
         self.entry_max = int(self.hello.get("entry_max") or 256 << 10)
         # a kept connection idle for half the mount's timeout is closed here, before it is
