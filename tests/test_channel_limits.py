@@ -369,6 +369,45 @@ def test_idle_connections_are_closed_and_clients_connect_again(open_mount):
         _release(users)
 
 
+def test_a_client_at_its_users_limit_waits_for_its_own_connections(open_mount):
+    m = open_mount()
+    (m.sessions / "pub").mkdir(mode=0o755)
+    (m.sessions / "pub").chmod(0o755)
+    (m.sessions / "pub" / "layer_0").write_bytes(b"p" * 4096)
+    (m.sessions / "pub" / "layer_0").chmod(0o644)
+    out = run_as(ALICE, f"""
+        import socket, threading
+        from kvfs.channel import Channel
+        from kvfs.fuse.channel import PER_UID
+        held = []
+        for _ in range(PER_UID - 1):  # all but one of this user's connections, idle
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect("\\0" + {socket_name(m)!r})
+            held.append(s)
+        ch = Channel.open({str(m.mountpoint)!r})  # takes the last one
+        errors, done = [], []
+
+        def reads():
+            try:
+                for _ in range(20):
+                    buf = bytearray(4096)
+                    ch.extents("pub", [("layer_0", 0, -1)])  # a request each time
+                    ch.read("pub", [("layer_0", 0, memoryview(buf))])
+                    done.append(bytes(buf) == b"p" * 4096)
+            except OSError as e:
+                errors.append(e.errno)
+
+        ts = [threading.Thread(target=reads) for _ in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        print(len(done), all(done), errors)
+    """)
+    assert out == "80 True []"
+    assert stats(m)["fs"]["channel"]["refused"] >= 1  # its second connection was turned away
+
+
 # ---------------------------------------------------------------------- quota
 def test_an_append_crossing_the_quota_stores_nothing_and_says_so(open_mount):
     m = open_mount("-o", "quota_bytes=4M")
