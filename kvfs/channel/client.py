@@ -24,6 +24,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,7 +41,7 @@ log = logging.getLogger("kvfs.channel")
 MAX_CONNS = 4  # requests in flight at once from one process
 READ_RETRIES = 32  # reads redone with fresh extents before giving up
 CACHE_EXTENTS = 1 << 17  # extents kept in the cache (about 100 bytes each)
-WRITE_MAX = 256 << 20  # bytes of data per WRITE request (a bigger round is cut)
+WRITE_MAX = P.WRITE_MAX  # bytes of data per WRITE request (a bigger round is cut)
 
 
 def channel_of(mount: str) -> dict[str, Any] | None:
@@ -103,7 +104,7 @@ class Channel:
         # called with (session, its (mode, uid, gid), [(name, FileExtents | None)]) on every
         # fresh answer, before it is used: a caller's rules on whose files it may read
         self.check: Callable[[str, tuple[int, int, int], list], None] | None = None
-        self._idle: list[socket.socket] = []
+        self._idle: list[tuple[socket.socket, float]] = []  # with when it was last used
         self._conns = 0
         self._cv = threading.Condition()
         self._closed = False
@@ -116,9 +117,12 @@ class Channel:
             first.close()
             self.close()
             raise
-        self._idle.append(first)
+        self._idle.append((first, time.monotonic()))
+        self._conns = 1  # connections open, idle or in use
         self.cache = ExtentCache(self.view)
         self.entry_max = int(self.hello.get("entry_max") or 256 << 10)
+        # a kept connection idle for half the mount's timeout is closed here, before it is
+        self.keep_idle_s = float(self.hello.get("idle_s") or P.IDLE_TIMEOUT_S) / 2
 
     @classmethod
     def open(cls, mount: str, info: dict[str, Any] | None = None) -> Channel | None:
@@ -144,7 +148,10 @@ class Channel:
             if uid not in (owner, 0):  # another user's socket squatting the name
                 raise PermissionError(f"the channel's server runs as uid {uid}, the mount's "
                                       f"owner is uid {owner}")
-            P.send_frame(s, P.REQ.pack(4, P.HELLO), struct.pack("<I", P.VERSION))
+            try:
+                P.send_frame(s, P.REQ.pack(4, P.HELLO), struct.pack("<I", P.VERSION))
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # turned away at once: its answer (the errno) is waiting to be read
             head, fds = P.recv_fds(s, P.REP.size)
             n, code = P.REP.unpack(head)
             body = P.recv_exact(s, n)
@@ -187,19 +194,45 @@ class Channel:
             raise
         self.reader = reader
 
+    def _take_idle(self) -> socket.socket | None:
+        """Under the lock: a kept connection the mount has not closed, or None."""
+        now = time.monotonic()
+        while self._idle:
+            s, since = self._idle.pop()
+            if now - since < self.keep_idle_s and _open(s):
+                return s
+            s.close()
+            self._conns -= 1
+        return None
+
     @contextmanager
     def _conn(self) -> Iterator[socket.socket]:
-        with self._cv:
-            while not self._idle and self._conns >= MAX_CONNS:
-                self._cv.wait()
-            if self._closed:
-                raise OSError(errno.ESHUTDOWN, "channel closed")
-            s = self._idle.pop() if self._idle else None
-            if s is None:
-                self._conns += 1
-        if s is None:
+        limit = MAX_CONNS
+        while True:
+            with self._cv:
+                while True:
+                    if self._closed:
+                        raise OSError(errno.ESHUTDOWN, "channel closed")
+                    s = self._take_idle()
+                    if s is not None or self._conns < limit:
+                        break
+                    self._cv.wait()
+                if s is None:
+                    self._conns += 1
+            if s is not None:
+                break
             try:
                 s = self._connect()
+                break
+            except OSError as e:
+                with self._cv:
+                    self._conns -= 1
+                    busy = self._conns > 0
+                    self._cv.notify()
+                # the mount's connection limit for this uid: wait for one of ours instead
+                if e.errno != errno.EUSERS or not busy:
+                    raise
+                limit = max(1, self._conns)
             except BaseException:
                 with self._cv:
                     self._conns -= 1
@@ -212,7 +245,7 @@ class Channel:
         finally:
             with self._cv:
                 if ok and not self._closed:
-                    self._idle.append(s)
+                    self._idle.append((s, time.monotonic()))
                 else:
                     s.close()
                     self._conns -= 1
@@ -235,7 +268,7 @@ class Channel:
             self._closed = True
             idle, self._idle = self._idle, []
             self._cv.notify_all()
-        for s in idle:
+        for s, _ in idle:
             s.close()
         if self.reader is not None:
             self.reader.close()
@@ -247,17 +280,30 @@ class Channel:
     def stat(self, sid: str, small: tuple[str, ...] | list[str] = ()) -> P.SessionInfo | None:
         """The session's attributes, files and the bytes of ``small`` files; None when
         there is no such session."""
-        small = list(small)
-        try:
-            body = self._call(P.STAT, [P.stat_request(sid, small)])
-        except FileNotFoundError:
-            return None
-        return P.parse_stat_reply(body, small)
+        small = list(dict.fromkeys(small))  # the mount takes each name once
+        info = None
+        for k in range(0, max(len(small), 1), P.NAMES_MAX):
+            part = small[k:k + P.NAMES_MAX]
+            try:
+                body = self._call(P.STAT, [P.stat_request(sid, part)])
+            except FileNotFoundError:
+                return None
+            got = P.parse_stat_reply(body, part)
+            if info is not None:
+                got.small = {**info.small, **got.small}
+            info = got
+        return info
 
     def extents(self, sid: str, files: list[tuple[str, int, int]]
                 ) -> tuple[tuple[int, int, int], list[FileExtents | None]]:
         """Fresh extents of (name, offset, length) (length < 0: to the end), kept in the
         cache; FileNotFoundError when there is no such session."""
+        if len(files) > P.NAMES_MAX:  # the mount's limit per request
+            out = []
+            for k in range(0, len(files), P.NAMES_MAX):
+                attrs, got = self.extents(sid, files[k:k + P.NAMES_MAX])
+                out += got
+            return attrs, out
         attrs, out = P.parse_extents_reply(
             self._call(P.EXTENTS, [P.extents_request(sid, files)]), len(files))
         if self.check is not None:
@@ -350,7 +396,7 @@ class Channel:
         groups: list[list[tuple[int, P.Item]]] = [[]]
         n = 0
         for k, it in parts:
-            if groups[-1] and n + len(it.data) > WRITE_MAX:
+            if groups[-1] and (n + len(it.data) > WRITE_MAX or len(groups[-1]) >= P.WRITE_ITEMS_MAX):
                 groups.append([])
                 n = 0
             groups[-1].append((k, it))
@@ -383,6 +429,7 @@ class Channel:
             if code:
                 err = OSError(code, f"{sid}/{it.name}: {os.strerror(code)}")
                 err.done = [size for _, size in results[:k]]  # type: ignore[attr-defined]
+                err.size = results[k][1]  # type: ignore[attr-defined]  # the file's size now
                 raise err
         if sync_errno:
             err = OSError(sync_errno, f"{sid}: sync: {os.strerror(sync_errno)}")
@@ -392,6 +439,16 @@ class Channel:
 
     def sync(self) -> None:
         self._call(P.SYNC, [])
+
+
+def _open(s: socket.socket) -> bool:
+    """Whether the mount still holds this connection (it closes idle ones)."""
+    try:
+        return s.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
 
 
 def _cut(it: P.Item, step: int) -> list[P.Item]:

@@ -22,8 +22,22 @@ HELLO, STAT, EXTENTS, WRITE, SYNC = 1, 2, 3, 4, 5
 OPS = {HELLO: "hello", STAT: "stat", EXTENTS: "extents", WRITE: "write", SYNC: "sync"}
 APPEND, REPLACE, TRUNCATE = 1, 2, 3  # WRITE items
 W_SYNC, W_CREATE = 1, 2  # WRITE flags: one durability point at the end; create missing files
-MAX_FRAME = 1 << 30  # a bigger request is refused (the client cuts rounds below it)
 SMALL_MAX = 1 << 20  # a small file STAT returns the bytes of
+
+# Limits on one request, checked before the mount allocates for it (docs/reliability.md,
+# "The native channel's limits"). A request over one is answered with the errno named and
+# changes nothing; the client keeps below them (it cuts rounds and name lists).
+NAME_MAX = 255  # bytes of a session or file name (the engine's MAX_NAME)
+NAMES_MAX = 256  # files a STAT or EXTENTS request names, each at most once (EINVAL beyond)
+WRITE_MAX = 256 << 20  # data bytes of one WRITE (EMSGSIZE beyond)
+WRITE_ITEMS_MAX = 4096  # items of one WRITE (EINVAL beyond)
+IDLE_TIMEOUT_S = 60.0  # the mount closes a connection idle this long (profile: channel_idle_s)
+SMALL_TOTAL = 16 << 20  # bytes of small files one STAT reply carries; later ones answer None
+_NAMES_BODY = 2 + NAME_MAX + 2 + NAMES_MAX * (2 + NAME_MAX + 16)
+BODY_MAX = {  # operation -> the largest body it may announce (EMSGSIZE beyond)
+    HELLO: 4, SYNC: 0, STAT: _NAMES_BODY, EXTENTS: _NAMES_BODY,
+    WRITE: WRITE_MAX + 2 + NAME_MAX + 3 + WRITE_ITEMS_MAX * (17 + 2 + NAME_MAX)}
+MAX_FRAME = max(BODY_MAX.values())  # no request is larger
 
 REQ = struct.Struct("<IB")
 REP = struct.Struct("<Ii")
@@ -38,7 +52,11 @@ _RESULT = struct.Struct("<iQ")  # errno, size after
 
 
 class ProtocolError(Exception):
-    """A frame that does not decode: the connection is closed."""
+    """A frame that does not decode: answered EPROTO, then the connection is closed."""
+
+
+class Invalid(ValueError):
+    """A frame that decodes but breaks a per-request limit: answered EINVAL, nothing done."""
 
 
 # ----------------------------------------------------------------------- sockets
@@ -130,6 +148,20 @@ class Reader:
     def u16(self) -> int:
         return self.take(_U16)[0]
 
+    def end(self, what: str) -> None:
+        if self.p != len(self.buf):
+            raise ProtocolError(f"{len(self.buf) - self.p} trailing bytes in a {what} request")
+
+
+def _names_allowed(n: int) -> None:
+    if n > NAMES_MAX:
+        raise Invalid(f"{n} names in one request, at most {NAMES_MAX}")
+
+
+def _distinct(names: list[str]) -> None:
+    if len(set(names)) != len(names):
+        raise Invalid("a request names a file more than once")
+
 
 # ----------------------------------------------------------------------- STAT
 def stat_request(session: str, small: list[str]) -> bytes:
@@ -144,7 +176,12 @@ def stat_request(session: str, small: list[str]) -> bytes:
 def parse_stat_request(body: memoryview) -> tuple[str, list[str]]:
     r = Reader(body)
     session = r.name()
-    return session, [r.name() for _ in range(r.u16())]
+    n = r.u16()
+    _names_allowed(n)
+    small = [r.name() for _ in range(n)]
+    r.end("stat")
+    _distinct(small)
+    return session, small
 
 
 @dataclass
@@ -203,10 +240,14 @@ def extents_request(session: str, files: list[tuple[str, int, int]]) -> bytes:
 def parse_extents_request(body: memoryview) -> tuple[str, list[tuple[str, int, int]]]:
     r = Reader(body)
     session = r.name()
+    n = r.u16()
+    _names_allowed(n)
     out = []
-    for _ in range(r.u16()):
+    for _ in range(n):
         name = r.name()
         out.append((name, *r.take(_REQ_EXT)))
+    r.end("extents")
+    _distinct([name for name, _, _ in out])
     return session, out
 
 
@@ -274,9 +315,15 @@ def parse_write_request(body: memoryview) -> tuple[str, int, list[tuple[Item, in
     session = r.name()
     flags = r.bytes(1)[0]
     heads = []
-    for _ in range(r.u16()):
+    count = r.u16()
+    if count > WRITE_ITEMS_MAX:
+        raise Invalid(f"{count} items in one write, at most {WRITE_ITEMS_MAX}")
+    for _ in range(count):
         kind, arg, n = r.take(_ITEM)
         heads.append((kind, r.name(), arg, n))
+    data = sum(h[3] for h in heads)
+    if data > WRITE_MAX:
+        raise Invalid(f"{data} data bytes in one write, at most {WRITE_MAX}")
     items: list[tuple[Item, int]] = []
     start = r.p
     for kind, name, arg, n in heads:
@@ -291,8 +338,7 @@ def parse_write_request(body: memoryview) -> tuple[str, int, list[tuple[Item, in
                 continue
         items.append((Item(kind, name, arg, body[start:r.p]), 1))
         start = r.p
-    if r.p != len(r.buf):
-        raise ProtocolError("trailing bytes in a write")
+    r.end("write")
     return session, flags, items
 
 

@@ -182,7 +182,7 @@ def summarize(stats: dict[str, Any], m: dict[str, float], mountpoint: str = "") 
         "alerts": {"firing": firing, "rules": rules},
         "counters": {k: v for k, v in counters.items() if isinstance(v, int | float | str)},
         "fs": {k: v for k, v in fs_counts.items() if isinstance(v, int | float | str)},
-        "needs_fsck": bool(stats.get("needs_fsck")),
+        "needs_fsck": bool(stats.get("needs_fsck") or vol.get("needs_fsck")),
     }
 
 

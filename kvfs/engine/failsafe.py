@@ -119,7 +119,9 @@ def guarded(fn: F, mode: str = "write") -> F:
         except KVFSError:
             raise
         except Exception as e:
-            if not _at_the_call(e, attempt):  # a bad call (arguments) changed nothing
+            # a bad call (arguments) changed nothing, nor did a look that ran out of memory
+            if not _at_the_call(e, attempt) and not (
+                    isinstance(e, MemoryError) and mode in ("lookup", "read")):
                 self.mark_needs_fsck(f"{fn.__name__}: unexpected {type(e).__name__}: {e}")
             raise
         finally:

@@ -2,8 +2,8 @@
 
 kvfs's clients (the warm tier's write-behind and migration, recall, resume, the tools)
 reach the mount through FUSE like any program, and also through this Unix socket
-(abstract name ``kvfs-<volume uuid>-<pid>``, shown in ``/.kvfs/stats`` under
-``channel``): they ask for a session's extents and read the blocks from the volume
+(abstract name ``kvfs-<volume uuid>-<128 random bits>``, bound before the kernel mount so
+nobody can take it first, shown in ``/.kvfs/stats`` under ``channel``): they ask for a session's extents and read the blocks from the volume
 themselves (``kvfs.engine.direct``), and send a round's appends for every layer as one
 request with one durability point. The mount stays the only authority on names, extents
 and the ring, and the only writer of the volume. Protocol: ``kvfs.channel.protocol`` and
@@ -14,7 +14,10 @@ and groups (``SO_PEERCRED``, ``SO_PEERGROUPS``) against the mount (without
 ``--allow-other`` only its owner reaches it), the session directory (search; read to
 list it; write to create a file in it) and the file (read, write), root passing the
 checks as with ``default_permissions``. The volume's path goes only to a peer that may
-read the volume file; any other gets EACCES and uses the files.
+read the volume file; any other gets EACCES and uses the files. The peer is known at
+accept, before anything is read for it, and every request and connection is bounded
+(the limits below and in ``kvfs.channel.protocol``; docs/reliability.md lists them):
+a limit is an errno that changes nothing, never the mount's or the volume's trouble.
 
 One thread per connection serves its requests, calling the ``Store`` directly (it is
 thread-safe), so the FUSE loop never waits for a client. Where the FUSE layer holds state
@@ -32,6 +35,7 @@ import errno
 import json
 import logging
 import os
+import secrets
 import socket
 import stat
 import struct
@@ -52,7 +56,14 @@ from .nodes import Node
 
 log = logging.getLogger("kvfs.channel")
 
-MAX_CLIENTS = 64  # connections served at once (a client over it uses the files)
+# Connection limits (docs/reliability.md, "The native channel's limits"): no local user
+# can fill the channel. A connection over a limit is answered EUSERS and closed.
+MAX_CLIENTS = 64  # connections served at once
+OWNER_SLOTS = 8  # of them only the mount's owner and root may take: they always get in
+PER_UID = 16  # connections of any one other uid
+FRAME_TIMEOUT_S = 10.0  # a frame begun must keep arriving: no recv or send waits longer
+BODY_CHUNK = 1 << 20  # a body is allocated as it arrives, this much at a time, not as announced
+BIND_TRIES = 8  # random socket names tried before the mount gives up serving
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 R, W, X = 4, 2, 1
 
@@ -77,6 +88,21 @@ class Peer:
         return bits & want == want
 
 
+def recv_body(conn: socket.socket, n: int) -> memoryview:
+    """``n`` bytes, allocated as they arrive: ``BODY_CHUNK`` first, then doubled each time
+    the bytes so far filled it, so a header announcing a large body costs nothing until
+    its bytes come, and never more than twice what came."""
+    if n <= BODY_CHUNK:
+        return P.recv_exact(conn, n) if n else memoryview(b"")
+    buf = bytearray()
+    while len(buf) < n:
+        got = len(buf)
+        buf.extend(bytes(min(max(got, BODY_CHUNK), n - got)))
+        with memoryview(buf) as mv:
+            P.recv_exact(conn, len(buf) - got, mv[got:])
+    return memoryview(buf)
+
+
 def peer_of(conn: socket.socket) -> Peer:
     pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
     groups: frozenset[int] = frozenset()
@@ -97,28 +123,50 @@ class Refused(Exception):
 class ChannelServer:
     """The listening socket, its accept thread and one thread per client (module doc)."""
 
-    def __init__(self, ops: Any, store: Any, volume: str, *, allow_other: bool = False) -> None:
+    def __init__(self, ops: Any, store: Any, volume: str, *, allow_other: bool = False,
+                 idle_s: float = P.IDLE_TIMEOUT_S) -> None:
         self.ops, self.store, self.volume = ops, store, volume
-        self.allow_other = allow_other
+        self.allow_other, self.idle_s = allow_other, idle_s
         self.owner = (os.getuid(), os.getgid())
-        self.name = f"kvfs-{store.volume_id}-{os.getpid()}"
+        self.name = ""
         self.token: trio.lowlevel.TrioToken | None = None
         self._sock: socket.socket | None = None
-        self._conns: set[socket.socket] = set()
+        self._conns: dict[socket.socket, int] = {}  # -> the peer's uid
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._stop = False
         self.counts = {"clients": 0, "refused": 0, "requests": 0, "extents": 0, "writes": 0,
-                       "write_bytes": 0, "via_fuse": 0}
+                       "write_bytes": 0, "via_fuse": 0, "errors": 0, "idle_closed": 0}
 
     # ------------------------------------------------------------------ lifecycle
+    def bind(self) -> None:
+        """Take the socket's name before the mount is offered to anyone: an abstract name
+        nobody can guess (128 random bits), so no local user can take it first; a taken
+        one is retried. OSError when none could be bound: the mount then refuses to start
+        (a mount whose clients cannot find it must not look healthy)."""
+        last: OSError | None = None
+        for _ in range(BIND_TRIES):
+            name = f"kvfs-{self.store.volume_id}-{secrets.token_hex(16)}"
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            try:
+                s.bind("\0" + name)
+                s.listen(MAX_CLIENTS)
+            except OSError as e:
+                s.close()
+                last = e
+                log.debug("native channel name @%s not usable: %s", name, e)
+                continue
+            self._sock, self.name = s, name
+            return
+        raise OSError(last.errno if last else errno.EADDRINUSE,
+                      f"cannot serve the native channel: none of {BIND_TRIES} socket names "
+                      f"could be bound ({last.strerror if last else 'no name'})")
+
     def start(self, token: trio.lowlevel.TrioToken) -> None:
         self.token = token
         self.published = self.store.publish()
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        s.bind("\0" + self.name)
-        s.listen(MAX_CLIENTS)
-        self._sock = s
+        if self._sock is None:
+            self.bind()
         t = threading.Thread(target=self._accept, name="kvfs-channel", daemon=True)
         t.start()
         self._threads.append(t)
@@ -148,27 +196,73 @@ class ChannelServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return  # shut down
-            with self._lock:
-                if self._stop or len(self._conns) >= MAX_CLIENTS:
-                    self.counts["refused"] += 1
-                    conn.close()
-                    continue
-                self._conns.add(conn)
-                self.counts["clients"] += 1
-            t = threading.Thread(target=self._serve, args=(conn,), name="kvfs-channel-client",
-                                 daemon=True)
+            try:  # who it is, before anything is read or allocated for it
+                peer = peer_of(conn)
+            except OSError as e:
+                log.info("channel peer without credentials: %r", e)
+                conn.close()
+                continue
+            code = self._admit(conn, peer)
+            if code:
+                self._turn_away(conn, code)
+                continue
+            t = threading.Thread(target=self._serve, args=(conn, peer),
+                                 name="kvfs-channel-client", daemon=True)
             self._threads = [x for x in self._threads if x.is_alive()] + [t]
             t.start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _admit(self, conn: socket.socket, peer: Peer) -> int:
+        """0 with the connection counted, or the errno it is turned away with."""
+        if not self.allow_other and (peer.uid, peer.gid) != self.owner:
+            return errno.EACCES  # FUSE lets no one else in either
+        with self._lock:
+            if self._stop:
+                return errno.ESHUTDOWN
+            n = len(self._conns)
+            mine = sum(1 for uid in self._conns.values() if uid == peer.uid)
+            if n >= MAX_CLIENTS or peer.uid not in (0, self.owner[0]) and (
+                    n >= MAX_CLIENTS - OWNER_SLOTS or mine >= PER_UID):
+                return errno.EUSERS
+            self._conns[conn] = peer.uid
+            self.counts["clients"] += 1
+        return 0
+
+    def _turn_away(self, conn: socket.socket, code: int) -> None:
+        """One reply header with the errno, then closed: the accept thread never waits."""
+        self.counts["refused"] += 1
         try:
-            peer = peer_of(conn)
+            conn.setblocking(False)
+            conn.send(P.REP.pack(0, code))
+            conn.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        conn.close()
+
+    def _serve(self, conn: socket.socket, peer: Peer) -> None:
+        try:
             while not self._stop:
-                n, op = P.REQ.unpack(P.recv_exact(conn, P.REQ.size))
-                if n > P.MAX_FRAME:
-                    raise P.ProtocolError(f"frame of {n} bytes")
-                body = P.recv_exact(conn, n) if n else memoryview(b"")
+                conn.settimeout(self.idle_s)
+                try:
+                    head = conn.recv(P.REQ.size)
+                except TimeoutError:
+                    self.counts["idle_closed"] += 1
+                    return
+                if not head:
+                    return  # closed by the client
+                conn.settimeout(FRAME_TIMEOUT_S)
+                if len(head) < P.REQ.size:
+                    head += bytes(P.recv_exact(conn, P.REQ.size - len(head)))
+                n, op = P.REQ.unpack(head)
+                limit = P.BODY_MAX.get(op)
+                if limit is None or n > limit:  # the body is never read: the stream ends here
+                    why = f"unknown operation {op}" if limit is None else \
+                        f"{P.OPS[op]} request of {n} bytes, at most {limit}"
+                    log.info("channel: uid %d: %s; closing its connection", peer.uid, why)
+                    self._reply(conn, errno.EPROTO if limit is None else errno.EMSGSIZE, [], [])
+                    return
+                body = recv_body(conn, n)
                 fds: list[int] = []
+                fatal = False
                 try:
                     reply, fds = self._dispatch(peer, op, body)
                     code = 0
@@ -176,31 +270,51 @@ class ChannelServer:
                     reply, code = [], e.errno
                 except errors.KVFSError as e:
                     reply, code = [], errno_of(e)
-                except (P.ProtocolError, ConnectionError):
+                except P.Invalid as e:
+                    log.info("channel: uid %d: %s", peer.uid, e)
+                    reply, code = [], errno.EINVAL
+                except P.ProtocolError as e:
+                    log.info("channel: uid %d: malformed %s request: %s", peer.uid,
+                             P.OPS.get(op, op), e)
+                    reply, code, fatal = [], errno.EPROTO, True
+                except ConnectionError:
                     raise
-                except Exception as e:
+                except MemoryError:
+                    log.error("channel %s request of uid %d: out of memory", P.OPS.get(op, op),
+                              peer.uid)
+                    reply, code = [], errno.ENOMEM
+                except Exception:  # a bug here is this request's error, not the volume's
                     log.exception("channel %s request failed", P.OPS.get(op, op))
-                    self.ops.store.mark_needs_fsck(f"internal error in the channel: {e!r}")
+                    self.counts["errors"] += 1
                     reply, code = [], errno.EIO
+                del body
                 self.counts["requests"] += 1
                 try:
-                    P.send_frame(conn, P.REP.pack(sum(len(x) for x in reply), code), *reply, fds=fds)
+                    self._reply(conn, code, reply, fds)
                 finally:
                     for fd in fds:
                         os.close(fd)
-        except (ConnectionError, OSError, P.ProtocolError) as e:
+                if fatal:
+                    return
+        except (ConnectionError, OSError) as e:
             if not self._stop and not isinstance(e, ConnectionError):
                 log.info("channel client dropped: %r", e)
         finally:
             with self._lock:
-                self._conns.discard(conn)
+                self._conns.pop(conn, None)
             conn.close()
+
+    @staticmethod
+    def _reply(conn: socket.socket, code: int, reply: list, fds: list[int]) -> None:
+        P.send_frame(conn, P.REP.pack(sum(len(x) for x in reply), code), *reply, fds=fds)
 
     # ------------------------------------------------------------------ requests
     def _dispatch(self, peer: Peer, op: int, body: memoryview) -> tuple[list, list[int]]:
         if not self.allow_other and (peer.uid, peer.gid) != self.owner:
             raise Refused(errno.EACCES, "not the mount's owner (no --allow-other)")
         if op == P.HELLO:
+            if len(body) != 4:
+                raise P.ProtocolError(f"a hello of {len(body)} bytes, not 4")
             return self._hello(peer)
         if op == P.STAT:
             return [self._stat(peer, *P.parse_stat_request(body))], []
@@ -219,7 +333,8 @@ class ChannelServer:
             raise Refused(errno.EACCES, "may not read the volume")
         pub = self.published
         doc = {"version": P.VERSION, "volume": self.volume, "uuid": self.store.volume_id,
-               "generation": pub.generation, "entry_max": self.ops.buffers.entry_max}
+               "generation": pub.generation, "entry_max": self.ops.buffers.entry_max,
+               "idle_s": self.idle_s}
         return [json.dumps(doc).encode()], [pub.reader_fd()]
 
     def _session_ok(self, peer: Peer, attrs: tuple[int, int, int], want: int) -> None:
@@ -227,9 +342,10 @@ class ChannelServer:
             raise Refused(errno.EACCES, "session directory")
 
     def _stat(self, peer: Peer, session: str, small: list[str]) -> bytes:
-        self._settle(session, None)
         st = self.store.session_stat(session)
         self._session_ok(peer, (st.mode, st.uid, st.gid), R | X)
+        self._settle(session, None)
+        st = self.store.session_stat(session)
         files = {}
         got: dict[str, bytes | None] = {}
         for name in self.store.list_files(session):
@@ -238,19 +354,32 @@ class ChannelServer:
             except errors.NotFound:  # removed meanwhile
                 continue
             files[name] = (f.size, f.mode, f.uid, f.gid)
+        budget = P.SMALL_TOTAL  # bounds the reply: past it, small files answer None
         for name in small:
             f = files.get(name)
-            if f is None or f[0] > P.SMALL_MAX or not peer.may(f[1], f[2], f[3], R):
+            if f is None or f[0] > min(P.SMALL_MAX, budget) or not peer.may(f[1], f[2], f[3], R):
                 got[name] = None
                 continue
             try:
-                got[name] = self.store.read(session, name, 0, f[0])
+                got[name] = b = self.store.read(session, name, 0, f[0])
+                budget -= len(b)
             except errors.NotFound:
                 got[name] = None
         return P.stat_reply(P.SessionInfo(st.mode, st.uid, st.gid, files, got), small)
 
     def _extents(self, peer: Peer, session: str, files: list[tuple[str, int, int]]) -> bytes:
         self.counts["extents"] += 1
+        # permissions first: the engine counts an answered request as a use (atime), and a
+        # refused one must change nothing; the answer's attributes are checked again below
+        st = self.store.session_stat(session)
+        self._session_ok(peer, (st.mode, st.uid, st.gid), X)
+        for name, _, _ in files:
+            try:
+                f = self.store.file_stat(session, name)
+            except errors.NotFound:
+                continue
+            if not peer.may(f.mode, f.uid, f.gid, R):
+                raise Refused(errno.EACCES, "file")
         self._settle(session, [name for name, _, _ in files])
         attrs, out = self.store.extents(session, files)
         self._session_ok(peer, attrs, X)
@@ -275,7 +404,9 @@ class ChannelServer:
                 self.counts["write_bytes"] += len(it.data)
                 results += [(0, size)] * k
             except (Refused, errors.KVFSError, pyfuse3.FUSEError, Stale) as e:
-                results += [(e.errno if isinstance(e, Refused) else errno_of(e), 0)] * k
+                code = e.errno if isinstance(e, Refused) else errno_of(e)
+                # the size it has now: a failed item tells what of it was stored
+                results += [(code, self._size_now(session, it.name))] * k
                 failed = True
         sync_errno = 0
         if flags & P.W_SYNC and not failed:
@@ -302,14 +433,40 @@ class ChannelServer:
         if not peer.may(f.mode, f.uid, f.gid, W):
             raise Refused(errno.EACCES, "file")
         node = self.ops.inodes.find(key)
-        if node is not None and (it.kind != P.APPEND or self.ops.buffers.get(node.ino) is not None):
-            self.counts["via_fuse"] += 1
-            size = self._on_loop(self._fuse_item, node, it)
-        else:
-            size = self._direct_item(session, f.size, it)
-        if node is not None:
-            self._forget_attrs(node)
-        return size
+        held = self.ops.buffers.get(node.ino) if node is not None else None
+        self._fits(session, it, f.size, held.size - f.size if held is not None else 0)
+        try:
+            if node is not None and (it.kind != P.APPEND or held is not None):
+                self.counts["via_fuse"] += 1
+                return self._on_loop(self._fuse_item, node, it)
+            return self._direct_item(session, f.size, it)
+        finally:  # failed too: what was cut or stored must not hide behind cached attributes
+            if node is not None:
+                self._forget_attrs(node)
+
+    def _fits(self, session: str, it: P.Item, stored: int, buffered: int) -> None:
+        """All or nothing: an append or replace the session owner's byte quota cannot take
+        whole is refused before any byte of it is stored (``buffered``: bytes of the file a
+        FUSE handle holds, not yet charged)."""
+        if it.kind == P.TRUNCATE:
+            return
+        room = self.store.quota_room(session)
+        if room is None:
+            return
+        need = len(it.data) - stored if it.kind == P.REPLACE else len(it.data) + buffered
+        if need > room:
+            raise errors.QuotaExceeded(f"{session}/{it.name}: {len(it.data)} bytes do not fit "
+                                       f"the owner's quota ({room} bytes left)")
+
+    def _size_now(self, session: str, name: str) -> int:
+        node = self.ops.inodes.find((session, name))
+        held = self.ops.buffers.get(node.ino) if node is not None else None
+        if held is not None:
+            return held.size
+        try:
+            return self.store.file_stat(session, name).size
+        except errors.KVFSError:
+            return 0
 
     def _direct_item(self, session: str, size: int, it: P.Item) -> int:
         s, name = self.store, it.name

@@ -278,7 +278,8 @@ def stats_body(store_stats: dict, usage: Any, fs: dict, needs_fsck: bool,
         "store": store_stats,
         "usage": asdict(usage),
         "fs": fs,
-        "needs_fsck": needs_fsck,
+        # the store's mark (corruption met anywhere) as well as this layer's internal errors
+        "needs_fsck": needs_fsck or bool(store_stats.get("volume", {}).get("needs_fsck")),
         "alerts": alerts_state() if alerts_state else None,
         "shared": shared,
     }

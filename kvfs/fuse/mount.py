@@ -490,7 +490,12 @@ def main(argv: list[str] | None = None) -> int:
                                   profile.shared_queue_bytes, profile.shared_fsync_wait_s,
                                   ops.buffers.entry_max))
         elif not args.no_channel:  # a shared mount's clients use the files (channel.py)
-            ops.channel = ChannelServer(ops, store, args.volume, allow_other=args.allow_other)
+            ops.channel = ChannelServer(ops, store, args.volume, allow_other=args.allow_other,
+                                        idle_s=profile.channel_idle_s)
+            try:  # before the kernel mount: one that cannot serve its clients is refused
+                ops.channel.bind()
+            except OSError as e:
+                return refuse(args, pipe, e.strerror or str(e))
         if server is not None:
             metrics.on_scrape(ops.refresh_gauges)  # agents that exited drop out of a scrape
             stack.callback(server.close)

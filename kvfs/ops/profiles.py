@@ -197,6 +197,9 @@ class Profile:
                              "(0: no limit)", min=0)
     quota_index_share: float = _spec("auto_share", "share of the volume's index one uid's "
                                      "sessions may fill (0 or 1: no limit)")
+    # the native channel (kvfs.fuse.channel; its other limits are fixed, docs/reliability.md)
+    channel_idle_s: float = _spec("seconds", "the mount closes a native-channel connection "
+                                  "with no request for this long", min=0.1)
     # alert rules
     alert_device_pct: float = _spec("fraction", "device_memory_high threshold")
     alert_device_for_s: float = _spec("seconds", "device_memory_high duration", min=0.0)
