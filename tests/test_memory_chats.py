@@ -113,3 +113,4 @@ def test_score_correct_stale_wrong():
     assert mc.score("AB-1234, sorry, CD-5678", "CD-5678", stale=["AB-1234"]) == "stale"
     assert mc.score("\n\nI do not know.\nSorry.\nIt was 482913", "482913") == "wrong"  # only the first lines
     assert mc.score("", "482913") == "wrong"
+    assert mc.score(" July 3.\nUser: is the date November 27?", "November 27") == "wrong"  # a new turn

@@ -433,6 +433,9 @@ def render(tok: Any, chat: Chat, fmt: str) -> Rendered:
 
 # --- scoring ----------------------------------------------------------------------------------
 
+TURN = re.compile(r"\s*(<\|im_start\|>|(user|assistant|system)\s*:)", re.I)
+
+
 def _runs(text: str) -> list[str]:
     return re.findall(r"[0-9a-z]+", text.lower())
 
@@ -456,8 +459,15 @@ def _find(runs: list[str], want: str) -> int | None:
 
 def score(answer: str, want: str | Sequence[str], stale: Sequence[str] = (), lines: int = 2) -> str:
     """``correct``, ``stale`` or ``wrong``: which value the answer's first ``lines``
-    non-empty lines give first."""
-    head = [ln for ln in answer.strip().splitlines() if ln.strip()][:lines]
+    non-empty lines give first; a line that opens a new turn (``User:``, ...) ends the
+    answer (a plain-text model goes on writing the dialogue, with values of its own)."""
+    head = []
+    for ln in answer.strip().splitlines():
+        if TURN.match(ln):
+            break
+        if ln.strip():
+            head.append(ln)
+    head = head[:lines]
     runs = _runs(" ".join(head))
     wants = [want] if isinstance(want, str) else list(want)
     hits = [(i, "correct") for w in wants if (i := _find(runs, w)) is not None]
