@@ -238,9 +238,10 @@ def plain_round(user: str, assistant: str) -> str:
 
 def generate(tok: Any, split: str, family: str, length: int, trial: int,
              depth: float | None = None) -> Chat:
-    """Chat ``trial`` of ``family`` at about ``length`` tokens (plain format, which is
-    within a few percent of ChatML), its fact at ``depth`` (default: the trial's place in
-    ``DEPTHS``)."""
+    """Chat ``trial`` of ``family`` at about ``length`` tokens (counted as the mean of its
+    plain and ChatML tokens; ChatML kept inside ``MAX_TOKENS`` with its answers), its
+    (first) fact at ``depth`` (default: the trial's place in ``DEPTHS``); family b's other
+    two facts at random depths of 10-90 %, family c's correction between the fact and 95 %."""
     sp = SPLITS[split]
     seed = chat_seed(split, family, length, trial)
     rng = random.Random(seed)
