@@ -276,8 +276,12 @@ def _flip_read(m: Mount, want: dict[tuple[str, str], bytes], batch: list[Target]
                 res.fail(f"{where}: flip in {s}/{f} bytes {off}..{off + ln} read as good")
     if alive(m, res, where):
         st = mount_stats(m)
-        if st["fs"]["errors"] or st["needs_fsck"]:
+        # the flips are corruption the store met, so the volume is marked needs-fsck (the
+        # top level of the stats says so); a handler's own failure is an internal error
+        if st["fs"]["errors"]:
             res.fail(f"{where}: the mount had internal errors: {st['fs']}")
+        elif st["needs_fsck"] and not st["store"]["volume"]["needs_fsck"]:
+            res.fail(f"{where}: needs_fsck set by the FUSE layer, not by corruption: {st['fs']}")
         stop(m, res)
 
 
