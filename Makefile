@@ -36,6 +36,7 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(PY) -m mypy
 
 bench: $(STAMP)
 	$(PY) tools/bench.py
