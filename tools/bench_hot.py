@@ -19,7 +19,9 @@ measured interleaved in the same run.
   fits in the same budget (goal >= 5x); every kvfs session completes and the budget is
   never passed.
 
-``python tools/bench_hot.py [--quick] [--only NAME]`` prints the results as JSON.
+``python tools/bench_hot.py [--quick] [--only NAME] [--device cuda]`` prints the results as
+JSON. With ``--device cuda`` the models, caches and peers run on the GPU (pinned staging, the
+``memory_reserved`` watermark) and every timed region ends with a device synchronize.
 """
 
 from __future__ import annotations
@@ -41,6 +43,24 @@ from bench_mount import FLOOR, floor_mounted, read_all
 log = logging.getLogger("bench.hot")
 
 WARM_OPTS = {"shards": 256}
+DEVICE = "cpu"  # set by --device
+
+
+def _now() -> float:
+    """``perf_counter`` after the device's queued work is done (a no-op on the CPU)."""
+    if DEVICE != "cpu":
+        import torch
+
+        torch.cuda.synchronize(DEVICE)
+    return time.perf_counter()
+
+
+def _where() -> str:
+    if DEVICE == "cpu":
+        return "CPU"
+    import torch
+
+    return torch.cuda.get_device_name(DEVICE)
 
 
 def _llama(hidden: int, layers: int, heads: int, kv_heads: int, inter: int, vocab: int,
@@ -62,7 +82,14 @@ def _llama(hidden: int, layers: int, heads: int, kv_heads: int, inter: int, voca
         torch.set_default_dtype(prev)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = None
-    return model
+    return model.to(DEVICE)
+
+
+def _can_mount() -> bool:
+    """Whether the FUSE floor can be mounted here (``/dev/fuse`` and pyfuse3)."""
+    import importlib.util
+
+    return Path("/dev/fuse").exists() and importlib.util.find_spec("pyfuse3") is not None
 
 
 def _n_params(model: Any) -> int:
@@ -88,23 +115,23 @@ def decode_step(quick: bool = False, workdir: str | None = None) -> dict[str, An
     work = Path(tempfile.mkdtemp(prefix="hot-decode-", dir=bench_dir(workdir)))
     (work / "cold" / "sessions").mkdir(parents=True)
     router = KVRouter(mount=str(work / "cold"), warm_root=str(work / "warm"), max_kv_len=window,
-                      warm_options=WARM_OPTS)
+                      device=DEVICE, warm_options=WARM_OPTS)
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (1, window + 32), generator=g)
+    ids = torch.randint(0, model.config.vocab_size, (1, window + 32), generator=g).to(DEVICE)
     tiered = router.cache("decode", model, fresh=True)
     held = window + router.sink_tokens  # the tiered cache attends sinks + window
     dyn = DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=ids, cache=tiered, use_cache=True)  # window full, spilling from now on
         model(input_ids=ids[:, :held], cache=dyn, use_cache=True)
-    tok = torch.tensor([[7]])
+    tok = torch.tensor([[7]], device=DEVICE)
 
     def run(cache: Any, reset: bool) -> float:
         with torch.no_grad():
-            t0 = time.perf_counter()
+            t0 = _now()
             for _ in range(block):
                 model(input_ids=tok, cache=cache, use_cache=True)
-            dt = (time.perf_counter() - t0) / block * 1e3
+            dt = (_now() - t0) / block * 1e3
         if reset:
             cache.crop(-block)  # back to exactly sinks + W tokens
         return dt
@@ -120,7 +147,7 @@ def decode_step(quick: bool = False, workdir: str | None = None) -> dict[str, An
                  f"{router.sink_tokens} sinks, spilling)", f"DynamicCache holding {held} tokens", "ms",
                  {"subject": vals["tiered"], "peer": vals["dynamic"]},
                  better="lower", goal=1.05,
-                 note=f"mean of {block} steps per sample, {reps} samples each, interleaved; fp32 CPU; "
+                 note=f"mean of {block} steps per sample, {reps} samples each, interleaved; fp32 {_where()}; "
                       f"the tiered cache writes each step into a preallocated buffer "
                       f"({tiered.window_slack} tokens of room) and hands the tokens leaving the window "
                       f"to its spill thread once per {tiered.window_slack} steps")
@@ -143,23 +170,23 @@ def decode_writebehind(quick: bool = False, workdir: str | None = None) -> dict[
     work = Path(tempfile.mkdtemp(prefix="hot-wb-", dir=bench_dir(workdir)))
     routers, caches = {}, {}
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (1, window + 32), generator=g)
+    ids = torch.randint(0, model.config.vocab_size, (1, window + 32), generator=g).to(DEVICE)
     for name, on in (("on", True), ("off", False)):
         (work / name / "cold" / "sessions").mkdir(parents=True)
         routers[name] = KVRouter(mount=str(work / name / "cold"), warm_root=str(work / name / "warm"),
-                                 max_kv_len=window,
+                                 max_kv_len=window, device=DEVICE,
                                  warm_options={**WARM_OPTS, "writebehind": on, "writebehind_s": 0.1})
         caches[name] = routers[name].cache("wb", model, fresh=True)
         with torch.no_grad():
             model(input_ids=ids, cache=caches[name], use_cache=True)
-    tok = torch.tensor([[7]])
+    tok = torch.tensor([[7]], device=DEVICE)
 
     def run(cache: Any) -> float:
         with torch.no_grad():
-            t0 = time.perf_counter()
+            t0 = _now()
             for _ in range(block):
                 model(input_ids=tok, cache=cache, use_cache=True)
-            return (time.perf_counter() - t0) / block * 1e3
+            return (_now() - t0) / block * 1e3
 
     try:
         vals = interleave([("on", lambda: run(caches["on"])), ("off", lambda: run(caches["off"]))],
@@ -173,7 +200,7 @@ def decode_writebehind(quick: bool = False, workdir: str | None = None) -> dict[
                  "TieredCache, RAM tier writing behind to the cold root (every 0.1 s)",
                  "TieredCache, write-behind off", "ms", {"subject": vals["on"], "peer": vals["off"]},
                  better="lower", goal=1.05,
-                 note=f"mean of {block} steps per sample, {reps} samples each, interleaved; fp32 CPU; "
+                 note=f"mean of {block} steps per sample, {reps} samples each, interleaved; fp32 {_where()}; "
                       "the cold root is a directory on the bench disk")
     return {"results": [res.to_dict()], "info": {"window": window, "writebehind_lag_s": lag}}
 
@@ -201,17 +228,19 @@ def resume(quick: bool = False, workdir: str | None = None, cold_root: str | Non
     cold = Path(cold_root) if cold_root else work / "cold"
     (cold / "sessions").mkdir(parents=True, exist_ok=True)
     sid = f"bench-resume-{int(time.time())}"
-    ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens),
+                        generator=torch.Generator().manual_seed(1)).to(DEVICE)
 
     def prefill() -> tuple[float, Any]:
         cache = DynamicCache(config=model.config)
-        t0 = time.perf_counter()
+        t0 = _now()
         with torch.no_grad():
             model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-        return (time.perf_counter() - t0) * 1e3, cache
+        return (_now() - t0) * 1e3, cache
 
     # the session: written once through a router (then everything moved to cold)
-    r = KVRouter(mount=str(cold), warm_root=str(work / "warm0"), max_kv_len=None, warm_options=WARM_OPTS)
+    r = KVRouter(mount=str(cold), warm_root=str(work / "warm0"), max_kv_len=None, device=DEVICE,
+                 warm_options=WARM_OPTS)
     c = r.cache(sid, model, fresh=True)
     with torch.no_grad():
         model(input_ids=ids, cache=c, use_cache=True, logits_to_keep=1)
@@ -242,11 +271,11 @@ def resume(quick: bool = False, workdir: str | None = None, cold_root: str | Non
         drop_caches(cold_files)
         n[0] += 1
         warm = work / f"warm{n[0]}"
-        t0 = time.perf_counter()
-        router = KVRouter(mount=str(cold), warm_root=str(warm), max_kv_len=None,
+        t0 = _now()
+        router = KVRouter(mount=str(cold), warm_root=str(warm), max_kv_len=None, device=DEVICE,
                           warm_options={**WARM_OPTS, "native": native})
         cache = router.resume(sid, model)
-        dt = (time.perf_counter() - t0) * 1e3
+        dt = (_now() - t0) * 1e3
         assert cache.seen == tokens and cache.stored == tokens
         kinds.add(router.warm.cold.kind if native is None else "files")
         router.close()
@@ -265,15 +294,15 @@ def resume(quick: bool = False, workdir: str | None = None, cold_root: str | Non
 
     def st_load() -> float:
         drop_caches([st_path])
-        t0 = time.perf_counter()
-        to_cache(load_file(str(st_path)))
-        return (time.perf_counter() - t0) * 1e3
+        t0 = _now()
+        to_cache(load_file(str(st_path), device=DEVICE))
+        return (_now() - t0) * 1e3
 
     def pt_load() -> float:
         drop_caches([pt_path])
-        t0 = time.perf_counter()
-        to_cache(torch.load(str(pt_path), weights_only=True))
-        return (time.perf_counter() - t0) * 1e3
+        t0 = _now()
+        to_cache(torch.load(str(pt_path), weights_only=True, map_location=DEVICE))
+        return (_now() - t0) * 1e3
 
     import numpy as np
 
@@ -297,13 +326,13 @@ def resume(quick: bool = False, workdir: str | None = None, cold_root: str | Non
             cold_tier.close()
 
     def layout() -> float:
-        t0 = time.perf_counter()
+        t0 = _now()
         for b in layer_bufs:
-            kv_from_bytes(b, geo, tokens, "cpu")
-        return (time.perf_counter() - t0) * 1e3
+            kv_from_bytes(b, geo, tokens, DEVICE)
+        return (_now() - t0) * 1e3
 
     try:
-        floor = floor_mounted(floor_dir, work / "floor_mnt") if Path("/dev/fuse").exists() else None
+        floor = floor_mounted(floor_dir, work / "floor_mnt") if _can_mount() else None
         with floor or nullcontext() as fm:
             pairs = [("kvfs", kvfs_resume), ("safetensors", st_load), ("torch.save", pt_load),
                      ("kvfs_read", lambda: read_files(cold_files)), ("cold_reads", cold_reads),
@@ -316,16 +345,18 @@ def resume(quick: bool = False, workdir: str | None = None, cold_root: str | Non
             vals = interleave(pairs, reps, warmup=1)
         pre = [ref_ms] + [prefill()[0] for _ in range(1 if quick else 2)]
         # a windowed resume reads only the last max_kv_len tokens (what an agent usually needs)
-        r = KVRouter(mount=str(cold), warm_root=str(work / "warmw"), max_kv_len=24, warm_options=WARM_OPTS)
-        t0 = time.perf_counter()
+        r = KVRouter(mount=str(cold), warm_root=str(work / "warmw"), max_kv_len=24, device=DEVICE,
+                     warm_options=WARM_OPTS)
+        t0 = _now()
         r.resume(sid, model)
-        window_ms = (time.perf_counter() - t0) * 1e3
+        window_ms = (_now() - t0) * 1e3
         r.close()
         # check: the resumed KV continues exactly like the recomputed one
-        r = KVRouter(mount=str(cold), warm_root=str(work / "warmc"), max_kv_len=None, warm_options=WARM_OPTS)
+        r = KVRouter(mount=str(cold), warm_root=str(work / "warmc"), max_kv_len=None, device=DEVICE,
+                     warm_options=WARM_OPTS)
         probe = r.resume(sid, model)
         _, ref = prefill()
-        nxt = torch.tensor([[11]])
+        nxt = torch.tensor([[11]], device=DEVICE)
         with torch.no_grad():
             a = model(input_ids=nxt, cache=probe, use_cache=True).logits
             b = model(input_ids=nxt, cache=ref, use_cache=True).logits
@@ -337,7 +368,8 @@ def resume(quick: bool = False, workdir: str | None = None, cold_root: str | Non
         else:
             shutil.rmtree(cold / "sessions" / sid, ignore_errors=True)
             shutil.rmtree(work, ignore_errors=True)
-    size = f"{tokens}-token session, {_n_params(model) / 1e9:.2f} B-param bf16 model ({kv_bytes / 2**20:.0f} MiB KV)"
+    size = (f"{tokens}-token session, {_n_params(model) / 1e9:.2f} B-param bf16 model "
+            f"({kv_bytes / 2**20:.0f} MiB KV{'' if DEVICE == 'cpu' else ', ' + _where()})")
     where = "a kvfs mount" if cold_root else "a directory on the bench disk"
     via = " (native channel)" if "channel" in kinds else ""
     results = [
@@ -376,7 +408,7 @@ def resume(quick: bool = False, workdir: str | None = None, cold_root: str | Non
     return {"results": results,
             "info": {"tokens": tokens, "params": _n_params(model), "kv_bytes": kv_bytes,
                      "resume_window24_ms": round(window_ms, 2), "exact_continuation": exact,
-                     "torch_threads": torch.get_num_threads(),
+                     "torch_threads": torch.get_num_threads(), "device": _where(),
                      "cold_root": str(cold), "reps": reps}}
 
 
@@ -388,36 +420,51 @@ def sessions_under_budget(quick: bool = False, workdir: str | None = None) -> di
 
     from kvfs.torch import KVRouter, geometry
 
-    model = _llama(256, 4, 8, 4, 512, 2048, torch.float32)
-    rounds, q_len, new = 12, 12, 12
+    cuda = DEVICE != "cpu"
+    if cuda:  # KV large enough to register against the allocator's 2 MiB segments
+        model = _llama(1024, 8, 16, 8, 2816, 8192, torch.bfloat16)
+        rounds, q_len, new = 12, 64, 16
+    else:
+        model = _llama(256, 4, 8, 4, 512, 2048, torch.float32)
+        rounds, q_len, new = 12, 12, 12
     stb = geometry(model).session_token_bytes
     tokens = rounds * (q_len + new)
     full = tokens * stb  # one session's KV at the end
-    budget = 2 * full
-    dyn_fit = budget // full  # DynamicCache holding all KV: whole sessions that fit
+    # on CUDA the budget is memory_reserved's: the weights and what a step allocates around
+    # its KV count too, so the line sits that far above two whole sessions' KV
+    base = 0
+    if cuda:
+        warm_ids = torch.randint(0, 2048, (1, q_len), device=DEVICE)
+        model.generate(warm_ids, max_new_tokens=new, do_sample=False)  # kernels, workspaces
+        base = torch.cuda.memory_reserved(DEVICE)
+    budget = base + 2 * full
+    dyn_fit = 2  # DynamicCache holding all KV: whole sessions that fit
     n_sess = (6 if quick else 12) * dyn_fit
     work = Path(tempfile.mkdtemp(prefix="hot-budget-", dir=bench_dir(workdir)))
     (work / "cold" / "sessions").mkdir(parents=True)
     g = torch.Generator().manual_seed(3)
-    qs = [[torch.randint(0, 2048, (1, q_len), generator=g) for _ in range(rounds)] for _ in range(n_sess)]
+    qs = [[torch.randint(0, 2048, (1, q_len), generator=g).to(DEVICE) for _ in range(rounds)]
+          for _ in range(n_sess)]
 
     def run_dynamic() -> tuple[float, int]:
         caches = [DynamicCache(config=model.config) for _ in range(dyn_fit)]
-        convs = [torch.empty(1, 0, dtype=torch.long) for _ in range(dyn_fit)]
-        t0 = time.perf_counter()
+        convs = [torch.empty(1, 0, dtype=torch.long, device=DEVICE) for _ in range(dyn_fit)]
+        t0 = _now()
         for rnd in range(rounds):
             for j in range(dyn_fit):
                 ids = torch.cat([convs[j], qs[j][rnd]], 1)
                 convs[j] = model.generate(ids, cache=caches[j], max_new_tokens=new, do_sample=False)
         held = sum(lay.keys.numel() * lay.keys.element_size() * 2 for c in caches for lay in c.layers)
-        return (time.perf_counter() - t0) / (rounds * dyn_fit) * 1e3, held
+        return (_now() - t0) / (rounds * dyn_fit) * 1e3, held
 
     router = KVRouter(mount=str(work / "cold"), warm_root=str(work / "warm"), profile="gov",
-                      device_budget_bytes=budget, warm_options=WARM_OPTS)
+                      device=DEVICE, device_budget_bytes=budget, watermark=1.0 if cuda else None,
+                      warm_options=WARM_OPTS)
     try:
-        convs = [torch.empty(1, 0, dtype=torch.long) for _ in range(n_sess)]
+        convs = [torch.empty(1, 0, dtype=torch.long, device=DEVICE) for _ in range(n_sess)]
         peak = 0
-        t0 = time.perf_counter()
+        peak_reserved = 0
+        t0 = _now()
         for rnd in range(rounds):
             for j in range(n_sess):
                 c = router.cache(f"s{j}", model)
@@ -425,11 +472,13 @@ def sessions_under_budget(quick: bool = False, workdir: str | None = None) -> di
                 convs[j] = model.generate(ids, cache=c, max_new_tokens=new, do_sample=False)
                 c.end_round()
                 peak = max(peak, router.hot_total)
-        turn_ms = (time.perf_counter() - t0) / (rounds * n_sess) * 1e3
+                if cuda:
+                    peak_reserved = max(peak_reserved, torch.cuda.memory_reserved(DEVICE))
+        turn_ms = (_now() - t0) / (rounds * n_sess) * 1e3
         router.flush()
         st = router.stats()
         served = sum(1 for j in range(n_sess) if st["per_session"][f"s{j}"]["rounds"] == rounds)
-        within = st["peak_hot_bytes"] <= budget
+        within = st["peak_hot_bytes"] <= budget - base
         dyn_ms, dyn_held = run_dynamic()
     finally:
         router.close()
@@ -438,14 +487,18 @@ def sessions_under_budget(quick: bool = False, workdir: str | None = None) -> di
                  "KVRouter (gov window 24, watermark moves)", "DynamicCache holding all KV", "sessions",
                  {"subject": [float(served if within else 0)], "peer": [float(dyn_fit)]},
                  better="higher", goal=5.0,
-                 note=f"every kvfs session completed with peak {st['peak_hot_bytes'] / 1024:.0f} KiB of "
-                      f"{budget / 1024:.0f} KiB; kvfs ran {n_sess} sessions (more would fit too); "
-                      f"turn {turn_ms:.1f} ms vs {dyn_ms:.1f} ms; fp32 CPU")
+                 note=f"every kvfs session completed with peak {st['peak_hot_bytes'] / 1024:.0f} KiB of KV in "
+                      f"{(budget - base) / 1024:.0f} KiB; kvfs ran {n_sess} sessions (more would fit too); "
+                      f"turn {turn_ms:.1f} ms vs {dyn_ms:.1f} ms; {model.dtype} {_where()}"
+                      + (f"; memory_reserved peak {peak_reserved / 2**20:.0f} MiB of a "
+                         f"{budget / 2**20:.0f} MiB line ({base / 2**20:.0f} MiB before any session)"
+                         if cuda else ""))
     return {"results": [res.to_dict()],
             "info": {"budget_bytes": budget, "full_session_bytes": full, "sessions_run": n_sess,
                      "served": served, "peak_hot_bytes": st["peak_hot_bytes"],
                      "watermark_moves": st["watermark_moves"], "kv_hot_hit_rate": st["kv_hot_hit_rate"],
-                     "turn_ms_kvfs": turn_ms, "turn_ms_dynamic": dyn_ms, "dynamic_held_bytes": dyn_held}}
+                     "turn_ms_kvfs": turn_ms, "turn_ms_dynamic": dyn_ms, "dynamic_held_bytes": dyn_held,
+                     "reserved_before_bytes": base, "peak_reserved_bytes": peak_reserved}}
 
 
 FIGURES = {"decode_step": decode_step, "decode_writebehind": decode_writebehind, "resume": resume,
@@ -457,7 +510,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--only", choices=sorted(FIGURES))
     p.add_argument("--workdir")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     args = p.parse_args(argv)
+    global DEVICE
+    DEVICE = args.device
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     out = {}
     for name, fn in FIGURES.items():
