@@ -76,6 +76,7 @@ import kvfs.torch.attention as attention
 from kvfs.ops import metrics
 from kvfs.torch.cache_moves import MovesMixin
 from kvfs.torch.cache_recall import RecallMixin
+from kvfs.torch.compat import require_cache_keyword
 from kvfs.torch.fingerprint import (
     KVGeometry,
     build_meta,
@@ -116,6 +117,7 @@ class TieredCache(RecallMixin, MovesMixin, Cache):
                  rope_reach: int | None = None, retrieval: bool = DEFAULT_RETRIEVAL,
                  retrieval_block: int = DEFAULT_RETRIEVAL_BLOCK,
                  retrieval_bytes: int | None = None) -> None:
+        require_cache_keyword()
         if max_kv_len is not None and max_kv_len < 1:
             raise ValueError(f"max_kv_len must be >= 1 or None, got {max_kv_len}")
         if rope_reach is not None and rope_reach < 1:
