@@ -3,8 +3,9 @@
 Models take their cache as ``cache=`` from transformers 5.24 on (``past_key_values`` is the
 deprecated spelling until 5.40). Older 5.x releases accept ``cache=`` without a word and
 ignore it: every step then attends nothing of the session, and ``generate`` refuses the
-keyword. So a cache refuses to be built over an older transformers, with the fix. (Only
-the cache: vLLM's side of kvfs reads fingerprints and geometry under vLLM's own pin.)
+keyword. So a cache refuses to be built over an older transformers, with the fix. Only the
+cache does: the package cannot require 5.24, since vLLM's CPU build pins transformers below
+5.20, and kvfs's vLLM side (fingerprints, geometry, stored sessions) runs under that pin.
 """
 
 from __future__ import annotations
