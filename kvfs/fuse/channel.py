@@ -50,7 +50,7 @@ import trio
 from kvfs.channel import protocol as P
 from kvfs.engine import errors
 
-from .errnos import Stale, errno_of
+from .errnos import Refused, Stale, errno_of
 from .files import drop_kernel_pages
 from .nodes import Node
 
@@ -112,12 +112,6 @@ def peer_of(conn: socket.socket) -> Peer:
     except OSError as e:  # an older kernel: the primary group only
         log.debug("SO_PEERGROUPS: %r", e)
     return Peer(pid, uid, gid, groups)
-
-
-class Refused(Exception):
-    def __init__(self, code: int, why: str = "") -> None:
-        super().__init__(why)
-        self.errno = code
 
 
 class ChannelServer:

@@ -1,7 +1,8 @@
 """Every errno the FUSE layer answers, decided in one place.
 
 Engine exceptions map through ``ERRNO``; the layer's own refusals are ``Refused`` (a name
-the kernel passed that kvfs will not take) and ``Stale`` (a handle whose file was unlinked
+the kernel passed that kvfs will not take, a channel request, a mount that cannot go ahead)
+and ``Stale`` (a handle whose file was unlinked
 or replaced). ``handler`` wraps each ``Operations`` handler: a ``FUSEError`` passes, the
 exceptions above become their errno, and anything else is a bug -- logged with its
 traceback, answered with EIO, the volume marked as needing fsck -- because an exception
@@ -56,9 +57,11 @@ def errno_of(exc: BaseException) -> int:
 
 
 class Refused(Exception):
-    """Input the FUSE layer refuses before the engine sees it; ``errno`` says how."""
+    """What the FUSE layer refuses before the engine sees it: a name the kernel passed, a
+    channel request, a mount that cannot go ahead. ``errno`` says how (what a client is
+    answered), ``str(e)`` why (the one line a log or the user sees)."""
 
-    def __init__(self, code: int, why: str) -> None:
+    def __init__(self, code: int, why: str = "") -> None:
         super().__init__(why)
         self.errno = code
 

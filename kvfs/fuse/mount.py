@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import gc
 import hashlib
 import logging
@@ -37,6 +38,7 @@ from kvfs.engine import errors
 from kvfs.engine.store import Store
 from kvfs.fuse.buffers import default_max_pending
 from kvfs.fuse.channel import ChannelServer
+from kvfs.fuse.errnos import Refused
 from kvfs.fuse.files import refresh_cold_gauges
 from kvfs.fuse.ops import Operations
 from kvfs.ops import alerts, metrics, profiles
@@ -46,10 +48,6 @@ log = logging.getLogger("kvfs.mount")
 PROG = "kvfs mount"
 CHECKPOINT_TICK_S = 5.0  # how often the store is asked whether a checkpoint is due
 READ_AHEAD_KB = 4096  # kernel readahead of the mount with --page-cache (default 128 KiB)
-
-
-class Refused(Exception):
-    """The mount cannot go ahead; ``str(e)`` is the one line the user sees."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -132,17 +130,17 @@ def load_profile(args: argparse.Namespace) -> tuple[profiles.Profile, int | None
                                 args.config)
         size = profiles.parse_size(args.size) if args.size is not None else None
     except profiles.ProfileError as e:
-        raise Refused(str(e)) from None
+        raise Refused(errno.EINVAL, str(e)) from None
     except ValueError as e:
-        raise Refused(f"--size: {e}") from None
+        raise Refused(errno.EINVAL, f"--size: {e}") from None
     return profile, size
 
 
 def check_paths(args: argparse.Namespace, size: int | None) -> None:
     if not os.path.isdir(args.mountpoint):
-        raise Refused(f"mountpoint {args.mountpoint} does not exist or is not a directory")
+        raise Refused(errno.ENOTDIR, f"mountpoint {args.mountpoint} does not exist or is not a directory")
     if not os.path.exists(args.volume) and size is None:
-        raise Refused(f"volume {args.volume} does not exist; give --size to create it")
+        raise Refused(errno.ENOENT, f"volume {args.volume} does not exist; give --size to create it")
 
 
 def daemonize() -> int:
@@ -222,14 +220,14 @@ def open_store(args: argparse.Namespace, size: int | None, profile: profiles.Pro
             if bar is not None:
                 bar.close()
     except errors.NeedsFsck:
-        raise Refused(f"{args.volume} needs fsck (an error was seen while it was mounted): "
+        raise Refused(errno.EUCLEAN, f"{args.volume} needs fsck (an error was seen while it was mounted): "
                       f"run kvfs-fsck {args.volume}, or mount with --force") from None
     except errors.VolumeBusy:
-        raise Refused(f"volume {args.volume} is already mounted (locked by another process)") from None
+        raise Refused(errno.EBUSY, f"volume {args.volume} is already mounted (locked by another process)") from None
     except errors.FormatError as e:
-        raise Refused(f"{args.volume} is not a usable kvfs volume: {e}") from None
+        raise Refused(errno.EINVAL, f"{args.volume} is not a usable kvfs volume: {e}") from None
     except OSError as e:
-        raise Refused(f"cannot open volume {args.volume}: {e.strerror or e}") from None
+        raise Refused(e.errno or errno.EIO, f"cannot open volume {args.volume}: {e.strerror or e}") from None
 
 
 def bind_metrics(args: argparse.Namespace) -> Any:
@@ -240,7 +238,7 @@ def bind_metrics(args: argparse.Namespace) -> Any:
     try:
         return metrics.serve(args.metrics_port, args.metrics_addr, start=False)
     except OSError as e:
-        raise Refused(f"--metrics-addr {args.metrics_addr} --metrics-port {args.metrics_port}: "
+        raise Refused(e.errno or errno.EADDRINUSE, f"--metrics-addr {args.metrics_addr} --metrics-port {args.metrics_port}: "
                       f"{e.strerror or e}") from None
 
 
@@ -273,10 +271,10 @@ def _read_private(path: str, what: str) -> str:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
-        raise Refused(f"{what} {path}: {e.strerror or e}") from None
+        raise Refused(e.errno or errno.EACCES, f"{what} {path}: {e.strerror or e}") from None
     with os.fdopen(fd, "rb") as f:
         if os.fstat(f.fileno()).st_mode & 0o077:
-            raise Refused(f"{what} {path} may be read by others: make it mode 0600")
+            raise Refused(errno.EACCES, f"{what} {path} may be read by others: make it mode 0600")
         return f.read(4096).decode(errors="replace").rstrip("\r\n")
 
 
@@ -309,15 +307,15 @@ def open_shared(args: argparse.Namespace, profile: profiles.Profile) -> Any:
     try:
         url = parse_urls(urls, shared_password(profile))
     except ValueError as e:
-        raise Refused(f"--shared: {e}") from None
+        raise Refused(errno.EINVAL, f"--shared: {e}") from None
     if not profile.shared_secret_file:
-        raise Refused("--shared needs the cluster's secret: -o shared_secret_file=PATH (32+ "
+        raise Refused(errno.EINVAL, "--shared needs the cluster's secret: -o shared_secret_file=PATH (32+ "
                       "random bytes, mode 0600, the same file on every node; e.g. head -c 48 "
                       "/dev/urandom | base64 > PATH)")
     try:
         secret = read_secret(profile.shared_secret_file)
     except ValueError as e:
-        raise Refused(str(e)) from None
+        raise Refused(errno.EINVAL, str(e)) from None
     me = args.node_id or profile.shared_node_id or node_id(args.volume)
     tls = TLSFiles(profile.shared_tls_ca or None, profile.shared_tls_cert or None,
                    profile.shared_tls_key or None)
@@ -331,12 +329,12 @@ def open_shared(args: argparse.Namespace, profile: profiles.Profile) -> Any:
         if not tier.healthy():
             raise SharedError("not every shard's master answers")
     except ValueError as e:  # a bad node id: a setting, not the cluster
-        raise Refused(f"--node-id / shared_node_id: {e}") from None
+        raise Refused(errno.EINVAL, f"--node-id / shared_node_id: {e}") from None
     except SharedError as e:
         if tier is not None:
             tier.close()
         if not optional:
-            raise Refused(f"shared tier {url.redacted()} unreachable: {redact(str(e))} "
+            raise Refused(errno.EHOSTUNREACH, f"shared tier {url.redacted()} unreachable: {redact(str(e))} "
                           f"(--shared-optional mounts local-only)") from None
         log.warning("shared tier %s unreachable, running local-only: %s", url.redacted(),
                     redact(str(e)))
