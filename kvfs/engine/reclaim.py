@@ -22,14 +22,14 @@ from .ring import RingFull, ScanItem, ScanReport
 
 if TYPE_CHECKING:
     from .format import Header
-    from .store import Store
+    from .state import StoreState
 
 log = logging.getLogger(__name__)
 
 TOMBSTONE_RESERVE = 16 << 10
 
 
-def reclaim(store: Store, need: int, keep: Session | None = None) -> None:
+def reclaim(store: StoreState, need: int, keep: Session | None = None) -> None:
     """Make ``ring.room() >= need`` or raise NoSpace (what was done stays consistent)."""
     ring = store.ring
     if need > ring.size // 2:
@@ -52,11 +52,11 @@ def reclaim(store: Store, need: int, keep: Session | None = None) -> None:
                           "of sessions within retention")
 
 
-def _in_retention(store: Store, s: Session) -> bool:
+def _in_retention(store: StoreState, s: Session) -> bool:
     return s.last_use_ns() >= (store.clock() - store.cfg.retention_s) * 1e9
 
 
-def _step(store: Store, target: int, evict: bool, keep: int) -> int:
+def _step(store: StoreState, target: int, evict: bool, keep: int) -> int:
     ring = store.ring
     start_tail = ring.tail
     report = ScanReport()
@@ -76,7 +76,7 @@ def _step(store: Store, target: int, evict: bool, keep: int) -> int:
     return ring.tail - start_tail
 
 
-def _handle(store: Store, item: ScanItem, evict: bool, keep: int = -1) -> bool:
+def _handle(store: StoreState, item: ScanItem, evict: bool, keep: int = -1) -> bool:
     """Copy forward or drop what is live in one tail entry; False when there is no room."""
     h = item.hdr
     if h.type not in (T_DATA, T_SMETA, T_FMETA):
@@ -140,7 +140,7 @@ def _handle(store: Store, item: ScanItem, evict: bool, keep: int = -1) -> bool:
     return True
 
 
-def _compress_now(store: Store, h: Header, payload: bytes | memoryview) -> bool:
+def _compress_now(store: StoreState, h: Header, payload: bytes | memoryview) -> bool:
     """Whether a data entry appended raw (``compress_on_copy``) is compressed as it is
     copied forward: every block raw and a codec that compresses."""
     if not store.cfg.compress_on_copy or store.codec.mode == "none":
@@ -148,7 +148,7 @@ def _compress_now(store: Store, h: Header, payload: bytes | memoryview) -> bool:
     return not any(parse_table(h, payload).flags)
 
 
-def _emit_trunc(store: Store, s: Session, f, length: int) -> bool:
+def _emit_trunc(store: StoreState, s: Session, f, length: int) -> bool:
     try:
         store.ring.append(T_TRUNC, 0, s.name_hash, s.sno, f.fno, length, 0)
     except RingFull:
@@ -162,7 +162,7 @@ def _emit_trunc(store: Store, s: Session, f, length: int) -> bool:
     return True
 
 
-def _drop(store: Store, s: Session, evicted: bool) -> bool:
+def _drop(store: StoreState, s: Session, evicted: bool) -> bool:
     try:
         store.ring.append(T_DELS, 0, s.name_hash, s.sno, 0, 0, 0)
     except RingFull:

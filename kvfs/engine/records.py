@@ -73,6 +73,16 @@ def check_id(v: int | None, what: str) -> int | None:
     return v
 
 
+def check_attrs(mode: int | None, uid: int | None, gid: int | None, atime: float | None,
+           mtime: float | None, atime_ns: int | None, mtime_ns: int | None
+           ) -> tuple[int | None, int | None, int | None, int | None, int | None]:
+    """Attribute changes checked before any is made: a value no record holds is refused
+    (TimeRange, BadId), never left in memory to fail the next checkpoint."""
+    a = check_time(atime_ns, "atime") if atime_ns is not None else seconds_ns(atime, "atime")
+    m = check_time(mtime_ns, "mtime") if mtime_ns is not None else seconds_ns(mtime, "mtime")
+    return check_id(mode, "mode"), check_id(uid, "uid"), check_id(gid, "gid"), a, m
+
+
 def name_hash(name: str) -> int:
     """First 8 bytes of md5(name): the session's key prefix in the B+ tree."""
     return int.from_bytes(hashlib.md5(name.encode("utf-8", "surrogateescape")).digest()[:8], "big")

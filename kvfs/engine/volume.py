@@ -34,10 +34,12 @@ import queue
 import stat
 import threading
 import time
+import uuid
 from collections.abc import Callable
 
+from .btree_page import TreeRoot
 from .errors import BadSuperblock, FormatError, VolumeBusy
-from .format import MIN_VOLUME, PAGE, RING_ALIGN, SB_SLOT, VOLUME_MAGIC, Superblock
+from .format import MIN_VOLUME, PAGE, RING_ALIGN, SB_CLEAN, SB_SLOT, VOLUME_MAGIC, Superblock
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +177,22 @@ class VolumeFile:
                 os.unlink(path)
             raise
         return vol
+
+    @classmethod
+    def format(cls, path: str, size: int, fill: bool = False,
+               progress: Callable[[int, int], None] | None = None) -> None:
+        """Create a volume (``create``) and write the superblocks of an empty one, both
+        slots; too small a ``size`` is refused (FormatError) before anything is created."""
+        tree_off, tree_pages, ring_off, ring_size = geometry(size)
+        vol = cls.create(path, size, fill, progress)
+        try:
+            now = time.time_ns()
+            sb = Superblock(1, SB_CLEAN, vol.size, ring_off, ring_size, tree_off, tree_pages, 0, 0,
+                            0, 1, now, now, TreeRoot.empty().pack(), uuid.uuid4().bytes)
+            vol.write_superblock(sb)
+            vol.write_superblock(Superblock(**{**sb.__dict__, "seq": 2}))
+        finally:
+            vol.close()
 
     @classmethod
     def open(cls, path: str, readonly: bool = False) -> VolumeFile:
