@@ -438,27 +438,3 @@ class WriteBuffers:
     def _cut(self, node: Node, length: int) -> None:
         if self.shared is not None:
             self.shared.cut(node.key, length)
-
-    async def read(self, node: Node, off: int, size: int) -> bytes:
-        """Bytes of the file as this mount sees it: the engine's, then the buffered tail.
-
-        Never more than ``size``. Whether the range reaches the buffer is decided under the
-        file's lock: a flush in between moves bytes from the buffer into the engine."""
-        p = self._by_ino.get(node.ino)
-        if p is None or off + size <= p.base:  # the engine's part only: it never shrinks
-            return await self._engine_read(node, off, size)
-        async with p.lock:
-            if off + size <= p.base or not p.buf:
-                return await self._engine_read(node, off, size)
-            head = b""
-            if off < p.base:
-                want = p.base - off
-                head = await self._engine_read(node, off, want)
-                if len(head) < want:  # the engine holds less than it said: no splice
-                    return head
-            start = off + len(head) - p.base
-            return head + p.buf.slice(start, start + size - len(head))
-
-    async def _engine_read(self, node: Node, off: int, size: int) -> bytes:
-        return await self.call(on_live, node, self.store.read, *node.key, off, size,
-                               changes=False)

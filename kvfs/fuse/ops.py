@@ -56,7 +56,6 @@ from .files import (
     FIXED_TIMEOUT,
     Counters,
     KernelPages,
-    ReadAhead,
     drop_kernel_pages,
     file_attr,
     make_attr,
@@ -82,6 +81,7 @@ from .nodes import (
     check_name,
     shown,
 )
+from .read_path import FileReader
 from .worker import Worker
 
 ENGINE_THREADS = 4  # engine calls in flight at once (reads overlap; changes take turns)
@@ -127,7 +127,7 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         self._dirs: dict[int, list[tuple[str, Key | int]]] = {}
         self.buffers = WriteBuffers(store, self.call, self.counters, flush_at, entry_max,
                                     max_pending)
-        self.readahead = ReadAhead(store, self.call, self.counters)  # mount.py sets its nursery
+        self.reader = FileReader(store, self.call, self.buffers, self.counters)  # mount.py sets its nursery
         self._next_fh = 1
         self._uid, self._gid = os.getuid(), os.getgid()
         self._t0 = time.time()
@@ -142,7 +142,7 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
 
     def use_shared(self, shared: Any) -> None:
         """Replicate to and read through from the shared tier (``remote.Remote``)."""
-        self.shared = self.buffers.shared = shared
+        self.shared = self.buffers.shared = self.reader.shared = shared
 
     # ------------------------------------------------------------------ plumbing
     async def call(self, fn: Callable[..., T], *args: Any, changes: bool = True,
@@ -382,7 +382,7 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         """``node``'s file was truncated: bytes read before are not served from now on."""
         node.truncated = True
         node.cuts += 1
-        ReadAhead.forget(self._handles.values(), node.ino)
+        self.reader.policy.forget(node.ino)
 
     def cut(self, node: Node) -> None:
         """``node``'s file was truncated from outside the kernel (the native channel)."""
@@ -439,11 +439,7 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
             return h.content[off:off + size]
         node = self._file(h.ino)
         self.counters.read_req_max = max(self.counters.read_req_max, size)
-        await self.shared.fill(node, off + size)  # bytes only the shared tier holds yet
-        p = self.buffers.get(h.ino)
-        data = await self.readahead.read(
-            h, node, off, size, lambda: self.buffers.read(node, off, size),
-            p.base if p is not None else None)
+        data = await self.reader.read(fh, node, off, size)  # read_path.py: the whole path
         if len(data) > size:  # FUSE refuses a reply larger than the request: a bug here
             self._internal_error("read", AssertionError(
                 f"{len(data)} bytes read for a request of {size} at {off}"))
@@ -481,6 +477,7 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
     @handler
     async def release(self, fh: int) -> None:
         h = self._handles.pop(fh)
+        self.reader.policy.closed(fh)
         if h.content is not None:
             return
         node = self.inodes.get(h.ino)
