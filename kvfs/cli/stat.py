@@ -24,7 +24,7 @@ from typing import Any
 from kvfs.cli.output import pipe_safe
 from kvfs.ops import agents
 from kvfs.ops import metrics as kvmetrics
-from kvfs.ops.profiles import format_size
+from kvfs.ops.units import format_size
 
 
 class NotKvfs(Exception):
