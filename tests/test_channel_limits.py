@@ -33,7 +33,7 @@ from kvfs.channel.client import channel_of
 from kvfs.engine.store import Store
 from kvfs.fuse import admission
 from kvfs.fuse import channel as server
-from kvfs.testing import HAVE_FUSE, As, Mount, run_as
+from kvfs.mount_runner import HAVE_FUSE, As, Mount, run_as
 
 ROOTLY = HAVE_FUSE and os.geteuid() == 0 and shutil.which("setpriv") is not None
 pytestmark = pytest.mark.skipif(not ROOTLY, reason="needs /dev/fuse, root and setpriv")

@@ -59,7 +59,7 @@ STRICT = ("kvfs.engine", "kvfs.channel", "kvfs.fuse", "kvfs.cli", "kvfs.ops")
 
 def test_no_import_cycles_even_lazy_ones() -> None:
     graph = _graph(every=True)
-    strict = {n for n in graph if n.startswith(STRICT) or n == "kvfs.testing"}
+    strict = {n for n in graph if n.startswith(STRICT) or n == "kvfs.mount_runner"}
     _assert_acyclic({n: graph[n] & strict for n in strict})
 
 
@@ -95,7 +95,7 @@ def test_layers_import_only_downwards() -> None:
         "kvfs.fuse": {"kvfs.fuse", "kvfs.engine", "kvfs.ops", "kvfs.shared", "kvfs.channel"},
         "kvfs.torch": {"kvfs.torch", "kvfs.warm", "kvfs.ops"},
         "kvfs.shared": {"kvfs.shared", "kvfs.engine"},
-        "kvfs.vllm": {"kvfs.vllm", "kvfs.torch", "kvfs.warm", "kvfs.ops", "kvfs.testing"},
+        "kvfs.vllm": {"kvfs.vllm", "kvfs.torch", "kvfs.warm", "kvfs.ops", "kvfs.mount_runner"},
     }
     bad = []
     for mod, deps in _graph().items():
