@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.watch is not None and args.watch <= 0:
         ap.error("--watch SECONDS must be > 0")
     try:
-        snap = snapshot(args.mountpoint)
+        snap: dict[str, Any] | None = snapshot(args.mountpoint)
     except NotKvfs as e:
         print(f"kvfs-stat: {e}", file=sys.stderr)
         return 2

@@ -34,8 +34,11 @@ import trio
 from pyfuse3 import FUSEError
 
 from kvfs.engine import errors
+from kvfs.engine.store import Store
 
+from .counters import Counters
 from .errnos import Stale
+from .hooks import Local
 from .nodes import Node, shown
 
 log = logging.getLogger("kvfs.fs")
@@ -151,7 +154,7 @@ class WriteBuffers:
     last handle's release drops what still cannot be stored, with a log line.
     """
 
-    def __init__(self, store: Any, call: Call, counters: Any, flush_at: int, entry_max: int,
+    def __init__(self, store: Store, call: Call, counters: Counters, flush_at: int, entry_max: int,
                  max_pending: int = MAX_PENDING) -> None:
         self.store, self.call, self.counters = store, call, counters
         self.flush_at, self.entry_max, self.max_pending = flush_at, entry_max, max_pending
@@ -159,7 +162,7 @@ class WriteBuffers:
         self._total = [0]  # bytes buffered over every file (each Tail keeps it)
         self._headroom: int | None = None  # free ring bytes at the last look, less the reserve
         self._full_until = 0.0  # trio clock: until then a full engine is not asked again
-        self.shared: Any = None  # told what reached the engine (``remote.Remote``), if set
+        self.shared: Local | None = None  # told what reached the engine (``remote.Remote``), if set
 
     def space_freed(self) -> None:
         """A file or session was deleted or truncated: the engine may have room again."""

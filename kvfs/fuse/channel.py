@@ -45,11 +45,14 @@ import trio
 
 from kvfs.channel import protocol as P
 from kvfs.engine import errors
+from kvfs.engine.store import Store
+from kvfs.engine.types import SessionStat
 
 from .admission import FRAME_TIMEOUT_S, MAX_CLIENTS, Admission, Peer, R, W, X, peer_of, recv_body
 from .errnos import Refused, Stale, errno_of
 from .files import drop_kernel_pages
 from .nodes import Node
+from .ops import Operations
 
 log = logging.getLogger("kvfs.channel")
 
@@ -58,7 +61,7 @@ BIND_TRIES = 8  # random socket names tried before the mount gives up serving
 class ChannelServer:
     """The listening socket, its accept thread and one thread per client (module doc)."""
 
-    def __init__(self, ops: Any, store: Any, volume: str, *, allow_other: bool = False,
+    def __init__(self, ops: Operations, store: Store, volume: str, *, allow_other: bool = False,
                  idle_s: float = P.IDLE_TIMEOUT_S) -> None:
         self.ops, self.store, self.volume = ops, store, volume
         self.policy = Admission((os.getuid(), os.getgid()), allow_other=allow_other,
@@ -270,12 +273,13 @@ class ChannelServer:
             files[name] = (f.size, f.mode, f.uid, f.gid)
         budget = P.SMALL_TOTAL  # bounds the reply: past it, small files answer None
         for name in small:
-            f = files.get(name)
-            if f is None or f[0] > min(P.SMALL_MAX, budget) or not peer.may(f[1], f[2], f[3], R):
+            seen = files.get(name)
+            if seen is None or seen[0] > min(P.SMALL_MAX, budget) or not peer.may(
+                    seen[1], seen[2], seen[3], R):
                 got[name] = None
                 continue
             try:
-                got[name] = b = self.store.read(session, name, 0, f[0])
+                got[name] = b = self.store.read(session, name, 0, seen[0])
                 budget -= len(b)
             except errors.NotFound:
                 got[name] = None
@@ -332,7 +336,7 @@ class ChannelServer:
                 sync_errno = e.errno or errno.EIO
         return P.write_reply(results, sync_errno)
 
-    def _item(self, peer: Peer, session: str, st: Any, it: P.Item, create: bool) -> int:
+    def _item(self, peer: Peer, session: str, st: SessionStat, it: P.Item, create: bool) -> int:
         key = (session, it.name)
         try:
             f = self.store.file_stat(session, it.name)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import errno
 import functools
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from pyfuse3 import FUSEError
 
@@ -24,6 +24,23 @@ from kvfs.engine import errors
 log = logging.getLogger("kvfs.fs")
 
 T = TypeVar("T")
+P = ParamSpec("P")
+
+
+class _Counts(Protocol):
+    corrupt_reads: int
+
+
+class Handlers(Protocol):
+    """What ``handler`` needs of the ``Operations`` whose handler it wraps."""
+
+    @property
+    def counters(self) -> _Counts: ...
+
+    def _internal_error(self, where: str, e: BaseException) -> None: ...
+
+
+H = TypeVar("H", bound=Handlers)
 
 #: engine exception -> errno; subclasses before their base (NameTooLong is a BadName)
 ERRNO: list[tuple[type[errors.KVFSError], int]] = [
@@ -70,16 +87,17 @@ class Stale(Exception):
     """The file behind a handle was unlinked or replaced: ESTALE, never the new file."""
 
 
-def handler(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+def handler(fn: Callable[Concatenate[H, P], Coroutine[Any, Any, T]]
+            ) -> Callable[Concatenate[H, P], Coroutine[Any, Any, T]]:
     """Translate what escapes a handler: known exception -> errno, anything else -> EIO.
 
     ``self`` (the ``Operations``) provides ``counters`` and ``_internal_error``.
     """
 
     @functools.wraps(fn)
-    async def wrapper(self: Any, *args: Any) -> T:
+    async def wrapper(self: H, *args: P.args, **kwargs: P.kwargs) -> T:
         try:
-            return await fn(self, *args)
+            return await fn(self, *args, **kwargs)
         except FUSEError:
             raise
         except (Refused, Stale) as e:

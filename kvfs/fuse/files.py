@@ -1,6 +1,6 @@
 """What the FUSE layer keeps and builds around the engine calls of its handlers.
 
-The layer's counters, ``EntryAttributes`` built from the engine's stat values, the
+``EntryAttributes`` built from the engine's stat values, the
 kernel's page cache of files the engine cuts (``KernelPages``), and the bodies of the
 generated ``/.kvfs`` files. Used by ``ops`` only; these pieces only format values ``ops``
 fetched. The write buffers live in ``buffers``, the read path in ``read_path``.
@@ -14,7 +14,7 @@ import queue
 import stat
 import threading
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import pyfuse3
@@ -23,6 +23,7 @@ from pyfuse3 import EntryAttributes
 from kvfs.ops import metrics
 
 from .buffers import Pending
+from .nodes import InodeTable
 
 log = logging.getLogger("kvfs.fs")
 
@@ -49,7 +50,7 @@ class KernelPages:
     only queues; a thread of its own drops the pages (an invalidation waits for pages
     locked by reads that the FUSE loop answers)."""
 
-    def __init__(self, inodes: Any) -> None:
+    def __init__(self, inodes: InodeTable) -> None:
         self.inodes = inodes
         self._q: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._t = threading.Thread(target=self._run, name="kvfs-kernel-pages", daemon=True)
@@ -68,24 +69,6 @@ class KernelPages:
     def close(self) -> None:
         self._q.put(None)
         self._t.join(timeout=10)
-
-
-@dataclass
-class Counters:
-    """The FUSE layer's own counts, shown under ``fs`` in ``/.kvfs/stats``."""
-
-    reads: int = 0
-    read_bytes: int = 0
-    writes: int = 0
-    write_bytes: int = 0
-    appends: int = 0  # engine appends, i.e. ring entries written by flushes
-    refused_writes: int = 0  # writes that were not appends (EPERM)
-    errors: int = 0  # unexpected exceptions answered with EIO
-    corrupt_reads: int = 0
-    readahead_hits: int = 0
-    window_hits: int = 0  # small reads answered from a handle's window, no engine call
-    read_req_max: int = 0  # largest read / write request the kernel sent (request sizing)
-    write_req_max: int = 0
 
 
 def _ns(t: float | int) -> int:

@@ -193,7 +193,7 @@ def fill_bar() -> Any:
                 file=sys.stderr, ncols=cols, nrows=rows)
 
 
-def open_store(args: argparse.Namespace, size: int | None, profile: profiles.Profile) -> Any:
+def open_store(args: argparse.Namespace, size: int | None, profile: profiles.Profile) -> Store:
     # other users reach an --allow-other mount: "auto" quotas apply there
     config = profile.store_config(shared=args.allow_other)
     observer = metrics.EngineObserver()
@@ -249,7 +249,7 @@ def fuse_options(args: argparse.Namespace) -> set[str]:
     return options
 
 
-async def checkpointer(ops: Operations, store: Any) -> None:
+async def checkpointer(ops: Operations, store: Store) -> None:
     """Ask the store every few seconds whether a checkpoint is due; refresh the gauges."""
     while True:
         await trio.sleep(CHECKPOINT_TICK_S)
@@ -303,7 +303,7 @@ def _unescape(field: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
 
 
-async def serve(ops: Operations, store: Any, profile: profiles.Profile,
+async def serve(ops: Operations, store: Store, profile: profiles.Profile,
                 alert_engine: Any, mountpoint: str | None = None,
                 read_ahead_kb: int = READ_AHEAD_KB) -> None:
     """The FUSE loop and its companions; returns after ``umount`` or a signal."""
@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def close_store(store: Any) -> None:
+def close_store(store: Store) -> None:
     try:
         store.close()
     except Exception:

@@ -37,9 +37,9 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import pyfuse3
 import trio
@@ -47,14 +47,16 @@ from pyfuse3 import EntryAttributes, FileInfo, FUSEError, RequestContext, Setatt
 
 from kvfs.engine import errors
 from kvfs.engine.records import check_time
+from kvfs.engine.store import Store
+from kvfs.engine.types import FileStat, SessionStat
 from kvfs.ops import agents, metrics
 
 from .buffers import MAX_PENDING, WriteBuffers, on_live
+from .counters import Counters
 from .dirs import Directories
 from .errnos import Stale, handler
 from .files import (
     FIXED_TIMEOUT,
-    Counters,
     KernelPages,
     drop_kernel_pages,
     file_attr,
@@ -94,6 +96,19 @@ FLUSH_AT = 1 << 20  # a file's write buffer is handed to the engine at this size
 ENTRY_MAX = 256 << 10  # cut into ring entries of at most this size (docs/mount.md)
 
 
+class NativeChannel(Protocol):
+    """The native channel's server (``channel.ChannelServer``), as the mount runs it and
+    the stats show it."""
+
+    def bind(self) -> None: ...
+
+    def start(self, token: trio.lowlevel.TrioToken) -> None: ...
+
+    def info(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
 def _is_write(flags: int) -> bool:
     return (flags & os.O_ACCMODE) != os.O_RDONLY
 
@@ -104,7 +119,7 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
     supports_dot_lookup = True
     enable_writeback_cache = False
 
-    def __init__(self, store: Any, *, direct_io: bool = True, allow_other: bool = False,
+    def __init__(self, store: Store, *, direct_io: bool = True, allow_other: bool = False,
                  flush_at: int = FLUSH_AT, entry_max: int = ENTRY_MAX,
                  max_pending: int = MAX_PENDING, alerts_state: Callable[[], Any] | None = None,
                  profile: dict[str, Any] | None = None, inline_reads: bool = True,
@@ -133,14 +148,14 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         self._t0 = time.time()
         # with allow_other anyone may create a session; the sticky bit keeps them apart
         self._sessions_mode = stat.S_IFDIR | (0o1777 if allow_other else 0o755)
-        self.shared: Any = Local()  # the shared tier's hooks (``remote.Remote`` with --shared)
-        self.channel: Any = None  # the native channel's server (``channel.py``), if serving
+        self.shared: Local = Local()  # the shared tier's hooks (``remote.Remote`` with --shared)
+        self.channel: NativeChannel | None = None  # the native channel's server (``channel.py``), if serving
         # cached pages of files the engine cuts behind the kernel's back are dropped
         self.pages = KernelPages(self.inodes) if not direct_io else None
         if self.pages is not None:
             store.on_cut = self.pages.cut
 
-    def use_shared(self, shared: Any) -> None:
+    def use_shared(self, shared: Local) -> None:
         """Replicate to and read through from the shared tier (``remote.Remote``)."""
         self.shared = self.buffers.shared = self.reader.shared = shared
 
@@ -217,12 +232,12 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         return make_attr(ino, mode, self._uid, self._gid, times,
                          nlink=1 if ino == SESSIONS else 2, timeout=FIXED_TIMEOUT)
 
-    def _dyn_attr(self, ino: int, key: Key, st: Any) -> EntryAttributes:
+    def _dyn_attr(self, ino: int, key: Key, st: SessionStat | FileStat) -> EntryAttributes:
         if len(key) == 1:
             return session_attr(ino, st)
         return file_attr(ino, self.shared.size_of(key, st), self.buffers.get(ino))
 
-    def _stat_sync(self, key: Key) -> Any:
+    def _stat_sync(self, key: Key) -> SessionStat | FileStat:
         return self.store.session_stat(*key) if len(key) == 1 else self.store.file_stat(*key)
 
     async def _attr_of(self, ino: int) -> EntryAttributes:
@@ -290,7 +305,7 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
                 if not await made:
                     return negative()
                 st = await self.call(self._stat_sync, key, changes=False)
-            if len(key) == 1:
+            if isinstance(st, SessionStat):
                 self._bind_session(key[0], st.sno)
                 await self._drop_pages()
             return self._dyn_attr(self.inodes.looked_up(key), key, st)
@@ -317,7 +332,7 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         key = self._key(ino)
         return SESSIONS if len(key) == 1 else self.inodes.ino_of(key[:1])
 
-    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for ino, n in inode_list:
             self.inodes.forget(ino, n)
 
@@ -334,16 +349,14 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         if node.unlinked and len(node.key) == 2:
             raise Stale(shown(node.key))  # ftruncate, fchmod, futimens of an unlinked file
         key = self._key(inode)
-        changes = {
-            "mode": attr.st_mode & 0o7777 if fields.update_mode else None,
-            "uid": attr.st_uid if fields.update_uid else None,
-            "gid": attr.st_gid if fields.update_gid else None,
-            "atime_ns": attr.st_atime_ns if fields.update_atime else None,
-            "mtime_ns": attr.st_mtime_ns if fields.update_mtime else None,
-        }
+        mode = attr.st_mode & 0o7777 if fields.update_mode else None
+        uid = attr.st_uid if fields.update_uid else None
+        gid = attr.st_gid if fields.update_gid else None
+        atime_ns = attr.st_atime_ns if fields.update_atime else None
+        mtime_ns = attr.st_mtime_ns if fields.update_mtime else None
         # EOVERFLOW for a time no record holds, before the size or anything else changes
-        check_time(changes["atime_ns"], "atime")
-        check_time(changes["mtime_ns"], "mtime")
+        check_time(atime_ns, "atime")
+        check_time(mtime_ns, "mtime")
         if fields.update_size:
             if len(key) == 1:
                 raise FUSEError(errno.EISDIR)
@@ -357,10 +370,15 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
             self.buffers.space_freed()
         elif len(key) == 2:  # written bytes land first, so e.g. tar's futimens sticks
             await self.buffers.flush(node)
-        if any(v is not None for v in changes.values()):
-            setter = self.store.set_session_attrs if len(key) == 1 else self.store.set_file_attrs
-            await self.call(on_live, node, functools.partial(setter, *key, **changes))
-            if len(key) == 1 and any(changes[k] is not None for k in ("mode", "uid", "gid")):
+        if (mode, uid, gid, atime_ns, mtime_ns) != (None,) * 5:
+            if len(key) == 1:
+                change = functools.partial(self.store.set_session_attrs, key[0], mode, uid, gid,
+                                           atime_ns=atime_ns, mtime_ns=mtime_ns)
+            else:
+                change = functools.partial(self.store.set_file_attrs, key[0], key[1], mode, uid,
+                                           gid, atime_ns=atime_ns, mtime_ns=mtime_ns)
+            await self.call(on_live, node, change)
+            if len(key) == 1 and (mode, uid, gid) != (None, None, None):
                 self.shared.owner_changed(key[0])  # the owner record travels with the session
         return await self._attr_of(inode)
 

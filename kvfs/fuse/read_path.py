@@ -28,16 +28,18 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
+
+from kvfs.engine.store import Store
 
 from .buffers import Call, WriteBuffers, on_live
 from .hooks import Local
 from .nodes import Node
 
 if TYPE_CHECKING:
-    from .files import Counters
+    from .counters import Counters
 
 log = logging.getLogger("kvfs.fs")
 
@@ -151,9 +153,9 @@ class FileReader:
     """What a FUSE read of a file returns (module doc). ``mount.py`` sets ``nursery``
     while the mount runs; ``Operations.use_shared`` sets ``shared``."""
 
-    def __init__(self, store: Any, call: Call, buffers: WriteBuffers, counters: Counters) -> None:
+    def __init__(self, store: Store, call: Call, buffers: WriteBuffers, counters: Counters) -> None:
         self.store, self.call, self.buffers, self.counters = store, call, buffers, counters
-        self.shared: Any = Local()
+        self.shared: Local = Local()
         self.policy = ReadAhead()
         self.nursery: trio.Nursery | None = None
 

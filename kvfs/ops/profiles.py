@@ -214,7 +214,7 @@ def _allowed(f: dataclasses.Field) -> str:
     if kind == "pow2":
         return f"a power of two from {lo} to {hi}"
     if kind == "size":
-        return f"a size of at least {format_size(lo)}, e.g. 512M, 16G, 1.2T"
+        return f"a size of at least {format_size(lo or 0)}, e.g. 512M, 16G, 1.2T"
     if kind == "seconds":
         return f"a duration of at least {lo:g} s, e.g. 30, 30s, 10m, 7d"
     if kind == "ms":
@@ -256,9 +256,9 @@ def _check(f: dataclasses.Field, v: Any, origin: str, shown: Any) -> None:
     elif kind == "fraction":
         ok = isinstance(v, float) and 0.0 < v <= 1.0
     elif kind in ("seconds", "ms"):
-        ok = isinstance(v, float) and math.isfinite(v) and v >= lo
+        ok = isinstance(v, float) and math.isfinite(v) and (lo is None or v >= lo)
     else:  # int, pow2, size
-        ok = isinstance(v, int) and not isinstance(v, bool) and v >= lo
+        ok = isinstance(v, int) and not isinstance(v, bool) and (lo is None or v >= lo)
         ok = ok and (hi is None or v <= hi)
         ok = ok and (kind != "pow2" or v & (v - 1) == 0)
     if not ok:
@@ -271,16 +271,16 @@ def _convert(f: dataclasses.Field, raw: Any, origin: str) -> Any:
     if kind == "bool":
         words = {"true": True, "yes": True, "on": True, "1": True,
                  "false": False, "no": False, "off": False, "0": False}
-        v = raw if isinstance(raw, bool) else words.get(str(raw).strip().lower())
-        if v is None:
+        flag = raw if isinstance(raw, bool) else words.get(str(raw).strip().lower())
+        if flag is None:
             raise _fail(f, raw, origin)
-        return v
+        return flag
     if isinstance(raw, bool) or raw is None or isinstance(raw, list | dict):
         raise _fail(f, raw, origin)
     try:
         if kind.startswith("auto_") and (raw == AUTO or isinstance(raw, str)
                                          and raw.strip().lower() == "auto"):
-            v: Any = AUTO  # as typed, or already converted (Profile re-checks its values)
+            v: int | float | str = AUTO  # as typed, or already converted (Profile re-checks its values)
         elif kind == "auto_share":
             v = (float(raw.strip()[:-1]) / 100.0 if isinstance(raw, str) and raw.strip().endswith("%")
                  else float(raw))
@@ -291,10 +291,9 @@ def _convert(f: dataclasses.Field, raw: Any, origin: str) -> Any:
             if isinstance(raw, float) and not raw.is_integer():
                 raise ValueError
         elif kind in ("name", "str", "choice", "path", "file"):
-            v = raw if isinstance(raw, str) else None
-            if v is None:
+            if not isinstance(raw, str):
                 raise ValueError
-            v = v.strip()
+            v = raw.strip()
         elif kind == "size":
             if isinstance(raw, float):
                 if not raw.is_integer():
