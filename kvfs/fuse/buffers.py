@@ -418,6 +418,14 @@ class WriteBuffers:
             return done, e
         return done, None
 
+    async def flush_all(self) -> None:
+        """Hand every buffered byte to the engine (at unmount; failures are logged)."""
+        for p in self.pending():
+            try:
+                await self.flush(p.node)
+            except (errors.KVFSError, Stale) as e:
+                log.error("flush at unmount failed for %s: %r", shown(p.node.key), e)
+
     async def truncate(self, node: Node, length: int) -> None:
         """Drop the tail of a file (an agent retrying a turn); longer -> EINVAL."""
         p = self._by_ino.get(node.ino)

@@ -14,16 +14,18 @@ import queue
 import stat
 import threading
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import pyfuse3
-from pyfuse3 import EntryAttributes
+from pyfuse3 import EntryAttributes, SetattrFields
 
-from kvfs.ops import metrics
+from kvfs.engine.records import check_time
+from kvfs.engine.store import Store
+from kvfs.ops import agents, metrics
 
 from .buffers import Pending
-from .nodes import InodeTable
+from .nodes import InodeTable, Key
 
 log = logging.getLogger("kvfs.fs")
 
@@ -113,6 +115,52 @@ def file_attr(ino: int, st: Any, pending: Pending | None, nlink: int = 1) -> Ent
     size = pending.size if pending is not None else st.size
     return make_attr(ino, stat.S_IFREG | (st.mode & 0o7777), st.uid, st.gid,
                      _times(st), size, st.stored, nlink=nlink)
+
+
+@dataclass(frozen=True)
+class AttrChange:
+    """What a ``setattr`` asks of the engine besides the size (None: unchanged)."""
+
+    mode: int | None
+    uid: int | None
+    gid: int | None
+    atime_ns: int | None
+    mtime_ns: int | None
+
+    @classmethod
+    def asked(cls, attr: EntryAttributes, fields: SetattrFields) -> AttrChange:
+        """The change the kernel asked for; EOVERFLOW (``TimeRange``) for a time no record
+        holds, before anything changes."""
+        c = cls(attr.st_mode & 0o7777 if fields.update_mode else None,
+                attr.st_uid if fields.update_uid else None,
+                attr.st_gid if fields.update_gid else None,
+                attr.st_atime_ns if fields.update_atime else None,
+                attr.st_mtime_ns if fields.update_mtime else None)
+        check_time(c.atime_ns, "atime")
+        check_time(c.mtime_ns, "mtime")
+        return c
+
+    def any(self) -> bool:
+        return (self.mode, self.uid, self.gid, self.atime_ns, self.mtime_ns) != (None,) * 5
+
+    def owner(self) -> bool:
+        """Whether the mode or the owner change (the shared tier's owner record follows)."""
+        return (self.mode, self.uid, self.gid) != (None, None, None)
+
+    def apply(self, store: Store, key: Key) -> None:
+        """Make the change (an engine call: on the worker)."""
+        if len(key) == 1:
+            store.set_session_attrs(key[0], self.mode, self.uid, self.gid,
+                                    atime_ns=self.atime_ns, mtime_ns=self.mtime_ns)
+        else:
+            store.set_file_attrs(key[0], key[1], self.mode, self.uid, self.gid,
+                                 atime_ns=self.atime_ns, mtime_ns=self.mtime_ns)
+
+
+def agent_totals(profile: dict[str, Any] | None, volume_id: str) -> dict[str, dict[str, Any]]:
+    """What the volume's live agents publish (``kvfs.ops.agents``), summed."""
+    warm_root = (profile or {}).get("warm_root")
+    return agents.totals(agents.read(warm_root, volume_id) if warm_root else [])
 
 
 def negative() -> EntryAttributes:

@@ -333,7 +333,7 @@ async def serve(ops: Operations, store: Store, profile: profiles.Profile,
         nursery.cancel_scope.cancel()
     if ops.channel is not None:
         await trio.to_thread.run_sync(ops.channel.close)
-    await ops.flush_all()
+    await ops.buffers.flush_all()
     await ops.shared.close()  # pushes what is queued (bounded), hands the leases back
     ops.worker.close()
     if ops.pages is not None:

@@ -32,24 +32,22 @@ still gets ESTALE rather than cached bytes.
 from __future__ import annotations
 
 import errno
-import functools
 import logging
 import os
 import stat
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import pyfuse3
 import trio
 from pyfuse3 import EntryAttributes, FileInfo, FUSEError, RequestContext, SetattrFields
 
 from kvfs.engine import errors
-from kvfs.engine.records import check_time
 from kvfs.engine.store import Store
 from kvfs.engine.types import FileStat, SessionStat
-from kvfs.ops import agents, metrics
+from kvfs.ops import metrics
 
 from .buffers import MAX_PENDING, WriteBuffers, on_live
 from .counters import Counters
@@ -57,7 +55,9 @@ from .dirs import Directories
 from .errnos import Stale, handler
 from .files import (
     FIXED_TIMEOUT,
+    AttrChange,
     KernelPages,
+    agent_totals,
     drop_kernel_pages,
     file_attr,
     make_attr,
@@ -83,6 +83,7 @@ from .nodes import (
     check_name,
     shown,
 )
+from .ops_state import NativeChannel
 from .read_path import FileReader
 from .worker import Worker
 
@@ -94,19 +95,6 @@ T = TypeVar("T")
 LEASE_XATTR = b"user.kvfs.lease"
 FLUSH_AT = 1 << 20  # a file's write buffer is handed to the engine at this size
 ENTRY_MAX = 256 << 10  # cut into ring entries of at most this size (docs/mount.md)
-
-
-class NativeChannel(Protocol):
-    """The native channel's server (``channel.ChannelServer``), as the mount runs it and
-    the stats show it."""
-
-    def bind(self) -> None: ...
-
-    def start(self, token: trio.lowlevel.TrioToken) -> None: ...
-
-    def info(self) -> dict[str, Any]: ...
-
-    def close(self) -> None: ...
 
 
 def _is_write(flags: int) -> bool:
@@ -250,15 +238,10 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         st = await self.call(on_live, node, self._stat_sync, key, changes=False)
         return self._dyn_attr(ino, key, st)
 
-    def agent_totals(self) -> dict[str, dict[str, Any]]:
-        """What the volume's live agents publish (``kvfs.ops.agents``), summed."""
-        warm_root = (self.profile or {}).get("warm_root")
-        return agents.totals(agents.read(warm_root, self.store.volume_id) if warm_root else [])
-
     def refresh_gauges(self) -> None:
         """The gauges of tiers and figures the registry does not follow by itself (cold
         usage, live agents); run before every scrape (``metrics.on_scrape``). Thread-safe."""
-        set_gauges(self.store.usage(), self.agent_totals())
+        set_gauges(self.store.usage(), agent_totals(self.profile, self.store.volume_id))
 
     async def _generate(self, ino: int, private: bool = False) -> bytes:
         """The body of a generated file; ``private``: for the mount's owner or root (with
@@ -266,7 +249,8 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         def body() -> bytes:
             if ino != STATS:
                 self.shared.refresh_metrics()
-                return metrics_body(self.store.usage(), self.agent_totals())
+                return metrics_body(self.store.usage(),
+                                    agent_totals(self.profile, self.store.volume_id))
             fs = {**asdict(self.counters), "open_files": len(self._handles),
                   "inodes": len(self.inodes), "direct_io": self.direct_io,
                   "pending_bytes": self.buffers.pending_bytes,
@@ -349,14 +333,7 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         if node.unlinked and len(node.key) == 2:
             raise Stale(shown(node.key))  # ftruncate, fchmod, futimens of an unlinked file
         key = self._key(inode)
-        mode = attr.st_mode & 0o7777 if fields.update_mode else None
-        uid = attr.st_uid if fields.update_uid else None
-        gid = attr.st_gid if fields.update_gid else None
-        atime_ns = attr.st_atime_ns if fields.update_atime else None
-        mtime_ns = attr.st_mtime_ns if fields.update_mtime else None
-        # EOVERFLOW for a time no record holds, before the size or anything else changes
-        check_time(atime_ns, "atime")
-        check_time(mtime_ns, "mtime")
+        change = AttrChange.asked(attr, fields)  # EOVERFLOW first, before the size changes
         if fields.update_size:
             if len(key) == 1:
                 raise FUSEError(errno.EISDIR)
@@ -370,15 +347,9 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
             self.buffers.space_freed()
         elif len(key) == 2:  # written bytes land first, so e.g. tar's futimens sticks
             await self.buffers.flush(node)
-        if (mode, uid, gid, atime_ns, mtime_ns) != (None,) * 5:
-            if len(key) == 1:
-                change = functools.partial(self.store.set_session_attrs, key[0], mode, uid, gid,
-                                           atime_ns=atime_ns, mtime_ns=mtime_ns)
-            else:
-                change = functools.partial(self.store.set_file_attrs, key[0], key[1], mode, uid,
-                                           gid, atime_ns=atime_ns, mtime_ns=mtime_ns)
-            await self.call(on_live, node, change)
-            if len(key) == 1 and (mode, uid, gid) != (None, None, None):
+        if change.any():
+            await self.call(on_live, node, change.apply, self.store, key)
+            if len(key) == 1 and change.owner():
                 self.shared.owner_changed(key[0])  # the owner record travels with the session
         return await self._attr_of(inode)
 
@@ -531,11 +502,4 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
             return []
         return [LEASE_XATTR]
 
-    # ------------------------------------------------------------------ shutdown
-    async def flush_all(self) -> None:
-        """Hand every buffered byte to the engine (at unmount; failures are logged)."""
-        for p in self.buffers.pending():
-            try:
-                await self.buffers.flush(p.node)
-            except (errors.KVFSError, Stale) as e:
-                log.error("flush at unmount failed for %s: %r", shown(p.node.key), e)
+

@@ -1,4 +1,5 @@
-"""What the namespace and directory handlers use of the ``Operations`` they belong to.
+"""What the namespace and directory handlers use of the ``Operations`` they belong to,
+and the native channel's server as ``Operations`` holds it (``NativeChannel``).
 
 ``namespace.Namespace`` and ``dirs.Directories`` hold handlers of ``ops.Operations``, kept
 in files of their own for size. Their ``self`` is typed as ``OpsState``, so the state and
@@ -12,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
+    import trio
     from pyfuse3 import EntryAttributes, FileInfo, RequestContext
 
     from kvfs.engine.store import Store
@@ -24,6 +26,19 @@ if TYPE_CHECKING:
     from .worker import Worker
 
 T = TypeVar("T")
+
+
+class NativeChannel(Protocol):
+    """The native channel's server (``channel.ChannelServer``), as the mount runs it and
+    the stats show it."""
+
+    def bind(self) -> None: ...
+
+    def start(self, token: trio.lowlevel.TrioToken) -> None: ...
+
+    def info(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
 
 
 class OpsState(Protocol):
