@@ -51,6 +51,11 @@ Contract (the FUSE layer, tools and tests rely on it):
   drop_caches()                            # forget decoded entries (cold-read benchmarks)
 Times in the API are float seconds; on disk they are integer nanoseconds. ``volume`` is the
 volume class (``faults.FaultyVolume`` in tests); ``observer`` gets latencies and errors.
+
+Parts: the read path (``reads.ReadPath``) and the append path (``appends.AppendPath``) are
+objects the store holds and delegates to; the checkpoint, recovery, reclaim, the fail-safe
+guard and reporting are functions over the store's ``state.StoreState``. None imports this
+module.
 """
 
 from __future__ import annotations
@@ -72,7 +77,6 @@ from .errors import (
     NeedsFsck,
     NoSpace,
     NotFound,
-    RecordFull,
 )
 from .failsafe import guarded
 from .format import (
@@ -91,7 +95,6 @@ from .fsck_mark import FsckMark
 from .index import Index
 from .published import Published
 from .quota import (
-    INDEX,
     Ledger,
     Limits,
     file_base,
@@ -244,24 +247,12 @@ class Store:
                 ) -> tuple[tuple[int, int, int], list[FileExtents | None]]:
         return self.reads.extents(session, files)
 
-    def entry_bytes(self, pos: int, esize: int) -> bytes:
-        return self.reads.entry_bytes(pos, esize)
-
     def publish(self) -> Published:
         return self.reads.publish()
 
     @property
     def published(self) -> Published | None:
         return self.reads.published
-
-    @property
-    def on_cut(self) -> Callable[[int], None] | None:
-        """Told of every cut (truncate, delete, drop) under the state lock; must not wait."""
-        return self.reads.on_cut
-
-    @on_cut.setter
-    def on_cut(self, fn: Callable[[int], None] | None) -> None:
-        self.reads.on_cut = fn
 
     def mark_cut(self, sno: int) -> None:
         self.reads.mark_cut(sno)
@@ -333,29 +324,17 @@ class Store:
     max_record = MAX_RECORD  # bytes of one session's checkpoint record (tests lower it)
 
     def _admit(self, uid: int, session: Session | None = None, **more: int) -> None:
-        """Quotas and the index budget (``quota.Ledger.admit``) before a change grows the
-        index; the bitmap chunks the tree holds count too. A change to ``session`` must
-        also leave its record encodable, or every later checkpoint would fail."""
+        """Quotas and the index budget before a change grows the index, the bitmap chunks
+        the tree holds counted too (``quota.Ledger.admit_change``)."""
         self.quota.bitmap_chunks = len(self.idx.chunks)
-        self.quota.admit(uid, **more)
-        add = more.get("index", 0)
-        # the owner's index bytes bound each of its records: counted only past the limit
-        if session is not None and self.quota.of(uid)[INDEX] + add > self.max_record:
-            have = session_use(session)[INDEX]
-            if have + add > self.max_record:
-                raise RecordFull(f"session {session.name!r}: its index record would pass "
-                                 f"{self.max_record} bytes ({have} now): start another session")
+        self.quota.admit_change(uid, session, self.max_record, **more)
 
     def quota_room(self, session: str) -> int | None:
         """Data bytes the owner of ``session`` may still add (None: no byte quota)."""
         return self.quota.room(self._session(session).uid)
 
     def session_stat(self, name: str) -> SessionStat:
-        s = self._session(name)
-        size = sum(f.size for f in s.files.values())
-        stored = sum(f.stored() for f in s.files.values())
-        return SessionStat(s.name, s.sno, s.mode, s.uid, s.gid, s.ctime / 1e9, s.mtime / 1e9,
-                           s.atime / 1e9, len(s.files), size, stored, s.ctime, s.mtime, s.atime)
+        return self._session(name).stat()
 
     def set_session_attrs(self, name: str, mode: int | None = None, uid: int | None = None,
                           gid: int | None = None, atime: float | None = None,
@@ -404,9 +383,7 @@ class Store:
         self.idx.dirty(s)
 
     def file_stat(self, session: str, name: str) -> FileStat:
-        _, f = self._file(session, name)
-        return FileStat(f.name, f.size, f.stored(), f.mode, f.uid, f.gid, f.ctime / 1e9,
-                        f.mtime / 1e9, f.atime / 1e9, f.ctime, f.mtime, f.atime)
+        return self._file(session, name)[1].stat()
 
     def set_file_attrs(self, session: str, name: str, mode: int | None = None, uid: int | None = None,
                        gid: int | None = None, atime: float | None = None,

@@ -141,7 +141,7 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         # cached pages of files the engine cuts behind the kernel's back are dropped
         self.pages = KernelPages(self.inodes) if not direct_io else None
         if self.pages is not None:
-            store.on_cut = self.pages.cut
+            store.reads.on_cut = self.pages.cut
 
     def use_shared(self, shared: Local) -> None:
         """Replicate to and read through from the shared tier (``remote.Remote``)."""
