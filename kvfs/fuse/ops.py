@@ -501,5 +501,3 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         if inode in FIXED or not self.shared.enabled or len(self._key(inode)) != 1:
             return []
         return [LEASE_XATTR]
-
-
