@@ -16,10 +16,13 @@ import os
 import re
 import socket
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvfs.fuse.errnos import Refused
 from kvfs.ops import profiles
+
+if TYPE_CHECKING:
+    from kvfs.shared import SharedTier
 
 log = logging.getLogger("kvfs.mount")
 
@@ -71,7 +74,7 @@ def shared_password(profile: profiles.Profile) -> str | None:
     return None
 
 
-def open_shared(args: argparse.Namespace, profile: profiles.Profile) -> Any:
+def open_shared(args: argparse.Namespace, profile: profiles.Profile) -> SharedTier | None:
     """The ``SharedTier`` of ``--shared`` (or the profile's ``shared``), None without one;
     ``Refused`` when it cannot be reached, unless it is optional (then a warning), and when
     its settings are wrong (optional or not). No password ever reaches a message."""
