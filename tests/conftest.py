@@ -1,4 +1,4 @@
-"""Shared fixtures: real kvfs mounts through /dev/fuse (see :mod:`kvfs.testing`), the
+"""Shared fixtures: real kvfs mounts through /dev/fuse (see :mod:`kvfs.mount_runner`), the
 warm-tier tests' directories and bytes, and the B+ tree tests' zeroed regions.
 
 Every test that uses a mount fixture is marked ``mount``; the long ones (models run token
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from kvfs.engine.volume import VolumeFile
-from kvfs.testing import (  # noqa: F401 - re-exported for the test modules
+from kvfs.mount_runner import (  # noqa: F401 - re-exported for the test modules
     HAVE_FUSE,
     Mount,
     MountFailed,
@@ -31,7 +31,7 @@ from kvfs.testing import (  # noqa: F401 - re-exported for the test modules
 
 ROOT = Path(__file__).resolve().parent.parent
 MOUNT_FIXTURES = {"make_mount", "kvfs", "shared_mount"}
-# modules whose tests start mounts themselves (kvfs.testing.Mount, the torture scenarios)
+# modules whose tests start mounts themselves (kvfs.mount_runner.Mount, the torture scenarios)
 MOUNT_MODULES = {"test_agent_day", "test_reliability"}
 # the slow lane: whole modules (real models step by step, a Redis Cluster, the benchmark
 # smoke run, model-based state machines) and single long tests (functions, any parameters)

@@ -27,9 +27,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from kvfs.mount_runner import Mount
 from kvfs.shared.chunks import SessionKeys
 from kvfs.shared.testing import HAVE_REDIS, Cluster
-from kvfs.testing import Mount
 from kvfs.torch import KVRouter, TieredCache
 from kvfs.torch.testing import generate_turns, profile_rope, prompt, tiny_llama
 from kvfs.warm import WarmBusy, WarmError

@@ -18,8 +18,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from kvfs.mount_runner import Mount
 from kvfs.ops.profiles import user_path
-from kvfs.testing import Mount
 from kvfs.torch import KVRouter, geometry
 from kvfs.torch.testing import generate_turns, prompt, tiny_llama
 from kvfs.warm import WarmError

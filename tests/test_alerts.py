@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from kvfs.ops import alerts, metrics, profiles
+from kvfs.ops import alerts, metrics, profiles, units
 from kvfs.ops.alerts import AlertEngine, MetricsSampler, Rule, default_rules
 from kvfs.ops.profiles import load
 
@@ -224,7 +224,7 @@ def test_continuous_evaluation_thread() -> None:
                                           (0.0, "0s")])
 def test_prom_duration(seconds: float, text: str) -> None:
     assert alerts.prom_duration(seconds) == text
-    assert profiles.parse_duration(text) == seconds
+    assert units.parse_duration(text) == seconds
 
 
 def test_prometheus_rules_follow_the_profile() -> None:

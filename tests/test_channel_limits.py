@@ -31,8 +31,9 @@ from kvfs.channel import Channel, Item
 from kvfs.channel import protocol as P
 from kvfs.channel.client import channel_of
 from kvfs.engine.store import Store
+from kvfs.fuse import admission
 from kvfs.fuse import channel as server
-from kvfs.testing import HAVE_FUSE, As, Mount, run_as
+from kvfs.mount_runner import HAVE_FUSE, As, Mount, run_as
 
 ROOTLY = HAVE_FUSE and os.geteuid() == 0 and shutil.which("setpriv") is not None
 pytestmark = pytest.mark.skipif(not ROOTLY, reason="needs /dev/fuse, root and setpriv")
@@ -328,8 +329,8 @@ def test_one_user_cannot_fill_the_channel_and_the_owner_keeps_slots(open_mount):
     try:
         got = [u.stdout.readline().split(maxsplit=1) for u in users]
         admitted = [int(n) for n, _ in got]
-        assert max(admitted) == server.PER_UID, got  # five users at once: each at most its share
-        assert sum(admitted) == server.MAX_CLIENTS - server.OWNER_SLOTS, got  # the owner's stay free
+        assert max(admitted) == admission.PER_UID, got  # five users at once: each at most its share
+        assert sum(admitted) == admission.MAX_CLIENTS - admission.OWNER_SLOTS, got  # the owner's stay free
         assert {x.strip() for _, x in got} == {f"[{errno.EUSERS}]"}, got
         ch = Channel.open(str(m.mountpoint))  # the owner still gets in, reads and writes
         assert ch is not None, m.log_text()
@@ -364,7 +365,7 @@ def test_idle_connections_are_closed_and_clients_connect_again(open_mount):
             ch.close()
         users[0].stdin.write("\n")
         users[0].stdin.flush()
-        assert int(users[0].stdout.readline()) == int(n) == server.PER_UID
+        assert int(users[0].stdout.readline()) == int(n) == admission.PER_UID
     finally:
         _release(users)
 
@@ -378,7 +379,7 @@ def test_a_client_at_its_users_limit_waits_for_its_own_connections(open_mount):
     out = run_as(ALICE, f"""
         import socket, threading
         from kvfs.channel import Channel
-        from kvfs.fuse.channel import PER_UID
+        from kvfs.fuse.admission import PER_UID
         held = []
         for _ in range(PER_UID - 1):  # all but one of this user's connections, idle
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -565,7 +566,7 @@ def test_a_read_out_of_memory_does_not_mark_the_volume(tmp_path, monkeypatch):
     def no_memory(*a, **kw):  # noqa: ANN002, ANN003, ANN202 - what a huge request met
         raise MemoryError
 
-    monkeypatch.setattr(type(s), "_read_jobs", no_memory)
+    monkeypatch.setattr(type(s.reads), "_read_jobs", no_memory)
     with pytest.raises(MemoryError):
         s.read("s", "f", 0, 5000)
     assert not s.needs_fsck  # nothing on the volume is wrong

@@ -22,8 +22,8 @@ import pytest
 yaml = pytest.importorskip("yaml")
 
 from kvfs.fuse.mount import parse_args
-from kvfs.ops import alerts, metrics, profiles
-from kvfs.testing import HAVE_FUSE, MOUNT_TIMEOUT, run_mount, wait_unmounted
+from kvfs.mount_runner import HAVE_FUSE, MOUNT_TIMEOUT, run_mount, wait_unmounted
+from kvfs.ops import alerts, metrics, profiles, units
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -120,7 +120,7 @@ def test_exec_start_parses_with_the_mount_arguments() -> None:
     assert (args.volume, args.mountpoint, args.profile) == (
         env["VOLUME"], env["MOUNTPOINT"], env["PROFILE"])
     assert args.foreground and args.metrics_port == 9477 and args.metrics_addr == "127.0.0.1"
-    assert profiles.parse_size(args.size) == 512 << 30
+    assert units.parse_size(args.size) == 512 << 30
     prof = profiles.load(args.profile, profiles.parse_overrides(args.overrides))
     assert prof.checkpoint_interval_s == 120.0
     # without KVFS_OPTS the command is still complete
@@ -298,7 +298,7 @@ def test_rule_thresholds_equal_the_profiles() -> None:
             m = re.fullmatch(r"(.*\S)\s*>\s*([0-9.eE+-]+)", r["expr"])
             assert m, r["expr"]
             assert float(m.group(2)) == getattr(p, pct), (name, alert)
-            assert profiles.parse_duration(r["for"]) == getattr(p, for_s), (name, alert)
+            assert units.parse_duration(r["for"]) == getattr(p, for_s), (name, alert)
             assert r["labels"]["profile"] == name
             used = promql_metrics(m.group(1))
             assert used and used <= known, used - known

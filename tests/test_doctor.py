@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvfs.cli import doctor
-from kvfs.ops.profiles import load, parse_size
+from kvfs.ops.profiles import load
+from kvfs.ops.units import parse_size
 
 ROOT = Path(__file__).resolve().parents[1]
 

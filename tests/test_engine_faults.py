@@ -34,7 +34,7 @@ def _torn_last_entry(tmp_path, size: int, cuts, vol_size: int = 4 * MB) -> None:
     s.append("s", "layer_0", 3000, payload)
     s.flush()
     vol = s.vol
-    assert isinstance(vol, FaultyVolume) and vol.unsynced() == 1
+    assert isinstance(vol, FaultyVolume) and vol.unsynced_writes() == 1
     off, pre, data = vol.journal[0]
     s.crash()
     nblocks = -(-size // BLOCK)

@@ -158,7 +158,7 @@ class StoreMachine(RuleBasedStateMachine):
         vol = self.store.vol
         assert isinstance(vol, FaultyVolume)
         self.store.ring.flush()
-        keep = min(keep, vol.unsynced())
+        keep = min(keep, vol.unsynced_writes())
         vol.power_cut(keep, tear)
         self._check_after_cut()
 
@@ -176,7 +176,7 @@ class StoreMachine(RuleBasedStateMachine):
             pass
         else:  # fewer syncs than that (nothing to commit): cut after it anyway
             vol.fail_at_sync = None
-        vol.power_cut(min(keep, vol.unsynced()), tear)
+        vol.power_cut(min(keep, vol.unsynced_writes()), tear)
         self._check_after_cut()
 
     def _check_after_cut(self) -> None:

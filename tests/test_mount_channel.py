@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from kvfs.channel import APPEND, REPLACE, TRUNCATE, Channel, Item
-from kvfs.testing import HAVE_FUSE, As, Mount
+from kvfs.mount_runner import HAVE_FUSE, As, Mount
 from kvfs.warm import WarmTier
 from kvfs.warm.cold import open_cold
 

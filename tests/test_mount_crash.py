@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import Mount
 
-from kvfs.testing import fusermount_u, wait_unmounted
+from kvfs.mount_runner import fusermount_u, wait_unmounted
 
 N_FILES = 4
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import HAVE_FUSE, Mount
 
-from kvfs.testing import As
+from kvfs.mount_runner import As
 
 
 def expect_errno(code: int, fn, *args, **kw) -> None:

@@ -21,7 +21,7 @@ from conftest import HAVE_FUSE, Mount
 from kvfs.engine import quota
 from kvfs.engine.fsck import CLEAN, PROBLEMS, check_volume
 from kvfs.engine.store import Store
-from kvfs.testing import run_as
+from kvfs.mount_runner import run_as
 
 pytestmark = pytest.mark.skipif(not HAVE_FUSE or os.geteuid() != 0 or not shutil.which("setpriv"),
                                 reason="needs /dev/fuse, root and setpriv")

@@ -29,10 +29,10 @@ from pathlib import Path
 
 import pytest
 
+from kvfs.mount_runner import HAVE_FUSE, As, Mount, run_mount
 from kvfs.shared.chunks import Codec, SessionKeys
 from kvfs.shared.seal import Sealer
 from kvfs.shared.testing import HAVE_REDIS, Cluster
-from kvfs.testing import HAVE_FUSE, As, Mount, run_mount
 
 PASSWORD = "kv-Pa55word-for-tests"
 FAST = ("-o", "shared_lease_s=3s", "-o", "shared_fsync_wait_s=2s")

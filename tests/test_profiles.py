@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from kvfs.engine.types import StoreConfig
-from kvfs.ops import profiles
-from kvfs.ops.profiles import Profile, ProfileError, load, parse_overrides, parse_size
+from kvfs.ops import profiles, units
+from kvfs.ops.profiles import Profile, ProfileError, load, parse_overrides
+from kvfs.ops.units import parse_size
 
 GiB, TiB = 1 << 30, 1 << 40
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,7 +80,7 @@ def test_parse_size_bad(text: str) -> None:
 @pytest.mark.parametrize("text,want", [("30", 30.0), ("30s", 30.0), ("10m", 600.0),
                                        ("2h", 7200.0), ("7d", 604800.0), ("250ms", 0.25)])
 def test_parse_duration(text: str, want: float) -> None:
-    assert profiles.parse_duration(text) == want
+    assert units.parse_duration(text) == want
 
 
 def test_overrides_dict_typed_and_strings() -> None:
@@ -295,13 +296,13 @@ def test_what_the_router_and_warm_tier_read() -> None:
                                        (1610612736, "1G", "2G"), (15 << 30, "15G", "15G"),
                                        (int(1.2 * (1 << 40)), "1T", "2T")])
 def test_size_arg(n: int, down: str, up: str) -> None:
-    assert (profiles.size_arg(n), profiles.size_arg(n, up=True)) == (down, up)
-    assert parse_size(profiles.size_arg(n)) <= n <= parse_size(profiles.size_arg(n, up=True))
+    assert (units.size_arg(n), units.size_arg(n, up=True)) == (down, up)
+    assert parse_size(units.size_arg(n)) <= n <= parse_size(units.size_arg(n, up=True))
     with pytest.raises(ValueError):
-        profiles.size_arg(-1)
+        units.size_arg(-1)
 
 
 def test_format_size() -> None:
-    assert profiles.format_size(512) == "512 B"
-    assert profiles.format_size(int(1.2 * (1 << 40))) == "1.2 TiB"
-    assert profiles.format_size(16 << 30) == "16.0 GiB"
+    assert units.format_size(512) == "512 B"
+    assert units.format_size(int(1.2 * (1 << 40))) == "1.2 TiB"
+    assert units.format_size(16 << 30) == "16.0 GiB"

@@ -16,7 +16,7 @@ import pytest
 openai = pytest.importorskip("openai")
 torch = pytest.importorskip("torch")
 
-from kvfs.testing import HAVE_FUSE, Mount
+from kvfs.mount_runner import HAVE_FUSE, Mount
 from kvfs.torch.tokens import common_prefix, read_ids
 from kvfs.vllm.testing import VLLMServer, connector_config, have_vllm, model_dir
 from kvfs.warm.coldfiles import ColdStore

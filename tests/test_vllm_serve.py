@@ -15,7 +15,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from kvfs.testing import HAVE_FUSE, Mount
+from kvfs.mount_runner import HAVE_FUSE, Mount
 from kvfs.vllm.store import server_key, session_dir
 from kvfs.vllm.testing import VLLMServer, have_vllm, model_dir
 

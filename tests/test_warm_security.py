@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvfs.testing import HAVE_FUSE, Mount, run_as
+from kvfs.mount_runner import HAVE_FUSE, Mount, run_as
 from kvfs.warm import WarmError, WarmTier
 from kvfs.warm.ids import shard_file_name
 from kvfs.warm.owners import SessionLocks

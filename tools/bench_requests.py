@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvfs.testing import Mount
+from kvfs.mount_runner import Mount
 
 KiB, MiB = 1 << 10, 1 << 20
 

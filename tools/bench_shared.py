@@ -140,7 +140,7 @@ def resume_figure(cluster: Cluster, tokens: int = 2048, reps: int = 5) -> dict:
 
     import torch
 
-    from kvfs.testing import Mount
+    from kvfs.mount_runner import Mount
     from kvfs.torch import KVRouter
     from kvfs.torch.testing import tiny_llama
 
@@ -204,7 +204,7 @@ def flush_cost(cluster: Cluster, rounds: int = 13, tokens: int = 8) -> dict:
 
     import torch
 
-    from kvfs.testing import Mount
+    from kvfs.mount_runner import Mount
     from kvfs.torch import KVRouter
     from kvfs.torch.testing import tiny_llama
 

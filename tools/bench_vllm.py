@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvfs.testing import Mount
+from kvfs.mount_runner import Mount
 from kvfs.vllm.testing import VLLMServer, connector_config, model_dir
 
 log = logging.getLogger("bench_vllm")

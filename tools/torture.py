@@ -14,7 +14,7 @@ for the pytest-sized one, or ``--trials`` (kills, power cuts, flipped bits, roun
 scenario; it stops by itself. A
 summary table is printed; the exit status is 1 when any check failed.
 ``tests/test_reliability.py`` calls the same functions with small counts. The mount-level
-scenarios use the real-mount helper of ``kvfs.testing`` (``kvfs-mount --foreground`` in a
+scenarios use the real-mount helper of ``kvfs.mount_runner`` (``kvfs-mount --foreground`` in a
 subprocess).
 """
 

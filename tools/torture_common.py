@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvfs.testing import Mount, MountFailed  # noqa: F401 - re-exported to the scenarios
+from kvfs.mount_runner import Mount, MountFailed  # noqa: F401 - re-exported to the scenarios
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -26,7 +26,7 @@ from kvfs.engine.fsck import check_volume
 from kvfs.engine.quota import Ledger, session_use
 from kvfs.engine.store import Store
 from kvfs.engine.types import StoreConfig
-from kvfs.testing import Mount
+from kvfs.mount_runner import Mount
 
 # ============================================================================ 1. kill -9 loop
 K9_SESSIONS, K9_WRITERS, K9_CAP = 12, 4, 768 << 10

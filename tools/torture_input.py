@@ -39,7 +39,7 @@ from torture_common import (
     stream,
 )
 
-from kvfs.testing import Mount
+from kvfs.mount_runner import Mount
 
 
 # ============================================================================ 5. bad input

@@ -41,7 +41,7 @@ from kvfs.engine.format import BLOCK_ENTRY, HDR_SIZE, PAGE, SB_SIZE, SB_SLOT, T_
 from kvfs.engine.fsck import CheckResult, check_volume
 from kvfs.engine.ring import ScanReport
 from kvfs.engine.store import Store
-from kvfs.testing import Mount
+from kvfs.mount_runner import Mount
 
 READ_CHUNK = 128 << 10
 

@@ -322,18 +322,21 @@ class Channel:
         jobs = [(n, o, memoryview(b).cast("B")) for n, o, b in jobs if len(b)]
         if not jobs:
             return
+        reader = self.reader
+        if reader is None:
+            raise OSError(errno.ENOTCONN, "the native channel's client is closed")
         if len(jobs) == 1:  # the common read: extents kept, one entry (few steps)
             name, off, out = jobs[0]
             fe = self.cache.get(sid, name, off, off + len(out))
             if fe is not None:
                 try:
-                    self.reader.read([(fe, off, out)])
+                    reader.read([(fe, off, out)])
                     return
                 except Stale:
                     pass
         for attempt in range(READ_RETRIES):
             try:
-                self.reader.read(self._plan(sid, jobs, fresh=attempt > 0))
+                reader.read(self._plan(sid, jobs, fresh=attempt > 0))
                 return
             except Stale:
                 continue

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfs.cli.output import pipe_safe
-from kvfs.ops import profiles
+from kvfs.ops import profiles, units
 
 SYSCTL_FILE = "/etc/sysctl.d/99-kvfs.conf"
 RAM_FS = {"tmpfs", "ramfs"}
@@ -136,7 +136,7 @@ def _free(path: Path) -> tuple[int, int]:
 
 
 def check_warm_room(warm_root: str | Path, cap: int, mounts: str | Path) -> Check:
-    fmt = profiles.format_size
+    fmt = units.format_size
     root = Path(warm_root)
     where = _existing(root)
     mnt, fstype = _fstype(where, mounts)
@@ -152,18 +152,18 @@ def check_warm_room(warm_root: str | Path, cap: int, mounts: str | Path) -> Chec
     fixes: list[str] = []
     if free + used < cap:
         if fstype in RAM_FS:
-            want = profiles.size_arg(total + cap - free - used, up=True)
+            want = units.size_arg(total + cap - free - used, up=True)
             fixes.append(f"{_sudo()}mount -o remount,size={want} {mnt}")
-        fixes.append(f"or lower the cap: -o warm_cap_bytes={profiles.size_arg(max(free + used, 1 << 20))}")
+        fixes.append(f"or lower the cap: -o warm_cap_bytes={units.size_arg(max(free + used, 1 << 20))}")
     if fstype not in RAM_FS:
         fixes.append(f"use a RAM-backed warm root: --warm-root /dev/shm/kvfs-warm-{os.geteuid()} "
-                     f"(or {_sudo()}mount -t tmpfs -o size={profiles.size_arg(cap, up=True)} tmpfs {root})")
+                     f"(or {_sudo()}mount -t tmpfs -o size={units.size_arg(cap, up=True)} tmpfs {root})")
     return Check("warm tier room", current, wanted, "warn" if fixes else "ok", fix=fixes,
                  detail=f"warm root {root}")
 
 
 def check_volume_room(volume: str | Path | None, size: int) -> Check:
-    fmt = profiles.format_size
+    fmt = units.format_size
     if volume is None:
         return Check("volume room", "no --volume given", f">= {fmt(size)} free", "skip")
     p = Path(volume)
@@ -183,7 +183,7 @@ def check_volume_room(volume: str | Path | None, size: int) -> Check:
         return Check("volume room", "unreadable", f">= {fmt(size)} free", "warn", detail=str(e))
     ok = free >= size
     fix = [] if ok else [f"put the volume on a disk with {fmt(size)} free, or create it smaller: "
-                         f"--size {profiles.size_arg(free * 9 // 10)}"]
+                         f"--size {units.size_arg(free * 9 // 10)}"]
     return Check("volume room", f"{fmt(free)} free at {where}", f">= {fmt(size)} free",
                  "ok" if ok else "warn", fix=fix, detail=str(p))
 
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         prof = profiles.load(args.profile, profiles.parse_overrides(args.opts), args.config)
-        size = profiles.parse_size(args.size) if args.size else None
+        size = units.parse_size(args.size) if args.size else None
     except profiles.ProfileError as e:
         print(f"kvfs-doctor: {e}", file=sys.stderr)
         return 2

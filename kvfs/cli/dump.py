@@ -72,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     if "session" in out:
         for name, f in out["session"]["files"].items():
             print(f"{shown(name)}: {f['size']} bytes ({f['stored']} stored), {len(f['extents'])} extents")
-            for e in f["extents"]:
-                print(f"  [{e['file_off']}, +{e['len']}) -> entry {e['pos']} skip {e['skip']} size {e['entry_size']}")
+            for x in f["extents"]:
+                print(f"  [{x['file_off']}, +{x['len']}) -> entry {x['pos']} skip {x['skip']} size {x['entry_size']}")
     else:
         for n in out["sessions"]:
             print(shown(n))

@@ -24,7 +24,7 @@ from typing import Any
 from kvfs.cli.output import pipe_safe
 from kvfs.ops import agents
 from kvfs.ops import metrics as kvmetrics
-from kvfs.ops.profiles import format_size
+from kvfs.ops.units import format_size
 
 
 class NotKvfs(Exception):
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.watch is not None and args.watch <= 0:
         ap.error("--watch SECONDS must be > 0")
     try:
-        snap = snapshot(args.mountpoint)
+        snap: dict[str, Any] | None = snapshot(args.mountpoint)
     except NotKvfs as e:
         print(f"kvfs-stat: {e}", file=sys.stderr)
         return 2

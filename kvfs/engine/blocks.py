@@ -88,7 +88,8 @@ def encode_entries(codec: Codec, data: memoryview, entry_raw: int, key: object =
     k = 0
     for e0 in range(0, len(data), entry_raw):
         e1 = min(len(data), e0 + entry_raw)
-        table, parts, n = bytearray(), [b""], 0
+        table, n = bytearray(), 0
+        parts: list[bytes | memoryview] = [b""]
         for b0 in range(e0, e1, BLOCK):
             flags, stored, crc = done[k]
             codec.result(jobs[k][2], flags, key)

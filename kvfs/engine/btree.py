@@ -56,7 +56,8 @@ class _NoRoom(Exception):
     """Internal: the copy-on-write pages do not fit the active half; compact instead."""
 
 # A node's place in its parent while a commit rebuilds it: (lower bound or None, page or node).
-_Item = tuple[bytes | None, "int | Node"]
+_Item = tuple[bytes | None, "int | Node"]  # (low key, a page kept as it is or a new node)
+_New = tuple[bytes | None, "Node"]  # (low key, a new node)
 
 
 def _ranges(sizes: list[int], cap: int) -> list[tuple[int, int]]:
@@ -268,7 +269,7 @@ class BTree:
         return old.half if old.root >= 0 else -1  # an empty root has no pages to protect
 
     def _apply(self, node: Node, items: list, lo: int, hi: int, w: _Writer
-               ) -> list[_Item] | None:
+               ) -> list[_New] | None:
         """Apply items[lo:hi] under ``node``: its replacement nodes, or None if unchanged."""
         if node.level == 0:
             return self._apply_leaf(node, items[lo:hi], w)
@@ -295,7 +296,7 @@ class BTree:
         return self._pack_branch(
             [(lw, ref if isinstance(ref, int) else w.alloc(ref)) for lw, ref in lst], node.level)
 
-    def _apply_leaf(self, node: Node, items: list, w: _Writer) -> list[_Item] | None:
+    def _apply_leaf(self, node: Node, items: list, w: _Writer) -> list[_New] | None:
         ok, ov = node.keys, node.vals
         keys: list[bytes] = []
         vals: list[bytes] = []
@@ -319,20 +320,21 @@ class BTree:
             return None
         return self._pack_leaf(keys + ok[a:], vals + ov[a:])
 
-    def _pack_leaf(self, keys: list[bytes], vals: list[bytes]) -> list[_Item]:
+    def _pack_leaf(self, keys: list[bytes], vals: list[bytes]) -> list[_New]:
         sizes = list(map(_entry_size, keys, vals))
         if not sizes:
             return []
         return [(keys[s] if s else None, Node(0, keys[s:e], vals=vals[s:e]))
                 for s, e in _ranges(sizes, self._room)]
 
-    def _pack_branch(self, pairs: list[tuple[bytes | None, int]], level: int) -> list[_Item]:
+    def _pack_branch(self, pairs: list[tuple[bytes | None, int]], level: int) -> list[_New]:
         # a node's first child is costed like the rest (klen, key, child): a small overestimate
         sizes = [1 + len(lw or b"") + CHILD.size for lw, _ in pairs]
         if not sizes:
             return []
         return [(pairs[s][0] if s else None,
-                 Node(level, [lw for lw, _ in pairs[s + 1:e]], kids=[p for _, p in pairs[s:e]]))
+                 Node(level, [_separator(lw) for lw, _ in pairs[s + 1:e]],
+                      kids=[p for _, p in pairs[s:e]]))
                 for s, e in _ranges(sizes, self._room)]
 
     def _underfull(self, node: Node) -> bool:
@@ -378,8 +380,10 @@ class BTree:
         for ck in [ck for ck in self._cache if ck[0] == dst]:
             del self._cache[ck]
         w = _Writer(self, dst, 0, old.generation + 1, chunk=COMPACT_CHUNK)
-        count, pairs = 0, []
-        keys, vals, size = [], [], 0
+        count, pairs = 0, list[tuple[bytes | None, int]]()
+        keys: list[bytes] = []
+        vals: list[bytes] = []
+        size = 0
         try:
             touched = {k for k, _ in items}
             for k, v in heapq.merge(((k, v) for k, v in self.scan() if k not in touched),
@@ -460,3 +464,8 @@ def _check_key(key: bytes) -> None:
     if not 1 <= len(key) <= MAX_KEY:
         raise ValueError(f"key length {len(key)} not in 1..{MAX_KEY}")
 
+
+def _separator(low: bytes | None) -> bytes:
+    """The low key of a child after a branch's first: only the first child has none."""
+    assert low is not None, "a branch child after the first without a low key"
+    return low

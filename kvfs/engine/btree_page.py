@@ -94,11 +94,14 @@ class Node:
 
     def __init__(self, level: int, keys: list[bytes], vals: list[bytes] | None = None,
                  kids: list[int] | None = None, gen: int = 0) -> None:
-        self.level, self.keys, self.vals, self.kids, self.gen = level, keys, vals, kids, gen
+        self.level, self.keys, self.gen = level, keys, gen
+        self.vals: list[bytes] = vals if vals is not None else []  # a branch's stay empty
+        self.kids: list[int] = kids if kids is not None else []  # a leaf's stay empty
 
 
 def encode_page(node: Node, abs_page: int, gen: int, page_size: int) -> bytes:
     """The bytes of page ``abs_page`` (its own index in the region) holding ``node``."""
+    parts: list[bytes]
     if node.level == 0:
         parts = []
         for k, v in zip(node.keys, node.vals, strict=True):

@@ -7,7 +7,7 @@ tree region (a volume filled before the index had a budget, ``quota``) is kept i
 only: the superblock then says ``NO_CKPT`` (every open scans the whole ring, which holds
 every session), the changes stay in memory, and a later checkpoint tries the tree again
 once the index shrank. The volume stays mountable, readable and deletable; nothing is
-lost. Called by ``Store.checkpoint`` under the store's locks; never imports pyfuse3 or torch.
+lost. Called by ``Store.checkpoint`` under the store's locks, on its ``StoreState``; never imports pyfuse3 or torch.
 """
 
 from __future__ import annotations
@@ -21,12 +21,21 @@ from .btree import BTree, TreeFull, TreeRoot
 from .format import NO_CKPT, Superblock
 
 if TYPE_CHECKING:
-    from .store import Store
+    from .state import StoreState
 
 log = logging.getLogger(__name__)
 
 
-def write_checkpoint(store: Store, clean: bool = False) -> None:
+def checkpoint_due(store: StoreState) -> bool:
+    """Whether there is something to checkpoint and it is time: the interval passed,
+    replay would be long, or many sessions are pinned in memory."""
+    due = (time.monotonic() - store.last_ckpt >= store.cfg.checkpoint_interval_s
+           or (not store.ring_only and (store.ring.head - store.sb.ckpt_pos > store.ring.size // 4
+                                        or len(store.idx.pinned) > 10 * store.cfg.hot_sessions)))
+    return due and (store.idx.has_changes() or store.ring.head != store.sb.ckpt_pos)
+
+
+def write_checkpoint(store: StoreState, clean: bool = False) -> None:
     store.ring.sync()  # everything the checkpoint references is durable first
     old_root = store.tree.root
     store.quota.bitmap_chunks = len(store.idx.chunks)

@@ -1,4 +1,4 @@
-"""Fail-safe: the needs-fsck mark and the guard around every ``Store`` operation.
+"""Fail-safe: the guard around every ``Store`` operation, and writing the needs-fsck mark.
 
 When corruption or an internal error is seen while a volume is in use, the volume is
 marked as needing fsck (S3QL's ``needs_fsck``): a flag bit in the superblock that survives
@@ -10,53 +10,23 @@ the next engine call, under the store's writer lock. Never imports pyfuse3.
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .errors import Corrupt, IndexCorrupt, KVFSError
-from .format import SB_CLEAN, SB_NEEDS_FSCK, Superblock
+from .format import SB_CLEAN, Superblock
+from .recovery import rebuild
 
 if TYPE_CHECKING:
-    from .store import Store
+    from .state import StoreState
 
 log = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class FsckMark:
-    """Whether the volume needs fsck, why, and whether the disk knows yet."""
-
-    def __init__(self, flags: int) -> None:
-        self.needed = bool(flags & SB_NEEDS_FSCK)
-        self.reason = "marked in the superblock" if self.needed else ""
-        self._seq = itertools.count(1)
-        self.mark = self.written = 0  # bumped by every change / the change last on disk
-
-    def set(self, reason: str) -> bool:
-        """Mark; True when this is news. ``needed`` is set before ``mark`` moves, so a
-        writer that reads ``mark`` first and ``flags`` after never loses it."""
-        if self.needed:
-            return False
-        self.reason = reason
-        self.needed = True
-        self.mark = next(self._seq)
-        return True
-
-    def clear(self) -> None:
-        self.needed, self.reason = False, ""
-        self.mark = next(self._seq)
-
-    def flags(self, clean: bool) -> int:
-        return (SB_CLEAN if clean else 0) | (SB_NEEDS_FSCK if self.needed else 0)
-
-    def pending(self) -> bool:
-        return self.mark != self.written
-
-
-def persist(store: Store) -> None:
+def persist(store: StoreState) -> None:
     """Write a change of the mark not yet on disk: the durable superblock again with the new
     flag. Only flags and seq change, so it is safe whatever state an error left in memory.
     A failure is logged, not raised: it must not hide the error that set the mark."""
@@ -74,10 +44,10 @@ def persist(store: Store) -> None:
     store.sb, m.written = new, mark
 
 
-def _persist_locked(store: Store) -> None:
+def _persist_locked(store: StoreState) -> None:
     m = store.fsck_mark
     if m.mark != m.written:  # pending(), inlined: this runs twice per call
-        with store._wlock, store._lock:
+        with store.writer_lock, store.state_lock:
             persist(store)
 
 
@@ -93,23 +63,21 @@ def guarded(fn: F, mode: str = "write") -> F:
     itself around what readers may see), "lookup" the state lock, "read" none (the
     operation takes the state lock for its lookups). The writer lock is always taken first.
     """
-    from .recovery import rebuild
-
-    def attempt(self: Store, a: tuple, kw: dict) -> Any:
+    def attempt(self: StoreState, a: tuple, kw: dict) -> Any:
         try:
             if mode == "lookup":
-                with self._lock:
+                with self.state_lock:
                     return fn(self, *a, **kw)
             return fn(self, *a, **kw)
         except IndexCorrupt as e:
-            with self._wlock, self._lock:
+            with self.writer_lock, self.state_lock:
                 rebuild(self, e)
         if mode == "lookup":
-            with self._lock:
+            with self.state_lock:
                 return fn(self, *a, **kw)
         return fn(self, *a, **kw)
 
-    def run(self: Store, a: tuple, kw: dict) -> Any:
+    def run(self: StoreState, a: tuple, kw: dict) -> Any:
         _persist_locked(self)
         try:
             return attempt(self, a, kw)
@@ -128,12 +96,12 @@ def guarded(fn: F, mode: str = "write") -> F:
             _persist_locked(self)
 
     @functools.wraps(fn)
-    def wrapper(self: Store, *a: Any, **kw: Any) -> Any:
+    def wrapper(self: StoreState, *a: Any, **kw: Any) -> Any:
         if mode == "write":
-            with self._wlock, self._lock:
+            with self.writer_lock, self.state_lock:
                 return run(self, a, kw)
         if mode == "writer":
-            with self._wlock:
+            with self.writer_lock:
                 return run(self, a, kw)
         return run(self, a, kw)
 

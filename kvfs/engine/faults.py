@@ -13,9 +13,10 @@ again, so nothing the engine does while unwinding can make unsynced writes durab
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 from .format import Superblock
-from .volume import VolumeFile, pwrite_all
+from .volume import Buffer, VolumeFile, pwrite_all
 
 
 class PowerCut(Exception):
@@ -44,17 +45,17 @@ class FaultyVolume(VolumeFile):
         if self.dead:
             raise PowerCut(f"power is off: {where}")
 
-    def pwrite(self, data: bytes | memoryview, off: int) -> None:
+    def pwrite(self, data: Buffer, off: int) -> None:
         self._alive(f"write at {off}")
         if self.fail_after_writes is not None:
             if self.fail_after_writes <= 0:
                 raise self.cut(f"write at {off}")
             self.fail_after_writes -= 1
-        data = bytes(data)
-        self.journal.append((off, os.pread(self.fd, len(data), off), data))
-        super().pwrite(data, off)
+        raw = bytes(data)
+        self.journal.append((off, os.pread(self.fd, len(raw), off), raw))
+        super().pwrite(raw, off)
 
-    def pwritev(self, bufs: list[bytes | memoryview], off: int) -> None:
+    def pwritev(self, bufs: Sequence[Buffer], off: int) -> None:
         self.pwrite(b"".join(bytes(b) for b in bufs), off)  # one journaled write
 
     def write_superblock(self, sb: Superblock) -> None:
@@ -73,7 +74,9 @@ class FaultyVolume(VolumeFile):
         self.syncs += 1
         self.journal.clear()
 
-    def unsynced(self) -> int:
+    def unsynced_writes(self) -> int:
+        """Writes since the last sync (``power_cut`` may keep some); the base class's
+        ``unsynced`` counts their bytes."""
         return len(self.journal)
 
     def power_cut(self, keep: int = 0, tear: int | None = None) -> None:

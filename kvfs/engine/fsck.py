@@ -165,7 +165,7 @@ def _check_store(store: Store, res: CheckResult, repair: bool,
             res.files += 1
             for k, (pos, _skip, n, esize) in enumerate(f.ext):
                 try:
-                    store.entry_bytes(pos, esize)
+                    store.reads.entry_bytes(pos, esize)
                     res.bytes_checked += n
                 except Corrupt as e:
                     res.problem(f"session {name!r} file {f.name!r}: bytes {f.off[k]}..{f.off[k] + n}: {e}")

@@ -47,8 +47,11 @@ def _checkpoint_reader(fn):  # noqa: ANN001, ANN202
 
 class Index:
     def __init__(self, tree: BTree, hot_cap: int) -> None:
-        self.tree = tree
         self.hot_cap = hot_cap
+        self._clear(tree)
+
+    def _clear(self, tree: BTree) -> None:
+        self.tree = tree
         # the bitmap in chunks of BITMAP_CHUNK bytes, only those holding a set bit: memory
         # and the index budget follow the live sessions, whatever a crafted chunk index
         # says or however many session numbers creating and deleting used up
@@ -161,7 +164,7 @@ class Index:
             del self.names[s.name]
 
     def reset(self, tree: BTree) -> None:
-        self.__init__(tree, self.hot_cap)
+        self._clear(tree)
 
     # --------------------------------------------------------------- lookup
     @_checkpoint_reader
@@ -235,8 +238,8 @@ class Index:
             for i, c in enumerate(chunks):
                 out[chunk_key(s.name_hash, s.sno, i)] = c
         for i in self.bitmap_dirty:
-            c = self.chunks.get(i)
-            out[b"B" + i.to_bytes(4, "big")] = None if c is None else bytes(c)
+            bits = self.chunks.get(i)
+            out[b"B" + i.to_bytes(4, "big")] = None if bits is None else bytes(bits)
         return out
 
     def committed(self) -> None:

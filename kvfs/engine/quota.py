@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .btree_page import HDR as PAGE_HDR
-from .errors import Corrupt, IndexFull, QuotaExceeded
+from .errors import Corrupt, IndexFull, QuotaExceeded, RecordFull
 from .format import PAGE
 from .records import _EXT, _FILE, _SESS, CHUNK, FileRec, Session
 
@@ -174,6 +174,19 @@ class Ledger:
             if est > lim.budget:
                 raise IndexFull(f"index region full: {est} of {lim.budget} bytes of its budget "
                                 "(delete sessions or files to make room)")
+
+    def admit_change(self, uid: int, session: Session | None, max_record: int,
+                     **more: int) -> None:
+        """``admit``; a change to ``session`` must also leave its index record encodable
+        (at most ``max_record`` bytes), or every later checkpoint would fail: RecordFull."""
+        self.admit(uid, **more)
+        add = more.get("index", 0)
+        # the owner's index bytes bound each of its records: counted only past the limit
+        if session is not None and self.of(uid)[INDEX] + add > max_record:
+            have = session_use(session)[INDEX]
+            if have + add > max_record:
+                raise RecordFull(f"session {session.name!r}: its index record would pass "
+                                 f"{max_record} bytes ({have} now): start another session")
 
     def room(self, uid: int) -> int | None:
         """Data bytes ``uid`` may still add under its quota (None: no byte quota)."""

@@ -1,4 +1,5 @@
-"""The engine's read path: ``Store.read`` and the caches behind it (a mixin of ``Store``).
+"""The engine's read path: ``Store.read`` and the caches behind it (``Store`` holds one
+``ReadPath`` and delegates its reads, ``extents``, ``publish`` and cuts to it).
 
 A read looks its extents up under the store's state lock (short: memory, or the session's
 tree pages), then reads, checks and decodes the blocks it needs with no lock held, so reads
@@ -41,17 +42,16 @@ EXTENTS_MAX = 4096  # extents of one file per ``extents`` answer (a range beyond
 
 
 class ReadPath:
-    """Store's read methods; the attributes below are the store's."""
+    """A store's reads: its lookups come from the store (``session_of``, ``file_of``,
+    called under ``lock``, the store's state lock); the caches are this path's own."""
 
-    _lock: threading.RLock
-    ring: Ring
-    vol: VolumeFile
-    idx: Index
-    counters: dict[str, int]
-    observer: Observer
-    _file: Callable[[str, str], tuple[Session, FileRec]]
-
-    def _init_read_caches(self) -> None:
+    def __init__(self, lock: threading.RLock, ring: Ring, vol: VolumeFile, idx: Index,
+                 counters: dict[str, int], observer: Observer,
+                 session_of: Callable[[str], Session],
+                 file_of: Callable[[str, str], tuple[Session, FileRec]]) -> None:
+        self._lock, self.ring, self.vol, self.idx = lock, ring, vol, idx
+        self.counters, self.observer = counters, observer
+        self._session, self._file = session_of, file_of
         self._decoded: OrderedDict[tuple[int, int], bytes | memoryview] = OrderedDict()
         self._decoded_bytes = 0
         self._tables: OrderedDict[int, tuple[Header, Table]] = OrderedDict()

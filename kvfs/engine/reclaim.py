@@ -17,19 +17,19 @@ from .blocks import Encoded, decode_payload, encode_entries, parse_table
 from .errors import NoSpace
 from .format import F_COPY, T_DATA, T_DELS, T_FMETA, T_SMETA, T_TRUNC, entry_size
 from .quota import file_use, session_use
-from .records import Session, fmeta_payload, smeta_payload
+from .records import FileRec, Session, fmeta_payload, smeta_payload
 from .ring import RingFull, ScanItem, ScanReport
 
 if TYPE_CHECKING:
     from .format import Header
-    from .store import Store
+    from .state import StoreState
 
 log = logging.getLogger(__name__)
 
 TOMBSTONE_RESERVE = 16 << 10
 
 
-def reclaim(store: Store, need: int, keep: Session | None = None) -> None:
+def reclaim(store: StoreState, need: int, keep: Session | None = None) -> None:
     """Make ``ring.room() >= need`` or raise NoSpace (what was done stays consistent)."""
     ring = store.ring
     if need > ring.size // 2:
@@ -52,11 +52,11 @@ def reclaim(store: Store, need: int, keep: Session | None = None) -> None:
                           "of sessions within retention")
 
 
-def _in_retention(store: Store, s: Session) -> bool:
+def _in_retention(store: StoreState, s: Session) -> bool:
     return s.last_use_ns() >= (store.clock() - store.cfg.retention_s) * 1e9
 
 
-def _step(store: Store, target: int, evict: bool, keep: int) -> int:
+def _step(store: StoreState, target: int, evict: bool, keep: int) -> int:
     ring = store.ring
     start_tail = ring.tail
     report = ScanReport()
@@ -76,7 +76,7 @@ def _step(store: Store, target: int, evict: bool, keep: int) -> int:
     return ring.tail - start_tail
 
 
-def _handle(store: Store, item: ScanItem, evict: bool, keep: int = -1) -> bool:
+def _handle(store: StoreState, item: ScanItem, evict: bool, keep: int = -1) -> bool:
     """Copy forward or drop what is live in one tail entry; False when there is no room."""
     h = item.hdr
     if h.type not in (T_DATA, T_SMETA, T_FMETA):
@@ -97,11 +97,15 @@ def _handle(store: Store, item: ScanItem, evict: bool, keep: int = -1) -> bool:
         return True
     if s.sno != keep and (evict or not _in_retention(store, s)):  # never the one being written
         return _drop(store, s, evicted=evict)
+    meta: bytes | None = None  # a metadata entry's payload, as the index says now
+    data: list[tuple[int, Encoded]] = []  # a data entry's live parts: (extent, entry)
     if h.type == T_SMETA:
-        payloads = [smeta_payload(s)]
+        meta = smeta_payload(s)
     elif h.type == T_FMETA:
-        payloads = [fmeta_payload(f)]
+        assert f is not None  # live
+        meta = fmeta_payload(f)
     elif item.payload is None:
+        assert f is not None
         # A corrupt entry cannot be copied: the file ends where its good bytes end.
         i = next(i for i, e in enumerate(f.ext) if e[0] == h.pos)
         log.error("session %r file %r: corrupt entry at %d at the tail; file cut to %d bytes",
@@ -109,28 +113,32 @@ def _handle(store: Store, item: ScanItem, evict: bool, keep: int = -1) -> bool:
         store.mark_needs_fsck(f"corrupt entry at ring position {h.pos} met by reclaim")
         return _emit_trunc(store, s, f, f.off[i])
     else:
-        payloads = []
+        assert f is not None
         for i, (pos, skip, n, _) in enumerate(f.ext):
             if pos != h.pos:
                 continue
             if skip == 0 and n == h.raw_len and not _compress_now(store, h, item.payload):
                 # the payload as it is: blocks and table
-                payloads.append((i, Encoded([item.payload], h.payload_crc, h.nblocks, n)))
+                data.append((i, Encoded([item.payload], h.payload_crc, h.nblocks, n)))
             else:  # only the live part survives: the copy must not revive truncated bytes
                 raw = memoryview(decode_payload(h, item.payload)[skip: skip + n])
-                payloads.append((i, encode_entries(store.codec, raw, n, (s.sno, f.fno))[0]))
-    sizes = [entry_size(len(p) if h.type != T_DATA else p[1].stored_len) for p in payloads]
+                data.append((i, encode_entries(store.codec, raw, n, (s.sno, f.fno))[0]))
+    sizes = [entry_size(len(meta))] if meta is not None else [
+        entry_size(enc.stored_len) for _, enc in data]
     lap_left = store.ring.lap_left(store.ring.head)
     cost = sum(sizes) + (lap_left if sum(sizes) > lap_left else 0)
     if cost + TOMBSTONE_RESERVE > store.ring.room():
         return False
     try:
         if h.type == T_SMETA:
-            s.meta_pos, _ = store.ring.append(T_SMETA, 0, s.name_hash, s.sno, 0, 0, 0, payloads[0])
+            assert meta is not None
+            s.meta_pos, _ = store.ring.append(T_SMETA, 0, s.name_hash, s.sno, 0, 0, 0, meta)
         elif h.type == T_FMETA:
-            f.meta_pos, _ = store.ring.append(T_FMETA, 0, s.name_hash, s.sno, f.fno, 0, 0, payloads[0])
+            assert f is not None and meta is not None
+            f.meta_pos, _ = store.ring.append(T_FMETA, 0, s.name_hash, s.sno, f.fno, 0, 0, meta)
         else:
-            for i, enc in payloads:
+            assert f is not None
+            for i, enc in data:
                 pos, esize, _ = store.ring.append_data(F_COPY, s.name_hash, s.sno, f.fno, f.off[i], enc)
                 f.ext[i] = (pos, 0, enc.raw_len, esize)
                 store.counters["copied_forward"] += esize
@@ -140,7 +148,7 @@ def _handle(store: Store, item: ScanItem, evict: bool, keep: int = -1) -> bool:
     return True
 
 
-def _compress_now(store: Store, h: Header, payload: bytes | memoryview) -> bool:
+def _compress_now(store: StoreState, h: Header, payload: bytes | memoryview) -> bool:
     """Whether a data entry appended raw (``compress_on_copy``) is compressed as it is
     copied forward: every block raw and a codec that compresses."""
     if not store.cfg.compress_on_copy or store.codec.mode == "none":
@@ -148,7 +156,7 @@ def _compress_now(store: Store, h: Header, payload: bytes | memoryview) -> bool:
     return not any(parse_table(h, payload).flags)
 
 
-def _emit_trunc(store: Store, s: Session, f, length: int) -> bool:
+def _emit_trunc(store: StoreState, s: Session, f: FileRec, length: int) -> bool:
     try:
         store.ring.append(T_TRUNC, 0, s.name_hash, s.sno, f.fno, length, 0)
     except RingFull:
@@ -162,7 +170,7 @@ def _emit_trunc(store: Store, s: Session, f, length: int) -> bool:
     return True
 
 
-def _drop(store: Store, s: Session, evicted: bool) -> bool:
+def _drop(store: StoreState, s: Session, evicted: bool) -> bool:
     try:
         store.ring.append(T_DELS, 0, s.name_hash, s.sno, 0, 0, 0)
     except RingFull:

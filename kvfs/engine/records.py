@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from .errors import BadId, BadName, Corrupt, NameTooLong, TimeRange
 from .format import ALIGN, FMETA_FMT, MAX_ENTRY_RAW, SMETA_FMT, TIME_MAX, TIME_MIN, U32_MAX
+from .types import FileStat, SessionStat
 
 CHUNK = 1000  # bytes of a record per B+ tree value
 MAX_NAME = 255
@@ -73,6 +74,16 @@ def check_id(v: int | None, what: str) -> int | None:
     return v
 
 
+def check_attrs(mode: int | None, uid: int | None, gid: int | None, atime: float | None,
+           mtime: float | None, atime_ns: int | None, mtime_ns: int | None
+           ) -> tuple[int | None, int | None, int | None, int | None, int | None]:
+    """Attribute changes checked before any is made: a value no record holds is refused
+    (TimeRange, BadId), never left in memory to fail the next checkpoint."""
+    a = check_time(atime_ns, "atime") if atime_ns is not None else seconds_ns(atime, "atime")
+    m = check_time(mtime_ns, "mtime") if mtime_ns is not None else seconds_ns(mtime, "mtime")
+    return check_id(mode, "mode"), check_id(uid, "uid"), check_id(gid, "gid"), a, m
+
+
 def name_hash(name: str) -> int:
     """First 8 bytes of md5(name): the session's key prefix in the B+ tree."""
     return int.from_bytes(hashlib.md5(name.encode("utf-8", "surrogateescape")).digest()[:8], "big")
@@ -100,6 +111,11 @@ class FileRec:
 
     def stored(self) -> int:
         return sum({e[0]: e[3] for e in self.ext}.values())
+
+    def stat(self) -> FileStat:
+        return FileStat(self.name, self.size, self.stored(), self.mode, self.uid, self.gid,
+                        self.ctime / 1e9, self.mtime / 1e9, self.atime / 1e9, self.ctime,
+                        self.mtime, self.atime)
 
     def add(self, pos: int, skip: int, length: int, esize: int) -> None:
         self.off.append(self.size)
@@ -184,6 +200,13 @@ class Session:
     files: dict[int, FileRec] = field(default_factory=dict)
     by_name: dict[str, int] = field(default_factory=dict)
     dirty: bool = False
+
+    def stat(self) -> SessionStat:
+        size = sum(f.size for f in self.files.values())
+        stored = sum(f.stored() for f in self.files.values())
+        return SessionStat(self.name, self.sno, self.mode, self.uid, self.gid, self.ctime / 1e9,
+                           self.mtime / 1e9, self.atime / 1e9, len(self.files), size, stored,
+                           self.ctime, self.mtime, self.atime)
 
     def file(self, name: str) -> FileRec | None:
         fno = self.by_name.get(name)

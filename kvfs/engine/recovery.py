@@ -34,12 +34,12 @@ from .records import MAX_FNO, FileRec, Session, loaded_name, name_hash
 from .ring import ScanItem, ScanReport
 
 if TYPE_CHECKING:
-    from .store import Store
+    from .state import StoreState
 
 log = logging.getLogger(__name__)
 
 
-def recover(store: Store) -> ScanReport:
+def recover(store: StoreState) -> ScanReport:
     sb, ring = store.sb, store.ring
     full = not (sb.tail <= sb.ckpt_pos <= sb.tail + ring.size)
     store.full_scan_why = "" if not full else "the checkpoint does not cover the ring"
@@ -74,7 +74,7 @@ def recover(store: Store) -> ScanReport:
     return report
 
 
-def rebuild(store: Store, err: Exception) -> None:
+def rebuild(store: StoreState, err: Exception) -> None:
     """At run time a checkpoint page turned out bad: rebuild the index by a full ring scan
     (the ring holds every change) and, if writable, write a fresh checkpoint."""
     log.error("%s: checkpoint unusable at run time (%s); rebuilding the index from the ring",
@@ -89,7 +89,7 @@ def rebuild(store: Store, err: Exception) -> None:
         store.checkpoint()
 
 
-def _reset(store: Store) -> None:
+def _reset(store: StoreState) -> None:
     """Forget everything the checkpoint said; start a fresh tree away from the old root."""
     old = store.tree.root
     half = 1 - old.half if old.half in (0, 1) else 0
@@ -98,7 +98,7 @@ def _reset(store: Store) -> None:
     store.next_sno = store.sb.next_sno
 
 
-def _replay(store: Store, start: int, full: bool) -> ScanReport:
+def _replay(store: StoreState, start: int, full: bool) -> ScanReport:
     ring = store.ring
     report = ScanReport()
     t0 = time.perf_counter()
@@ -118,7 +118,7 @@ def _replay(store: Store, start: int, full: bool) -> ScanReport:
     return report
 
 
-def _usage_before(store: Store, items: list[ScanItem]) -> dict[int, tuple[int, tuple | None]]:
+def _usage_before(store: StoreState, items: list[ScanItem]) -> dict[int, tuple[int, tuple | None]]:
     """Per session the replay touches: its name hash and (owner, usage) as checkpointed."""
     out: dict[int, tuple[int, tuple | None]] = {}
     for it in items:
@@ -129,7 +129,7 @@ def _usage_before(store: Store, items: list[ScanItem]) -> dict[int, tuple[int, t
     return out
 
 
-def _usage_after(store: Store, before: dict[int, tuple[int, tuple | None]]) -> None:
+def _usage_after(store: StoreState, before: dict[int, tuple[int, tuple | None]]) -> None:
     """The checkpoint's usage records, moved on by what the replay changed."""
     for sno, (nh, pre) in before.items():
         if pre is not None:
@@ -162,7 +162,7 @@ def _named(it: ScanItem, fmt: struct.Struct, what: str, report: ScanReport
     return fmt.unpack_from(p), name
 
 
-def _apply(store: Store, items: list[ScanItem], full: bool, report: ScanReport) -> None:
+def _apply(store: StoreState, items: list[ScanItem], full: bool, report: ScanReport) -> None:
     base_next = store.sb.next_sno
     ok = []
     for it in items:

@@ -51,6 +51,11 @@ Contract (the FUSE layer, tools and tests rely on it):
   drop_caches()                            # forget decoded entries (cold-read benchmarks)
 Times in the API are float seconds; on disk they are integer nanoseconds. ``volume`` is the
 volume class (``faults.FaultyVolume`` in tests); ``observer`` gets latencies and errors.
+
+Parts: the read path (``reads.ReadPath``) and the append path (``appends.AppendPath``) are
+objects the store holds and delegates to; the checkpoint, recovery, reclaim, the fail-safe
+guard and reporting are functions over the store's ``state.StoreState``. None imports this
+module.
 """
 
 from __future__ import annotations
@@ -58,30 +63,25 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable
 
-from .blocks import Encoded, encode_entries
+from .appends import AppendPath
 from .btree import BTree, TreeRoot
-from .checkpoint import write_checkpoint
+from .checkpoint import checkpoint_due, write_checkpoint
 from .codec import Codec
+from .direct import FileExtents
 from .errors import (
     BadRange,
     Exists,
     FormatError,
     NeedsFsck,
     NoSpace,
-    NotAppend,
     NotFound,
-    RecordFull,
 )
-from .failsafe import FsckMark, guarded
+from .failsafe import guarded
 from .format import (
-    BLOCK,
-    BLOCK_ENTRY,
     MAX_ENTRY_RAW,
     NO_CKPT,
-    SB_CLEAN,
     SB_NEEDS_FSCK,
     T_DELF,
     T_DELS,
@@ -91,10 +91,10 @@ from .format import (
     Superblock,
     entry_size,
 )
+from .fsck_mark import FsckMark
 from .index import Index
+from .published import Published
 from .quota import (
-    EXTENT_BYTES,
-    INDEX,
     Ledger,
     Limits,
     file_base,
@@ -109,35 +109,25 @@ from .records import (
     MAX_RECORD,
     FileRec,
     Session,
-    check_id,
+    check_attrs,
     check_name,
-    check_time,
     fmeta_payload,
     name_hash,
-    seconds_ns,
     smeta_payload,
 )
 from .recovery import recover
-from .reporting import Reporting
+from .reporting import stats_of, usage_of
 from .ring import Ring, ScanReport
-from .types import FileStat, NullObserver, Observer, SessionStat, StoreConfig
-from .volume import VolumeFile, geometry
+from .types import FileStat, NullObserver, Observer, SessionStat, StoreConfig, Usage
+from .volume import VolumeFile
 
 log = logging.getLogger(__name__)
 
 
 
-def _attrs(mode: int | None, uid: int | None, gid: int | None, atime: float | None,
-           mtime: float | None, atime_ns: int | None, mtime_ns: int | None
-           ) -> tuple[int | None, int | None, int | None, int | None, int | None]:
-    """Attribute changes checked before any is made: a value no record holds is refused
-    (TimeRange, BadId), never left in memory to fail the next checkpoint."""
-    a = check_time(atime_ns, "atime") if atime_ns is not None else seconds_ns(atime, "atime")
-    m = check_time(mtime_ns, "mtime") if mtime_ns is not None else seconds_ns(mtime, "mtime")
-    return check_id(mode, "mode"), check_id(uid, "uid"), check_id(gid, "gid"), a, m
+class Store:
+    """An open volume (module doc); its parts get its state as a ``StoreState``."""
 
-
-class Store(ReadPath, Reporting):
     def __init__(self, vol: VolumeFile, sb: Superblock, config: StoreConfig,
                  clock: Callable[[], float], observer: Observer | None = None) -> None:
         self.vol, self.sb, self.cfg, self.clock = vol, sb, config, clock
@@ -153,9 +143,8 @@ class Store(ReadPath, Reporting):
         self.codec = Codec(config.compression, config.zstd_level, config.min_ratio, config.plane_split)
         self.append_codec = Codec("none") if config.compress_on_copy else self.codec
         self.next_sno = sb.next_sno
-        self._wlock = threading.RLock()  # one change at a time, for its whole length
-        self._lock = threading.RLock()  # what readers look at: index, ring state, caches
-        self._init_read_caches()
+        self.writer_lock = threading.RLock()  # one change at a time, for its whole length
+        self.state_lock = threading.RLock()  # what readers look at: index, ring state, caches
         self.last_ckpt = time.monotonic()
         self.last_cleanup = 0.0
         self.readonly = vol.readonly
@@ -169,6 +158,11 @@ class Store(ReadPath, Reporting):
         self.counters = dict(appends=0, reads=0, raw_written=0, stored_written=0, copied_forward=0,
                              reclaims=0, checkpoints=0, corrupt_reads=0, dropped_sessions=0,
                              evicted_sessions=0, full_scans=0, read_retries=0)
+        self.appends = AppendPath(self.state_lock, self.ring, self.append_codec, self.max_entry_raw,
+                                  self.counters, self.quota, self.idx, self.observer,
+                                  self._admit, self._ensure_room)
+        self.reads = ReadPath(self.state_lock, self.ring, vol, self.idx, self.counters,
+                              self.observer, self._session, self._file)
 
     # ================================================================ lifecycle
     @classmethod
@@ -179,14 +173,7 @@ class Store(ReadPath, Reporting):
         """Format a new volume at ``path`` (a new file, or a block device) and open it;
         ``fill``: write zeros over a new file first (``VolumeFile.create``), calling
         ``progress(done, total)`` as it goes."""
-        tree_off, tree_pages, ring_off, ring_size = geometry(size)
-        vol = volume.create(path, size, fill, progress)
-        now = time.time_ns()
-        sb = Superblock(1, SB_CLEAN, vol.size, ring_off, ring_size, tree_off, tree_pages, 0, 0, 0, 1,
-                        now, now, TreeRoot.empty().pack(), uuid.uuid4().bytes)
-        vol.write_superblock(sb)
-        vol.write_superblock(Superblock(**{**sb.__dict__, "seq": 2}))
-        vol.close()
+        volume.format(path, size, fill, progress)
         return cls.open(path, config, clock, volume=volume, observer=observer)
 
     @classmethod
@@ -214,7 +201,7 @@ class Store(ReadPath, Reporting):
         return store
 
     def close(self) -> None:
-        with self._wlock, self._lock:
+        with self.writer_lock, self.state_lock:
             if self.vol.fd < 0:
                 return
             try:
@@ -252,6 +239,41 @@ class Store(ReadPath, Reporting):
             raise NotFound(f"no file {name!r} in session {session!r}")
         return s, f
 
+    # ================================================================ reads (reads.ReadPath)
+    def read(self, session: str, name: str, offset: int, length: int) -> bytes:
+        return self.reads.read(session, name, offset, length)
+
+    def extents(self, session: str, files: list[tuple[str, int, int]]
+                ) -> tuple[tuple[int, int, int], list[FileExtents | None]]:
+        return self.reads.extents(session, files)
+
+    def publish(self) -> Published:
+        return self.reads.publish()
+
+    @property
+    def published(self) -> Published | None:
+        return self.reads.published
+
+    def mark_cut(self, sno: int) -> None:
+        self.reads.mark_cut(sno)
+
+    def drop_caches(self) -> None:
+        self.reads.drop_caches()
+
+    # ================================================================ reporting
+    def usage(self) -> Usage:
+        with self.state_lock:
+            return usage_of(self)
+
+    def stats(self) -> dict:
+        with self.state_lock:
+            return stats_of(self)
+
+    @property
+    def volume_id(self) -> str:
+        """The volume's uuid (hex): stable for its life, distinct between volumes."""
+        return self.sb.uuid.hex()
+
     # ================================================================ writing entries
     def _emit(self, type_: int, s: Session, fno: int = 0, file_off: int = 0, payload: bytes = b"",
               flags: int = 0, raw_len: int = 0) -> tuple[int, int]:
@@ -279,7 +301,7 @@ class Store(ReadPath, Reporting):
 
     def create_session(self, name: str, mode: int = 0o700, uid: int = 0, gid: int = 0) -> None:
         check_name(name)
-        _attrs(mode, uid, gid, None, None, None, None)
+        check_attrs(mode, uid, gid, None, None, None, None)
         if self.idx.find(name) is not None:
             raise Exists(f"session {name!r} exists")
         self._admit(uid, sessions=1, index=session_base(name))
@@ -291,7 +313,9 @@ class Store(ReadPath, Reporting):
         self.quota.add(uid, session_use(s))
 
     def delete_session(self, name: str) -> None:
-        s = self._session(name)
+        self._drop_session(self._session(name))
+
+    def _drop_session(self, s: Session) -> None:
         self._emit(T_DELS, s)
         self.idx.drop(s)
         self.mark_cut(s.sno)
@@ -300,29 +324,17 @@ class Store(ReadPath, Reporting):
     max_record = MAX_RECORD  # bytes of one session's checkpoint record (tests lower it)
 
     def _admit(self, uid: int, session: Session | None = None, **more: int) -> None:
-        """Quotas and the index budget (``quota.Ledger.admit``) before a change grows the
-        index; the bitmap chunks the tree holds count too. A change to ``session`` must
-        also leave its record encodable, or every later checkpoint would fail."""
+        """Quotas and the index budget before a change grows the index, the bitmap chunks
+        the tree holds counted too (``quota.Ledger.admit_change``)."""
         self.quota.bitmap_chunks = len(self.idx.chunks)
-        self.quota.admit(uid, **more)
-        add = more.get("index", 0)
-        # the owner's index bytes bound each of its records: counted only past the limit
-        if session is not None and self.quota.of(uid)[INDEX] + add > self.max_record:
-            have = session_use(session)[INDEX]
-            if have + add > self.max_record:
-                raise RecordFull(f"session {session.name!r}: its index record would pass "
-                                 f"{self.max_record} bytes ({have} now): start another session")
+        self.quota.admit_change(uid, session, self.max_record, **more)
 
     def quota_room(self, session: str) -> int | None:
         """Data bytes the owner of ``session`` may still add (None: no byte quota)."""
         return self.quota.room(self._session(session).uid)
 
     def session_stat(self, name: str) -> SessionStat:
-        s = self._session(name)
-        size = sum(f.size for f in s.files.values())
-        stored = sum(f.stored() for f in s.files.values())
-        return SessionStat(s.name, s.sno, s.mode, s.uid, s.gid, s.ctime / 1e9, s.mtime / 1e9,
-                           s.atime / 1e9, len(s.files), size, stored, s.ctime, s.mtime, s.atime)
+        return self._session(name).stat()
 
     def set_session_attrs(self, name: str, mode: int | None = None, uid: int | None = None,
                           gid: int | None = None, atime: float | None = None,
@@ -330,7 +342,7 @@ class Store(ReadPath, Reporting):
                           mtime_ns: int | None = None) -> None:
         """Change what is not None; times in float seconds or exact ``*_ns``."""
         s = self._session(name)
-        mode, uid, gid, a, m = _attrs(mode, uid, gid, atime, mtime, atime_ns, mtime_ns)
+        mode, uid, gid, a, m = check_attrs(mode, uid, gid, atime, mtime, atime_ns, mtime_ns)
         s.atime = s.atime if a is None else a  # 0 is a time, not "unset"
         s.mtime = s.mtime if m is None else m
         if (mode, uid, gid) != (None, None, None):
@@ -350,7 +362,7 @@ class Store(ReadPath, Reporting):
         check_name(name)
         if s.file(name) is not None:
             raise Exists(f"file {name!r} exists in session {session!r}")
-        _attrs(mode, uid, gid, None, None, None, None)
+        check_attrs(mode, uid, gid, None, None, None, None)
         self._admit(s.uid, s, files=1, index=file_base(name))
         if s.next_fno >= MAX_FNO:  # numbers are never reused: 2^32 - 1 files made in it
             raise NoSpace(f"session {session!r} has used every file number")
@@ -371,9 +383,7 @@ class Store(ReadPath, Reporting):
         self.idx.dirty(s)
 
     def file_stat(self, session: str, name: str) -> FileStat:
-        _, f = self._file(session, name)
-        return FileStat(f.name, f.size, f.stored(), f.mode, f.uid, f.gid, f.ctime / 1e9,
-                        f.mtime / 1e9, f.atime / 1e9, f.ctime, f.mtime, f.atime)
+        return self._file(session, name)[1].stat()
 
     def set_file_attrs(self, session: str, name: str, mode: int | None = None, uid: int | None = None,
                        gid: int | None = None, atime: float | None = None,
@@ -381,7 +391,7 @@ class Store(ReadPath, Reporting):
                        mtime_ns: int | None = None) -> None:
         """Change what is not None; times in float seconds or exact ``*_ns``."""
         s, f = self._file(session, name)
-        mode, uid, gid, a, m = _attrs(mode, uid, gid, atime, mtime, atime_ns, mtime_ns)
+        mode, uid, gid, a, m = check_attrs(mode, uid, gid, atime, mtime, atime_ns, mtime_ns)
         f.atime = f.atime if a is None else a  # 0 is a time, not "unset"
         f.mtime = f.mtime if m is None else m
         if (mode, uid, gid) != (None, None, None):
@@ -392,54 +402,9 @@ class Store(ReadPath, Reporting):
 
     # ================================================================ data
     def append(self, session: str, name: str, offset: int, data: bytes | memoryview) -> None:
-        with self._lock:
+        with self.state_lock:
             s, f = self._file(session, name)
-        if offset != f.size:
-            raise NotAppend(f"{session}/{name}: write at {offset} is not an append (size {f.size})")
-        mv = memoryview(data).cast("B")
-        if not mv:
-            return
-        t0 = time.perf_counter()
-        step = self.max_entry_raw
-        # Room for the whole write first (raw size plus tables bounds the stored size): a
-        # write that cannot fit fails before any of it is stored.
-        need = sum(self.ring.cost(min(step, len(mv) - i) + BLOCK_ENTRY.size * (step // BLOCK + 1) + 64)
-                   for i in range(0, len(mv), step))
-        with self._lock:
-            self._admit(s.uid, s, nbytes=len(mv), index=EXTENT_BYTES * len(range(0, len(mv), step)))
-            self._ensure_room(need, s)
-        # Compressing needs no lock: only this writer touches the codec and the file's end.
-        encs = encode_entries(self.append_codec, mv, step, (s.sno, f.fno))
-        last = len(encs) - 1
-        for k, enc in enumerate(encs):
-            with self._lock:
-                self._ensure_room(self.ring.cost(enc.stored_len), s)
-                pos, esize, job = self.ring.append_data(0, s.name_hash, s.sno, f.fno, f.size, enc,
-                                                         defer=True)
-                if job is None:
-                    self._appended(s, f, pos, esize, enc, k == last)
-            if job is not None:  # a large entry: written with readers running
-                try:
-                    self.ring.write_reserved(job)
-                except BaseException:
-                    with self._lock:
-                        self.ring.cancel(pos)
-                    raise
-                with self._lock:
-                    self._appended(s, f, pos, esize, enc, k == last)
-        self.observer.cold_write((time.perf_counter() - t0) * 1e3)
-
-    def _appended(self, s: Session, f: FileRec, pos: int, esize: int, enc: Encoded, last: bool) -> None:
-        """Under the state lock: publish one written entry of an append."""
-        f.add(pos, 0, enc.raw_len, esize)
-        self.quota.add(s.uid, (0, 0, enc.raw_len, EXTENT_BYTES))
-        c = self.counters
-        c["raw_written"] += enc.raw_len
-        c["stored_written"] += enc.stored_len
-        if last:
-            f.mtime = s.mtime = time.time_ns()
-            c["appends"] += 1
-            self.idx.dirty(s)
+        self.appends.append(s, f, offset, data)
 
     def truncate(self, session: str, name: str, length: int) -> None:
         s, f = self._file(session, name)
@@ -464,7 +429,7 @@ class Store(ReadPath, Reporting):
         """Flush, then fsync (readers keep running); nothing to do when nothing was
         written since the last sync, so syncing N files after one batch is one flush.
         Returns whether the device was flushed."""
-        with self._lock:
+        with self.state_lock:
             self.ring.flush()
         return self.vol.sync_written()
 
@@ -482,10 +447,10 @@ class Store(ReadPath, Reporting):
         """Take the writer lock if no change holds it now (``release_writer`` gives it back):
         a caller that must not wait behind a long change runs its own under it, or hands
         them to a thread that may wait."""
-        return self._wlock.acquire(blocking=False)
+        return self.writer_lock.acquire(blocking=False)
 
     def release_writer(self) -> None:
-        self._wlock.release()
+        self.writer_lock.release()
 
     def checkpoint(self, clean: bool = False) -> None:
         """Persist the index (dirty sessions, purges, bitmap, usage) and a superblock
@@ -506,10 +471,7 @@ class Store(ReadPath, Reporting):
         u = self.ring.used() / self.ring.size
         if u > self.cfg.cleanup_threshold and time.monotonic() - self.last_cleanup > 60:
             self.cleanup()
-        due = (time.monotonic() - self.last_ckpt >= self.cfg.checkpoint_interval_s
-               or (not self.ring_only and (self.ring.head - self.sb.ckpt_pos > self.ring.size // 4
-                                           or len(self.idx.pinned) > 10 * self.cfg.hot_sessions)))
-        if due and (self.idx.has_changes() or self.ring.head != self.sb.ckpt_pos):
+        if checkpoint_due(self):
             self.checkpoint()
             return True
         return False
@@ -522,10 +484,7 @@ class Store(ReadPath, Reporting):
         for name in self.list_sessions():
             s = self.idx.find(name)
             if s is not None and s.last_use_ns() < cutoff:
-                self._emit(T_DELS, s)
-                self.idx.drop(s)
-                self.mark_cut(s.sno)
-                self.quota.sub(s.uid, session_use(s))
+                self._drop_session(s)
                 n += 1
         if n:
             log.info("cleanup: dropped %d sessions idle over %.0f s", n, self.cfg.retention_s)

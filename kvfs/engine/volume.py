@@ -34,11 +34,14 @@ import queue
 import stat
 import threading
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Sequence
 
+from .btree_page import TreeRoot
 from .errors import BadSuperblock, FormatError, VolumeBusy
-from .format import MIN_VOLUME, PAGE, RING_ALIGN, SB_SLOT, VOLUME_MAGIC, Superblock
+from .format import MIN_VOLUME, PAGE, RING_ALIGN, SB_CLEAN, SB_SLOT, VOLUME_MAGIC, Superblock
 
+Buffer = bytes | bytearray | memoryview  # what the volume writes
 log = logging.getLogger(__name__)
 
 DROP_BATCH = 64  # ranges read before their advice is given ...
@@ -49,7 +52,7 @@ FILL_CHUNK = 8 << 20  # zeros written per call when a volume is filled
 FILL_REPORT_S = 5.0  # how often a long fill logs its progress
 
 
-def _sync_file_range() -> ctypes._CFuncPtr | None:
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
     """libc's sync_file_range (os has none); None where there is none (not Linux)."""
     try:
         fn = ctypes.CDLL(None, use_errno=True).sync_file_range
@@ -57,7 +60,8 @@ def _sync_file_range() -> ctypes._CFuncPtr | None:
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     fn.restype = ctypes.c_int
-    return fn
+    out: Callable[[int, int, int, int], int] = fn
+    return out
 
 
 _SYNC_FILE_RANGE = _sync_file_range()
@@ -98,7 +102,7 @@ def _drop(fd: int, off: int, n: int) -> None:
         log.debug("DONTNEED [%d, +%d): %r", off, n, e)
 
 
-def pwrite_all(fd: int, data: bytes | memoryview, off: int) -> None:
+def pwrite_all(fd: int, data: Buffer, off: int) -> None:
     """os.pwrite until every byte is written (a short write is legal)."""
     mv = memoryview(data).cast("B")
     while mv:
@@ -175,6 +179,22 @@ class VolumeFile:
                 os.unlink(path)
             raise
         return vol
+
+    @classmethod
+    def format(cls, path: str, size: int, fill: bool = False,
+               progress: Callable[[int, int], None] | None = None) -> None:
+        """Create a volume (``create``) and write the superblocks of an empty one, both
+        slots; too small a ``size`` is refused (FormatError) before anything is created."""
+        tree_off, tree_pages, ring_off, ring_size = geometry(size)
+        vol = cls.create(path, size, fill, progress)
+        try:
+            now = time.time_ns()
+            sb = Superblock(1, SB_CLEAN, vol.size, ring_off, ring_size, tree_off, tree_pages, 0, 0,
+                            0, 1, now, now, TreeRoot.empty().pack(), uuid.uuid4().bytes)
+            vol.write_superblock(sb)
+            vol.write_superblock(Superblock(**{**sb.__dict__, "seq": 2}))
+        finally:
+            vol.close()
 
     @classmethod
     def open(cls, path: str, readonly: bool = False) -> VolumeFile:
@@ -282,14 +302,14 @@ class VolumeFile:
         """Bytes written since the last fsync began: about what the next one waits for."""
         return self._written_bytes - self._synced_bytes
 
-    def pwrite(self, data: bytes | memoryview, off: int) -> None:
+    def pwrite(self, data: Buffer, off: int) -> None:
         try:
             pwrite_all(self.fd, data, off)
         finally:
             self._wrote(len(data))
         self._written(off, len(data))
 
-    def pwritev(self, bufs: list[bytes | memoryview], off: int) -> None:
+    def pwritev(self, bufs: Sequence[Buffer], off: int) -> None:
         total = sum(len(b) for b in bufs)
         try:
             n = os.pwritev(self.fd, bufs, off)

@@ -34,8 +34,11 @@ import trio
 from pyfuse3 import FUSEError
 
 from kvfs.engine import errors
+from kvfs.engine.store import Store
 
+from .counters import Counters
 from .errnos import Stale
+from .hooks import Local
 from .nodes import Node, shown
 
 log = logging.getLogger("kvfs.fs")
@@ -151,7 +154,7 @@ class WriteBuffers:
     last handle's release drops what still cannot be stored, with a log line.
     """
 
-    def __init__(self, store: Any, call: Call, counters: Any, flush_at: int, entry_max: int,
+    def __init__(self, store: Store, call: Call, counters: Counters, flush_at: int, entry_max: int,
                  max_pending: int = MAX_PENDING) -> None:
         self.store, self.call, self.counters = store, call, counters
         self.flush_at, self.entry_max, self.max_pending = flush_at, entry_max, max_pending
@@ -159,7 +162,7 @@ class WriteBuffers:
         self._total = [0]  # bytes buffered over every file (each Tail keeps it)
         self._headroom: int | None = None  # free ring bytes at the last look, less the reserve
         self._full_until = 0.0  # trio clock: until then a full engine is not asked again
-        self.shared: Any = None  # told what reached the engine (``remote.Remote``), if set
+        self.shared: Local | None = None  # told what reached the engine (``remote.Remote``), if set
 
     def space_freed(self) -> None:
         """A file or session was deleted or truncated: the engine may have room again."""
@@ -415,6 +418,14 @@ class WriteBuffers:
             return done, e
         return done, None
 
+    async def flush_all(self) -> None:
+        """Hand every buffered byte to the engine (at unmount; failures are logged)."""
+        for p in self.pending():
+            try:
+                await self.flush(p.node)
+            except (errors.KVFSError, Stale) as e:
+                log.error("flush at unmount failed for %s: %r", shown(p.node.key), e)
+
     async def truncate(self, node: Node, length: int) -> None:
         """Drop the tail of a file (an agent retrying a turn); longer -> EINVAL."""
         p = self._by_ino.get(node.ino)
@@ -438,27 +449,3 @@ class WriteBuffers:
     def _cut(self, node: Node, length: int) -> None:
         if self.shared is not None:
             self.shared.cut(node.key, length)
-
-    async def read(self, node: Node, off: int, size: int) -> bytes:
-        """Bytes of the file as this mount sees it: the engine's, then the buffered tail.
-
-        Never more than ``size``. Whether the range reaches the buffer is decided under the
-        file's lock: a flush in between moves bytes from the buffer into the engine."""
-        p = self._by_ino.get(node.ino)
-        if p is None or off + size <= p.base:  # the engine's part only: it never shrinks
-            return await self._engine_read(node, off, size)
-        async with p.lock:
-            if off + size <= p.base or not p.buf:
-                return await self._engine_read(node, off, size)
-            head = b""
-            if off < p.base:
-                want = p.base - off
-                head = await self._engine_read(node, off, want)
-                if len(head) < want:  # the engine holds less than it said: no splice
-                    return head
-            start = off + len(head) - p.base
-            return head + p.buf.slice(start, start + size - len(head))
-
-    async def _engine_read(self, node: Node, off: int, size: int) -> bytes:
-        return await self.call(on_live, node, self.store.read, *node.key, off, size,
-                               changes=False)

@@ -10,14 +10,12 @@ and the ring, and the only writer of the volume. Protocol: ``kvfs.channel.protoc
 docs/mount.md.
 
 Who may use it is decided as the kernel would decide for the files: the peer's uid, gid
-and groups (``SO_PEERCRED``, ``SO_PEERGROUPS``) against the mount (without
-``--allow-other`` only its owner reaches it), the session directory (search; read to
-list it; write to create a file in it) and the file (read, write), root passing the
-checks as with ``default_permissions``. The volume's path goes only to a peer that may
-read the volume file; any other gets EACCES and uses the files. The peer is known at
-accept, before anything is read for it, and every request and connection is bounded
-(the limits below and in ``kvfs.channel.protocol``; docs/reliability.md lists them):
-a limit is an errno that changes nothing, never the mount's or the volume's trouble.
+and groups against the mount, the session directory (search; read to list it; write to
+create a file in it) and the file (read, write), root passing the checks as with
+``default_permissions``. The volume's path goes only to a peer that may read the volume
+file; any other gets EACCES and uses the files. Who gets a connection at all, and how
+much a request may carry, is the admission policy (``admission.Admission``: the peer
+check, per-uid connection limits, reserved slots, the idle timeout, body limits).
 
 One thread per connection serves its requests, calling the ``Store`` directly (it is
 thread-safe), so the FUSE loop never waits for a client. Where the FUSE layer holds state
@@ -38,10 +36,8 @@ import os
 import secrets
 import socket
 import stat
-import struct
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import pyfuse3
@@ -49,90 +45,30 @@ import trio
 
 from kvfs.channel import protocol as P
 from kvfs.engine import errors
+from kvfs.engine.store import Store
+from kvfs.engine.types import SessionStat
 
-from .errnos import Stale, errno_of
+from .admission import FRAME_TIMEOUT_S, MAX_CLIENTS, Admission, Peer, R, W, X, peer_of, recv_body
+from .errnos import Refused, Stale, errno_of
 from .files import drop_kernel_pages
 from .nodes import Node
+from .ops import Operations
 
 log = logging.getLogger("kvfs.channel")
 
-# Connection limits (docs/reliability.md, "The native channel's limits"): no local user
-# can fill the channel. A connection over a limit is answered EUSERS and closed.
-MAX_CLIENTS = 64  # connections served at once
-OWNER_SLOTS = 8  # of them only the mount's owner and root may take: they always get in
-PER_UID = 16  # connections of any one other uid
-FRAME_TIMEOUT_S = 10.0  # a frame begun must keep arriving: no recv or send waits longer
-BODY_CHUNK = 1 << 20  # a body is allocated as it arrives, this much at a time, not as announced
 BIND_TRIES = 8  # random socket names tried before the mount gives up serving
-SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
-R, W, X = 4, 2, 1
-
-
-@dataclass(frozen=True)
-class Peer:
-    pid: int
-    uid: int
-    gid: int
-    groups: frozenset[int]
-
-    def may(self, mode: int, uid: int, gid: int, want: int, is_dir: bool = False) -> bool:
-        """Whether the kernel's ``generic_permission`` would grant ``want`` (R|W|X bits)."""
-        if self.uid == 0:  # CAP_DAC_OVERRIDE: all but executing a file no one may execute
-            return is_dir or not want & X or bool(mode & 0o111)
-        if self.uid == uid:
-            bits = mode >> 6
-        elif gid == self.gid or gid in self.groups:
-            bits = mode >> 3
-        else:
-            bits = mode
-        return bits & want == want
-
-
-def recv_body(conn: socket.socket, n: int) -> memoryview:
-    """``n`` bytes, allocated as they arrive: ``BODY_CHUNK`` first, then doubled each time
-    the bytes so far filled it, so a header announcing a large body costs nothing until
-    its bytes come, and never more than twice what came."""
-    if n <= BODY_CHUNK:
-        return P.recv_exact(conn, n) if n else memoryview(b"")
-    buf = bytearray()
-    while len(buf) < n:
-        got = len(buf)
-        buf.extend(bytes(min(max(got, BODY_CHUNK), n - got)))
-        with memoryview(buf) as mv:
-            P.recv_exact(conn, len(buf) - got, mv[got:])
-    return memoryview(buf)
-
-
-def peer_of(conn: socket.socket) -> Peer:
-    pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-    groups: frozenset[int] = frozenset()
-    try:
-        raw = conn.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * 1024)
-        groups = frozenset(struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4]))
-    except OSError as e:  # an older kernel: the primary group only
-        log.debug("SO_PEERGROUPS: %r", e)
-    return Peer(pid, uid, gid, groups)
-
-
-class Refused(Exception):
-    def __init__(self, code: int, why: str = "") -> None:
-        super().__init__(why)
-        self.errno = code
-
 
 class ChannelServer:
     """The listening socket, its accept thread and one thread per client (module doc)."""
 
-    def __init__(self, ops: Any, store: Any, volume: str, *, allow_other: bool = False,
+    def __init__(self, ops: Operations, store: Store, volume: str, *, allow_other: bool = False,
                  idle_s: float = P.IDLE_TIMEOUT_S) -> None:
         self.ops, self.store, self.volume = ops, store, volume
-        self.allow_other, self.idle_s = allow_other, idle_s
-        self.owner = (os.getuid(), os.getgid())
+        self.policy = Admission((os.getuid(), os.getgid()), allow_other=allow_other,
+                                idle_s=idle_s)
         self.name = ""
         self.token: trio.lowlevel.TrioToken | None = None
         self._sock: socket.socket | None = None
-        self._conns: dict[socket.socket, int] = {}  # -> the peer's uid
-        self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._stop = False
         self.counts = {"clients": 0, "refused": 0, "requests": 0, "extents": 0, "writes": 0,
@@ -177,8 +113,7 @@ class ChannelServer:
 
     def close(self) -> None:
         self._stop = True
-        with self._lock:
-            socks = [*self._conns] + ([self._sock] if self._sock is not None else [])
+        socks = self.policy.stop() + ([self._sock] if self._sock is not None else [])
         for s in socks:
             try:
                 s.shutdown(socket.SHUT_RDWR)
@@ -202,30 +137,15 @@ class ChannelServer:
                 log.info("channel peer without credentials: %r", e)
                 conn.close()
                 continue
-            code = self._admit(conn, peer)
+            code = self.policy.admit(conn, peer)
             if code:
                 self._turn_away(conn, code)
                 continue
+            self.counts["clients"] += 1
             t = threading.Thread(target=self._serve, args=(conn, peer),
                                  name="kvfs-channel-client", daemon=True)
             self._threads = [x for x in self._threads if x.is_alive()] + [t]
             t.start()
-
-    def _admit(self, conn: socket.socket, peer: Peer) -> int:
-        """0 with the connection counted, or the errno it is turned away with."""
-        if not self.allow_other and (peer.uid, peer.gid) != self.owner:
-            return errno.EACCES  # FUSE lets no one else in either
-        with self._lock:
-            if self._stop:
-                return errno.ESHUTDOWN
-            n = len(self._conns)
-            mine = sum(1 for uid in self._conns.values() if uid == peer.uid)
-            if n >= MAX_CLIENTS or peer.uid not in (0, self.owner[0]) and (
-                    n >= MAX_CLIENTS - OWNER_SLOTS or mine >= PER_UID):
-                return errno.EUSERS
-            self._conns[conn] = peer.uid
-            self.counts["clients"] += 1
-        return 0
 
     def _turn_away(self, conn: socket.socket, code: int) -> None:
         """One reply header with the errno, then closed: the accept thread never waits."""
@@ -241,7 +161,7 @@ class ChannelServer:
     def _serve(self, conn: socket.socket, peer: Peer) -> None:
         try:
             while not self._stop:
-                conn.settimeout(self.idle_s)
+                conn.settimeout(self.policy.idle_s)
                 try:
                     head = conn.recv(P.REQ.size)
                 except TimeoutError:
@@ -253,12 +173,10 @@ class ChannelServer:
                 if len(head) < P.REQ.size:
                     head += bytes(P.recv_exact(conn, P.REQ.size - len(head)))
                 n, op = P.REQ.unpack(head)
-                limit = P.BODY_MAX.get(op)
-                if limit is None or n > limit:  # the body is never read: the stream ends here
-                    why = f"unknown operation {op}" if limit is None else \
-                        f"{P.OPS[op]} request of {n} bytes, at most {limit}"
-                    log.info("channel: uid %d: %s; closing its connection", peer.uid, why)
-                    self._reply(conn, errno.EPROTO if limit is None else errno.EMSGSIZE, [], [])
+                refused = self.policy.body_refusal(op, n)
+                if refused is not None:  # the body is never read: the stream ends here
+                    log.info("channel: uid %d: %s; closing its connection", peer.uid, refused[1])
+                    self._reply(conn, refused[0], [], [])
                     return
                 body = recv_body(conn, n)
                 fds: list[int] = []
@@ -300,8 +218,7 @@ class ChannelServer:
             if not self._stop and not isinstance(e, ConnectionError):
                 log.info("channel client dropped: %r", e)
         finally:
-            with self._lock:
-                self._conns.pop(conn, None)
+            self.policy.release(conn)
             conn.close()
 
     @staticmethod
@@ -310,7 +227,7 @@ class ChannelServer:
 
     # ------------------------------------------------------------------ requests
     def _dispatch(self, peer: Peer, op: int, body: memoryview) -> tuple[list, list[int]]:
-        if not self.allow_other and (peer.uid, peer.gid) != self.owner:
+        if not self.policy.may_use(peer):
             raise Refused(errno.EACCES, "not the mount's owner (no --allow-other)")
         if op == P.HELLO:
             if len(body) != 4:
@@ -334,7 +251,7 @@ class ChannelServer:
         pub = self.published
         doc = {"version": P.VERSION, "volume": self.volume, "uuid": self.store.volume_id,
                "generation": pub.generation, "entry_max": self.ops.buffers.entry_max,
-               "idle_s": self.idle_s}
+               "idle_s": self.policy.idle_s}
         return [json.dumps(doc).encode()], [pub.reader_fd()]
 
     def _session_ok(self, peer: Peer, attrs: tuple[int, int, int], want: int) -> None:
@@ -356,12 +273,13 @@ class ChannelServer:
             files[name] = (f.size, f.mode, f.uid, f.gid)
         budget = P.SMALL_TOTAL  # bounds the reply: past it, small files answer None
         for name in small:
-            f = files.get(name)
-            if f is None or f[0] > min(P.SMALL_MAX, budget) or not peer.may(f[1], f[2], f[3], R):
+            seen = files.get(name)
+            if seen is None or seen[0] > min(P.SMALL_MAX, budget) or not peer.may(
+                    seen[1], seen[2], seen[3], R):
                 got[name] = None
                 continue
             try:
-                got[name] = b = self.store.read(session, name, 0, f[0])
+                got[name] = b = self.store.read(session, name, 0, seen[0])
                 budget -= len(b)
             except errors.NotFound:
                 got[name] = None
@@ -418,7 +336,7 @@ class ChannelServer:
                 sync_errno = e.errno or errno.EIO
         return P.write_reply(results, sync_errno)
 
-    def _item(self, peer: Peer, session: str, st: Any, it: P.Item, create: bool) -> int:
+    def _item(self, peer: Peer, session: str, st: SessionStat, it: P.Item, create: bool) -> int:
         key = (session, it.name)
         try:
             f = self.store.file_stat(session, it.name)

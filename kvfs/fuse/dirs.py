@@ -1,23 +1,24 @@
 """The directory handlers of ``ops.Operations``: listings, ``fsyncdir``, ``statfs``.
 
-A mixin, kept apart only for size: it uses the ``Operations``' inode table, worker
-(``call``), handles and attribute helpers, and owns nothing of its own but the listing
-snapshots taken at ``opendir``.
+Kept apart only for size (``self`` is an ``ops_state.OpsState``): it uses the
+``Operations``' inode table, worker (``call``), handles and attribute helpers, and owns
+nothing of its own but the listing snapshots taken at ``opendir``.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-from typing import Any
 
 import pyfuse3
 from pyfuse3 import EntryAttributes, FUSEError, RequestContext
 
 from kvfs.engine import errors
+from kvfs.engine.types import FileStat, SessionStat
 
 from .errnos import handler
 from .nodes import FIXED, FIXED_CHILDREN, SESSIONS, Handle, Key
+from .ops_state import OpsState
 
 READDIR_BATCH = 64
 
@@ -25,14 +26,8 @@ READDIR_BATCH = 64
 class Directories:
     """``opendir``/``readdir``/``releasedir``/``fsyncdir``/``statfs`` of ``Operations``."""
 
-    _dirs: dict[int, list[tuple[str, Key | int]]]
-    inodes: Any
-    store: Any
-    worker: Any
-    shared: Any
-
     @handler
-    async def opendir(self, inode: int, ctx: RequestContext) -> int:
+    async def opendir(self: OpsState, inode: int, ctx: RequestContext) -> int:
         entries: list[tuple[str, Key | int]] = [(".", inode), ("..", self._parent_of(inode))]
         if inode in FIXED_CHILDREN:
             entries += FIXED_CHILDREN[inode]
@@ -52,7 +47,7 @@ class Directories:
         return fh
 
     @handler
-    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+    async def readdir(self: OpsState, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         entries = self._dirs[fh]
         i = start_id
         while i < len(entries):
@@ -70,12 +65,12 @@ class Directories:
                 if isinstance(ref, tuple):
                     self.inodes.looked_up(ref)
 
-    async def _batch_attrs(self, batch: list[tuple[str, Key | int]]) -> dict[str, EntryAttributes]:
+    async def _batch_attrs(self: OpsState, batch: list[tuple[str, Key | int]]) -> dict[str, EntryAttributes]:
         """Attributes of a slice of a listing, with one worker call for the dynamic ones."""
         keys = [ref for _, ref in batch if isinstance(ref, tuple)]
 
-        def stats() -> list[Any]:
-            out = []
+        def stats() -> list[SessionStat | FileStat | None]:
+            out: list[SessionStat | FileStat | None] = []
             for key in keys:
                 try:
                     out.append(self._stat_sync(key))
@@ -91,16 +86,16 @@ class Directories:
                 attrs[name] = await self._attr_of(ref)
         return attrs
 
-    async def releasedir(self, fh: int) -> None:
+    async def releasedir(self: OpsState, fh: int) -> None:
         self._dirs.pop(fh, None)
         self._handles.pop(fh, None)
 
     @handler
-    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+    async def fsyncdir(self: OpsState, fh: int, datasync: bool) -> None:
         await self.worker.sync()
 
     @handler
-    async def statfs(self, ctx: RequestContext) -> pyfuse3.StatvfsData:
+    async def statfs(self: OpsState, ctx: RequestContext) -> pyfuse3.StatvfsData:
         u = await self.call(self.store.usage, changes=False)
         s = pyfuse3.StatvfsData()
         s.f_bsize = s.f_frsize = 4096

@@ -1,7 +1,8 @@
 """Every errno the FUSE layer answers, decided in one place.
 
 Engine exceptions map through ``ERRNO``; the layer's own refusals are ``Refused`` (a name
-the kernel passed that kvfs will not take) and ``Stale`` (a handle whose file was unlinked
+the kernel passed that kvfs will not take, a channel request, a mount that cannot go ahead)
+and ``Stale`` (a handle whose file was unlinked
 or replaced). ``handler`` wraps each ``Operations`` handler: a ``FUSEError`` passes, the
 exceptions above become their errno, and anything else is a bug -- logged with its
 traceback, answered with EIO, the volume marked as needing fsck -- because an exception
@@ -13,8 +14,8 @@ from __future__ import annotations
 import errno
 import functools
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from pyfuse3 import FUSEError
 
@@ -23,6 +24,23 @@ from kvfs.engine import errors
 log = logging.getLogger("kvfs.fs")
 
 T = TypeVar("T")
+P = ParamSpec("P")
+
+
+class _Counts(Protocol):
+    corrupt_reads: int
+
+
+class Handlers(Protocol):
+    """What ``handler`` needs of the ``Operations`` whose handler it wraps."""
+
+    @property
+    def counters(self) -> _Counts: ...
+
+    def _internal_error(self, where: str, e: BaseException) -> None: ...
+
+
+H = TypeVar("H", bound=Handlers)
 
 #: engine exception -> errno; subclasses before their base (NameTooLong is a BadName)
 ERRNO: list[tuple[type[errors.KVFSError], int]] = [
@@ -56,9 +74,11 @@ def errno_of(exc: BaseException) -> int:
 
 
 class Refused(Exception):
-    """Input the FUSE layer refuses before the engine sees it; ``errno`` says how."""
+    """What the FUSE layer refuses before the engine sees it: a name the kernel passed, a
+    channel request, a mount that cannot go ahead. ``errno`` says how (what a client is
+    answered), ``str(e)`` why (the one line a log or the user sees)."""
 
-    def __init__(self, code: int, why: str) -> None:
+    def __init__(self, code: int, why: str = "") -> None:
         super().__init__(why)
         self.errno = code
 
@@ -67,16 +87,17 @@ class Stale(Exception):
     """The file behind a handle was unlinked or replaced: ESTALE, never the new file."""
 
 
-def handler(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+def handler(fn: Callable[Concatenate[H, P], Coroutine[Any, Any, T]]
+            ) -> Callable[Concatenate[H, P], Coroutine[Any, Any, T]]:
     """Translate what escapes a handler: known exception -> errno, anything else -> EIO.
 
     ``self`` (the ``Operations``) provides ``counters`` and ``_internal_error``.
     """
 
     @functools.wraps(fn)
-    async def wrapper(self: Any, *args: Any) -> T:
+    async def wrapper(self: H, *args: P.args, **kwargs: P.kwargs) -> T:
         try:
-            return await fn(self, *args)
+            return await fn(self, *args, **kwargs)
         except FUSEError:
             raise
         except (Refused, Stale) as e:

@@ -1,10 +1,9 @@
 """What the FUSE layer keeps and builds around the engine calls of its handlers.
 
-Read-ahead for direct I/O (``ReadAhead``), the layer's counters, ``EntryAttributes`` built
-from the engine's stat values, and the bodies of the generated ``/.kvfs`` files. Used by
-``ops`` only. Read-ahead reaches the ``Store`` solely through the ``call`` it is given
-(the layer's single worker) and only while the inode still names its file; the other
-pieces only format values ``ops`` fetched. The write buffers live in ``buffers``.
+``EntryAttributes`` built from the engine's stat values, the
+kernel's page cache of files the engine cuts (``KernelPages``), and the bodies of the
+generated ``/.kvfs`` files. Used by ``ops`` only; these pieces only format values ``ops``
+fetched. The write buffers live in ``buffers``, the read path in ``read_path``.
 """
 
 from __future__ import annotations
@@ -14,140 +13,25 @@ import logging
 import queue
 import stat
 import threading
-from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import pyfuse3
-import trio
-from pyfuse3 import EntryAttributes
+from pyfuse3 import EntryAttributes, SetattrFields
 
-from kvfs.ops import metrics
+from kvfs.engine.records import check_time
+from kvfs.engine.store import Store
+from kvfs.ops import agents, metrics
 
-from .buffers import Call, Pending, on_live
-from .nodes import Node
+from .buffers import Pending
+from .nodes import InodeTable, Key
 
 log = logging.getLogger("kvfs.fs")
 
 BLKSIZE = 1 << 20  # st_blksize: tools read and write in 1 MiB pieces
 ATTR_TIMEOUT = 1.0  # the kernel may cache attributes/entries this long (we are the only writer)
 FIXED_TIMEOUT = 300.0
-
-
-@dataclass
-class Ahead:
-    """The next range of a sequential reader, being read (``done`` not set) or read."""
-
-    off: int
-    size: int
-    done: trio.Event = field(default_factory=trio.Event)
-    data: bytes | None = None
-
-
-@dataclass
-class Window:
-    """Engine bytes of one handle from ``off``, fetched for its small sequential reads;
-    valid while the file's ``cuts`` (truncations) are what they were at the fetch."""
-
-    off: int
-    data: bytes
-    cuts: int
-
-
-class ReadAhead:
-    """Read-ahead for direct I/O, which gets none from the kernel.
-
-    When a handle reads at least ``MIN`` bytes right where its last read ended, the next
-    ``DEPTH`` ranges of the same size are read on the worker while this one travels back
-    to the reader, so disk, decoding and the FUSE round trip overlap. Only bytes the engine
-    already holds are read ahead; a truncate drops what was read ahead (``forget``).
-    Without a nursery (``nursery`` None) it does nothing.
-
-    A sequential read below ``SMALL`` bytes fetches a ``WINDOW`` instead; the handle's
-    next small reads inside it are answered at once, with no engine call and no worker
-    hand-off (a 4 KiB reader costs one engine call per window, not per 4 KiB). Bytes the
-    engine holds never change but by a truncate, which the window checks (``Node.cuts``).
-    """
-
-    MIN = 128 << 10
-    DEPTH = 1  # ranges read ahead (3 measured no faster on two cores: docs/mount.md)
-    SMALL = 64 << 10
-    WINDOW = 256 << 10
-
-    def __init__(self, store: Any, call: Call, counters: Counters) -> None:
-        self.store, self.call, self.counters = store, call, counters
-        self.nursery: trio.Nursery | None = None
-
-    async def read(self, h: Any, node: Node, off: int, size: int,
-                   fetch: Callable[[], Awaitable[bytes]], stored: int | None) -> bytes:
-        """``fetch()``'s bytes, or the read-ahead's when it covers them; maybe start the
-        next. ``stored``: how far the engine holds the file (None: all of it)."""
-        w = h.window
-        if (w is not None and w.cuts == node.cuts and w.off <= off
-                and off + size <= w.off + len(w.data)):
-            h.seq_end = off + size
-            self.counters.window_hits += 1
-            return w.data[off - w.off:off + size - w.off]
-        aheads: list[Ahead] = h.ahead or []
-        h.ahead = None
-        data = None
-        if aheads and aheads[0].off == off and aheads[0].size >= size:
-            a = aheads.pop(0)
-            await a.done.wait()
-            if a.data is not None and len(a.data) >= size:  # short: the file grew since
-                data = a.data[:size]
-                self.counters.readahead_hits += 1
-            else:
-                aheads = []
-        else:
-            aheads = []  # not where the reader went: what is in flight is dropped when done
-        if data is None and size < self.SMALL and off == h.seq_end and (
-                stored is None or off + size <= stored):
-            data = await self._window(h, node, off, size, stored)
-        if data is None:
-            data = await fetch()
-        nxt = off + len(data)
-        if self.nursery is not None and off == h.seq_end and len(data) == size >= self.MIN:
-            if aheads and (aheads[0].off != nxt or aheads[0].size != size):
-                aheads = []
-            at = aheads[-1].off + size if aheads else nxt
-            while len(aheads) < self.DEPTH and (stored is None or at + size <= stored):
-                a = Ahead(at, size)
-                aheads.append(a)
-                self.nursery.start_soon(self._fetch, a, node)
-                at += size
-            h.ahead = aheads or None
-        h.seq_end = nxt
-        return data
-
-    async def _window(self, h: Any, node: Node, off: int, size: int,
-                      stored: int | None) -> bytes | None:
-        """The first ``size`` bytes of a new window at ``off``; None when the engine holds
-        fewer (the rest may be buffered: the caller reads the usual way)."""
-        cuts = node.cuts
-        n = self.WINDOW if stored is None else min(self.WINDOW, stored - off)
-        got = await self.call(on_live, node, self.store.read, *node.key, off, n, changes=False)
-        if len(got) < size:
-            return None
-        if cuts == node.cuts:  # not cut while it was read
-            h.window = Window(off, got, cuts)
-        return got[:size]
-
-    async def _fetch(self, a: Ahead, node: Node) -> None:
-        try:
-            a.data = await self.call(on_live, node, self.store.read, *node.key, a.off, a.size,
-                                   changes=False)
-        except Exception as e:  # the reader will ask again and get the error itself
-            log.debug("read-ahead of %s at %d failed: %r", node.key, a.off, e)
-        finally:
-            a.done.set()
-
-    @staticmethod
-    def forget(handles: Any, ino: int) -> None:
-        """Drop read-ahead and window bytes of ``ino`` (its tail was truncated)."""
-        for h in handles:
-            if h.ino == ino:
-                h.ahead = h.window = None
 
 
 def drop_kernel_pages(inos: list[int]) -> None:
@@ -168,7 +52,7 @@ class KernelPages:
     only queues; a thread of its own drops the pages (an invalidation waits for pages
     locked by reads that the FUSE loop answers)."""
 
-    def __init__(self, inodes: Any) -> None:
+    def __init__(self, inodes: InodeTable) -> None:
         self.inodes = inodes
         self._q: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._t = threading.Thread(target=self._run, name="kvfs-kernel-pages", daemon=True)
@@ -187,24 +71,6 @@ class KernelPages:
     def close(self) -> None:
         self._q.put(None)
         self._t.join(timeout=10)
-
-
-@dataclass
-class Counters:
-    """The FUSE layer's own counts, shown under ``fs`` in ``/.kvfs/stats``."""
-
-    reads: int = 0
-    read_bytes: int = 0
-    writes: int = 0
-    write_bytes: int = 0
-    appends: int = 0  # engine appends, i.e. ring entries written by flushes
-    refused_writes: int = 0  # writes that were not appends (EPERM)
-    errors: int = 0  # unexpected exceptions answered with EIO
-    corrupt_reads: int = 0
-    readahead_hits: int = 0
-    window_hits: int = 0  # small reads answered from a handle's window, no engine call
-    read_req_max: int = 0  # largest read / write request the kernel sent (request sizing)
-    write_req_max: int = 0
 
 
 def _ns(t: float | int) -> int:
@@ -249,6 +115,52 @@ def file_attr(ino: int, st: Any, pending: Pending | None, nlink: int = 1) -> Ent
     size = pending.size if pending is not None else st.size
     return make_attr(ino, stat.S_IFREG | (st.mode & 0o7777), st.uid, st.gid,
                      _times(st), size, st.stored, nlink=nlink)
+
+
+@dataclass(frozen=True)
+class AttrChange:
+    """What a ``setattr`` asks of the engine besides the size (None: unchanged)."""
+
+    mode: int | None
+    uid: int | None
+    gid: int | None
+    atime_ns: int | None
+    mtime_ns: int | None
+
+    @classmethod
+    def asked(cls, attr: EntryAttributes, fields: SetattrFields) -> AttrChange:
+        """The change the kernel asked for; EOVERFLOW (``TimeRange``) for a time no record
+        holds, before anything changes."""
+        c = cls(attr.st_mode & 0o7777 if fields.update_mode else None,
+                attr.st_uid if fields.update_uid else None,
+                attr.st_gid if fields.update_gid else None,
+                attr.st_atime_ns if fields.update_atime else None,
+                attr.st_mtime_ns if fields.update_mtime else None)
+        check_time(c.atime_ns, "atime")
+        check_time(c.mtime_ns, "mtime")
+        return c
+
+    def any(self) -> bool:
+        return (self.mode, self.uid, self.gid, self.atime_ns, self.mtime_ns) != (None,) * 5
+
+    def owner(self) -> bool:
+        """Whether the mode or the owner change (the shared tier's owner record follows)."""
+        return (self.mode, self.uid, self.gid) != (None, None, None)
+
+    def apply(self, store: Store, key: Key) -> None:
+        """Make the change (an engine call: on the worker)."""
+        if len(key) == 1:
+            store.set_session_attrs(key[0], self.mode, self.uid, self.gid,
+                                    atime_ns=self.atime_ns, mtime_ns=self.mtime_ns)
+        else:
+            store.set_file_attrs(key[0], key[1], self.mode, self.uid, self.gid,
+                                 atime_ns=self.atime_ns, mtime_ns=self.mtime_ns)
+
+
+def agent_totals(profile: dict[str, Any] | None, volume_id: str) -> dict[str, dict[str, Any]]:
+    """What the volume's live agents publish (``kvfs.ops.agents``), summed."""
+    warm_root = (profile or {}).get("warm_root")
+    return agents.totals(agents.read(warm_root, volume_id) if warm_root else [])
 
 
 def negative() -> EntryAttributes:

@@ -9,7 +9,8 @@
 
 The story, in order: parse the arguments, set up logging, load the profile, check the
 paths, daemonize (the parent waits on a pipe and exits 0 only once the mount is live),
-connect to the shared tier (``--shared``), open or create the volume, mount it, then run the FUSE loop with a periodic checkpoint
+connect to the shared tier (``--shared``, ``shared_setup``), open or create the volume, mount
+it, then run the FUSE loop with a periodic checkpoint
 and the alert rules beside it until SIGINT/SIGTERM or ``umount``. On the way out, clean
 or not, the same steps run: unmount, flush buffered writes, close the store (flush,
 checkpoint, clean flag). Exit 0 after a clean unmount; a refusal is one line on stderr
@@ -20,13 +21,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import gc
-import hashlib
 import logging
 import os
 import re
 import signal
-import socket
 import sys
 from typing import Any
 
@@ -37,19 +37,17 @@ from kvfs.engine import errors
 from kvfs.engine.store import Store
 from kvfs.fuse.buffers import default_max_pending
 from kvfs.fuse.channel import ChannelServer
+from kvfs.fuse.errnos import Refused
 from kvfs.fuse.files import refresh_cold_gauges
 from kvfs.fuse.ops import Operations
-from kvfs.ops import alerts, metrics, profiles
+from kvfs.fuse.shared_setup import hide_credentials, open_shared, published_profile
+from kvfs.ops import alerts, metrics, profiles, units
 
 log = logging.getLogger("kvfs.mount")
 
 PROG = "kvfs mount"
 CHECKPOINT_TICK_S = 5.0  # how often the store is asked whether a checkpoint is due
 READ_AHEAD_KB = 4096  # kernel readahead of the mount with --page-cache (default 128 KiB)
-
-
-class Refused(Exception):
-    """The mount cannot go ahead; ``str(e)`` is the one line the user sees."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -90,7 +88,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-channel", action="store_true",
                    help="do not serve the native channel (kvfs's own clients then use the "
                         "files, like any program)")
-    p.add_argument("--write-buffer-max", type=profiles.parse_size, metavar="SIZE",
+    p.add_argument("--write-buffer-max", type=units.parse_size, metavar="SIZE",
                    help="bound on the mount's unflushed written bytes (default: 256M, at "
                         "most 1/8 of RAM)")
     p.add_argument("--shared", metavar="redis://HOST:PORT[,HOST:PORT...]",
@@ -130,19 +128,19 @@ def load_profile(args: argparse.Namespace) -> tuple[profiles.Profile, int | None
         profiles.check_mount_keys(overrides, args.config)
         profile = profiles.load(args.profile, overrides,
                                 args.config)
-        size = profiles.parse_size(args.size) if args.size is not None else None
+        size = units.parse_size(args.size) if args.size is not None else None
     except profiles.ProfileError as e:
-        raise Refused(str(e)) from None
+        raise Refused(errno.EINVAL, str(e)) from None
     except ValueError as e:
-        raise Refused(f"--size: {e}") from None
+        raise Refused(errno.EINVAL, f"--size: {e}") from None
     return profile, size
 
 
 def check_paths(args: argparse.Namespace, size: int | None) -> None:
     if not os.path.isdir(args.mountpoint):
-        raise Refused(f"mountpoint {args.mountpoint} does not exist or is not a directory")
+        raise Refused(errno.ENOTDIR, f"mountpoint {args.mountpoint} does not exist or is not a directory")
     if not os.path.exists(args.volume) and size is None:
-        raise Refused(f"volume {args.volume} does not exist; give --size to create it")
+        raise Refused(errno.ENOENT, f"volume {args.volume} does not exist; give --size to create it")
 
 
 def daemonize() -> int:
@@ -195,7 +193,7 @@ def fill_bar() -> Any:
                 file=sys.stderr, ncols=cols, nrows=rows)
 
 
-def open_store(args: argparse.Namespace, size: int | None, profile: profiles.Profile) -> Any:
+def open_store(args: argparse.Namespace, size: int | None, profile: profiles.Profile) -> Store:
     # other users reach an --allow-other mount: "auto" quotas apply there
     config = profile.store_config(shared=args.allow_other)
     observer = metrics.EngineObserver()
@@ -222,14 +220,14 @@ def open_store(args: argparse.Namespace, size: int | None, profile: profiles.Pro
             if bar is not None:
                 bar.close()
     except errors.NeedsFsck:
-        raise Refused(f"{args.volume} needs fsck (an error was seen while it was mounted): "
+        raise Refused(errno.EUCLEAN, f"{args.volume} needs fsck (an error was seen while it was mounted): "
                       f"run kvfs-fsck {args.volume}, or mount with --force") from None
     except errors.VolumeBusy:
-        raise Refused(f"volume {args.volume} is already mounted (locked by another process)") from None
+        raise Refused(errno.EBUSY, f"volume {args.volume} is already mounted (locked by another process)") from None
     except errors.FormatError as e:
-        raise Refused(f"{args.volume} is not a usable kvfs volume: {e}") from None
+        raise Refused(errno.EINVAL, f"{args.volume} is not a usable kvfs volume: {e}") from None
     except OSError as e:
-        raise Refused(f"cannot open volume {args.volume}: {e.strerror or e}") from None
+        raise Refused(e.errno or errno.EIO, f"cannot open volume {args.volume}: {e.strerror or e}") from None
 
 
 def bind_metrics(args: argparse.Namespace) -> Any:
@@ -240,118 +238,8 @@ def bind_metrics(args: argparse.Namespace) -> Any:
     try:
         return metrics.serve(args.metrics_port, args.metrics_addr, start=False)
     except OSError as e:
-        raise Refused(f"--metrics-addr {args.metrics_addr} --metrics-port {args.metrics_port}: "
+        raise Refused(e.errno or errno.EADDRINUSE, f"--metrics-addr {args.metrics_addr} --metrics-port {args.metrics_port}: "
                       f"{e.strerror or e}") from None
-
-
-def node_id(volume: str) -> str:
-    """This mount's name in the cluster's leases: the host and its volume (stable across
-    remounts, so a restarted mount finds its own leases)."""
-    host = socket.gethostname().translate(str.maketrans("/{}|", "____")) or "host"
-    return f"{host}-{hashlib.sha1(volume.encode()).hexdigest()[:8]}"
-
-
-_CREDENTIALS = re.compile(r"(rediss?://[^:@/,\s]*):\S*@")  # to the last "@": a password may hold one
-
-
-def redact(text: str) -> str:
-    """``text`` with the password of every ``redis[s]://user:password@`` in it hidden."""
-    return _CREDENTIALS.sub(r"\1:***@", text)
-
-
-def hide_credentials(argv: list[str]) -> None:
-    """A password given in a cluster URL on the command line is replaced by ``***`` in the
-    process title (what ``ps`` and /proc/PID/cmdline show) as soon as the mount starts."""
-    if any(redact(a) != a for a in argv):
-        import setproctitle  # noqa: PLC0415 - only when there is something to hide
-
-        setproctitle.setproctitle(" ".join(redact(a) for a in [sys.argv[0], *argv]))
-
-
-def _read_private(path: str, what: str) -> str:
-    """A one-line secret from a file nobody else may read."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        raise Refused(f"{what} {path}: {e.strerror or e}") from None
-    with os.fdopen(fd, "rb") as f:
-        if os.fstat(f.fileno()).st_mode & 0o077:
-            raise Refused(f"{what} {path} may be read by others: make it mode 0600")
-        return f.read(4096).decode(errors="replace").rstrip("\r\n")
-
-
-def shared_password(profile: profiles.Profile) -> str | None:
-    """The Redis password: the environment's KVFS_SHARED_PASSWORD, else the password file,
-    else None (the URL's, if it has one)."""
-    env = os.environ.get("KVFS_SHARED_PASSWORD")
-    if env:
-        return env
-    if profile.shared_password_file:
-        return _read_private(profile.shared_password_file, "shared_password_file")
-    return None
-
-
-def open_shared(args: argparse.Namespace, profile: profiles.Profile) -> Any:
-    """The ``SharedTier`` of ``--shared`` (or the profile's ``shared``), None without one;
-    ``Refused`` when it cannot be reached, unless it is optional (then a warning), and when
-    its settings are wrong (optional or not). No password ever reaches a message."""
-    urls = args.shared or profile.shared
-    if not urls:
-        return None
-    from kvfs.shared import (  # noqa: PLC0415 - loaded only by mounts that use it
-        SharedError,
-        SharedTier,
-        TLSFiles,
-        parse_urls,
-        read_secret,
-    )
-
-    try:
-        url = parse_urls(urls, shared_password(profile))
-    except ValueError as e:
-        raise Refused(f"--shared: {e}") from None
-    if not profile.shared_secret_file:
-        raise Refused("--shared needs the cluster's secret: -o shared_secret_file=PATH (32+ "
-                      "random bytes, mode 0600, the same file on every node; e.g. head -c 48 "
-                      "/dev/urandom | base64 > PATH)")
-    try:
-        secret = read_secret(profile.shared_secret_file)
-    except ValueError as e:
-        raise Refused(str(e)) from None
-    me = args.node_id or profile.shared_node_id or node_id(args.volume)
-    tls = TLSFiles(profile.shared_tls_ca or None, profile.shared_tls_cert or None,
-                   profile.shared_tls_key or None)
-    optional = args.shared_optional or profile.shared_optional
-    tier = None
-    try:
-        tier = SharedTier(url, node_id=me, secret=secret, encrypt=profile.shared_encrypt,
-                          tls=tls, lease_ms=max(100, int(profile.shared_lease_s * 1000)),
-                          retention_s=profile.shared_retention_s,
-                          max_bytes=profile.shared_max_bytes or None)
-        if not tier.healthy():
-            raise SharedError("not every shard's master answers")
-    except ValueError as e:  # a bad node id: a setting, not the cluster
-        raise Refused(f"--node-id / shared_node_id: {e}") from None
-    except SharedError as e:
-        if tier is not None:
-            tier.close()
-        if not optional:
-            raise Refused(f"shared tier {url.redacted()} unreachable: {redact(str(e))} "
-                          f"(--shared-optional mounts local-only)") from None
-        log.warning("shared tier %s unreachable, running local-only: %s", url.redacted(),
-                    redact(str(e)))
-        return None
-    log.info("shared tier %s, node %s%s", url.redacted(), tier.node_id,
-             ", values encrypted" if profile.shared_encrypt else "")
-    return tier
-
-
-def published_profile(profile: profiles.Profile) -> dict[str, Any]:
-    """The profile as /.kvfs/stats shows it (agents take their settings from it): the
-    cluster URL without its password."""
-    d = profile.as_dict()
-    d["shared"] = redact(d.get("shared") or "")
-    return d
 
 
 def fuse_options(args: argparse.Namespace) -> set[str]:
@@ -361,7 +249,7 @@ def fuse_options(args: argparse.Namespace) -> set[str]:
     return options
 
 
-async def checkpointer(ops: Operations, store: Any) -> None:
+async def checkpointer(ops: Operations, store: Store) -> None:
     """Ask the store every few seconds whether a checkpoint is due; refresh the gauges."""
     while True:
         await trio.sleep(CHECKPOINT_TICK_S)
@@ -415,7 +303,7 @@ def _unescape(field: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
 
 
-async def serve(ops: Operations, store: Any, profile: profiles.Profile,
+async def serve(ops: Operations, store: Store, profile: profiles.Profile,
                 alert_engine: Any, mountpoint: str | None = None,
                 read_ahead_kb: int = READ_AHEAD_KB) -> None:
     """The FUSE loop and its companions; returns after ``umount`` or a signal."""
@@ -426,7 +314,7 @@ async def serve(ops: Operations, store: Any, profile: profiles.Profile,
     if ops.channel is not None:  # its clients' threads call back into this loop
         ops.channel.start(trio.lowlevel.current_trio_token())
     async with trio.open_nursery() as nursery:
-        ops.readahead.nursery = nursery
+        ops.reader.nursery = nursery
         nursery.start_soon(unmount_on_signal)
         nursery.start_soon(checkpointer, ops, store)
         if mountpoint is not None and not ops.direct_io:
@@ -441,11 +329,11 @@ async def serve(ops: Operations, store: Any, profile: profiles.Profile,
             # still closed the usual way
             log.warning("the kernel aborted the FUSE connection (%s); closing the volume",
                         eg.exceptions[0])
-        ops.readahead.nursery = None
+        ops.reader.nursery = None
         nursery.cancel_scope.cancel()
     if ops.channel is not None:
         await trio.to_thread.run_sync(ops.channel.close)
-    await ops.flush_all()
+    await ops.buffers.flush_all()
     await ops.shared.close()  # pushes what is queued (bounded), hands the leases back
     ops.worker.close()
     if ops.pages is not None:
@@ -517,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def close_store(store: Any) -> None:
+def close_store(store: Store) -> None:
     try:
         store.close()
     except Exception:

@@ -1,8 +1,8 @@
 """The namespace handlers of ``ops.Operations``: mkdir, rmdir, unlink, create, mknod.
 
-A mixin, kept apart only for size: it uses the ``Operations``' inode table, worker
-(``call``), write buffers and shared-tier hooks (``shared``: ``remote.Remote`` or
-``remote.Local``), and owns nothing of its own. A change inside a session takes the
+Kept apart only for size (``self`` is an ``ops_state.OpsState``): it uses the
+``Operations``' inode table, worker (``call``), write buffers and shared-tier hooks
+(``shared``: ``remote.Remote`` or ``hooks.Local``), and owns nothing of its own. A change inside a session takes the
 session's lease first when the mount replicates (EBUSY while another node writes it).
 """
 
@@ -20,6 +20,7 @@ from kvfs.engine import errors
 from .errnos import handler
 from .files import file_attr, session_attr
 from .nodes import check_name, shown
+from .ops_state import OpsState
 
 log = logging.getLogger("kvfs.fs")
 
@@ -29,13 +30,8 @@ PRIVATE = 0o077  # group/other bits dropped from modes asked at creation: KV byt
 class Namespace:
     """``mkdir``/``rmdir``/``unlink``/``create``/``mknod`` (and the refused link kinds)."""
 
-    inodes: Any
-    store: Any
-    buffers: Any
-    shared: Any
-
     @handler
-    async def mkdir(self, parent_inode: int, name: bytes, mode: int,
+    async def mkdir(self: OpsState, parent_inode: int, name: bytes, mode: int,
                     ctx: RequestContext) -> EntryAttributes:
         self._only_sessions(parent_inode)
         key = (check_name(name),)
@@ -52,7 +48,7 @@ class Namespace:
         return session_attr(self.inodes.looked_up(key), st)
 
     @handler
-    async def rmdir(self, parent_inode: int, name: bytes, ctx: RequestContext) -> None:
+    async def rmdir(self: OpsState, parent_inode: int, name: bytes, ctx: RequestContext) -> None:
         self._only_sessions(parent_inode)
         sname = check_name(name)
         if await self.call(self.store.list_files, sname, changes=False):
@@ -70,7 +66,7 @@ class Namespace:
         await self._drop_pages()
 
     @handler
-    async def unlink(self, parent_inode: int, name: bytes, ctx: RequestContext) -> None:
+    async def unlink(self: OpsState, parent_inode: int, name: bytes, ctx: RequestContext) -> None:
         key = (self._session_of(parent_inode), check_name(name))
 
         def delete() -> Any:  # the last stat answers fstat on a handle still open
@@ -94,7 +90,7 @@ class Namespace:
         self.inodes.unlink(key, last)
         await self._drop_pages()
 
-    async def _new_file(self, parent: int, name: bytes, mode: int,
+    async def _new_file(self: OpsState, parent: int, name: bytes, mode: int,
                         ctx: RequestContext) -> tuple[int, EntryAttributes]:
         key = (self._session_of(parent), check_name(name))
         self.shared.check_new_name(key[1])
@@ -110,7 +106,7 @@ class Namespace:
         return ino, file_attr(ino, st, None)
 
     @handler
-    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+    async def create(self: OpsState, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: RequestContext) -> tuple[FileInfo, EntryAttributes]:
         session = self._session_of(parent_inode)
         await self.shared.begin(session)  # the handle is a writer: ``release`` ends it
@@ -122,7 +118,7 @@ class Namespace:
             raise
 
     @handler
-    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
+    async def mknod(self: OpsState, parent_inode: int, name: bytes, mode: int, rdev: int,
                     ctx: RequestContext) -> EntryAttributes:
         if not stat.S_ISREG(mode):
             raise FUSEError(errno.EPERM)  # regular files only: no devices, fifos, sockets
@@ -133,14 +129,14 @@ class Namespace:
         finally:
             await self.shared.end(session)
 
-    async def symlink(self, parent_inode: int, name: bytes, target: bytes,
+    async def symlink(self: OpsState, parent_inode: int, name: bytes, target: bytes,
                       ctx: RequestContext) -> EntryAttributes:
         raise FUSEError(errno.EPERM)
 
-    async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
+    async def link(self: OpsState, inode: int, new_parent_inode: int, new_name: bytes,
                    ctx: RequestContext) -> EntryAttributes:
         raise FUSEError(errno.EPERM)
 
-    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
+    async def rename(self: OpsState, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
                      name_new: bytes, flags: int, ctx: RequestContext) -> None:
         raise FUSEError(errno.EXDEV)  # no rename in the engine; mv(1) falls back to copying

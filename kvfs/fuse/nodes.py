@@ -197,6 +197,3 @@ class Handle:
     content: bytes | None = None
     writable: bool = False  # a writer of its session (counted for the shared tier's lease)
     append: bool = False  # O_APPEND: each write goes at the file's end, whatever the offset
-    seq_end: int = 0  # where the last read ended: the next one there is sequential
-    ahead: object = None  # read-aheads in flight or done, in file order (``files.Ahead`` list)
-    window: object = None  # engine bytes kept for small sequential reads (``files.Window``)

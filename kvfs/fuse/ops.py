@@ -32,12 +32,11 @@ still gets ESTALE rather than cached bytes.
 from __future__ import annotations
 
 import errno
-import functools
 import logging
 import os
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any, TypeVar
 
@@ -46,17 +45,19 @@ import trio
 from pyfuse3 import EntryAttributes, FileInfo, FUSEError, RequestContext, SetattrFields
 
 from kvfs.engine import errors
-from kvfs.engine.records import check_time
-from kvfs.ops import agents, metrics
+from kvfs.engine.store import Store
+from kvfs.engine.types import FileStat, SessionStat
+from kvfs.ops import metrics
 
 from .buffers import MAX_PENDING, WriteBuffers, on_live
+from .counters import Counters
 from .dirs import Directories
 from .errnos import Stale, handler
 from .files import (
     FIXED_TIMEOUT,
-    Counters,
+    AttrChange,
     KernelPages,
-    ReadAhead,
+    agent_totals,
     drop_kernel_pages,
     file_attr,
     make_attr,
@@ -82,6 +83,8 @@ from .nodes import (
     check_name,
     shown,
 )
+from .ops_state import NativeChannel
+from .read_path import FileReader
 from .worker import Worker
 
 ENGINE_THREADS = 4  # engine calls in flight at once (reads overlap; changes take turns)
@@ -104,7 +107,7 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
     supports_dot_lookup = True
     enable_writeback_cache = False
 
-    def __init__(self, store: Any, *, direct_io: bool = True, allow_other: bool = False,
+    def __init__(self, store: Store, *, direct_io: bool = True, allow_other: bool = False,
                  flush_at: int = FLUSH_AT, entry_max: int = ENTRY_MAX,
                  max_pending: int = MAX_PENDING, alerts_state: Callable[[], Any] | None = None,
                  profile: dict[str, Any] | None = None, inline_reads: bool = True,
@@ -127,22 +130,22 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         self._dirs: dict[int, list[tuple[str, Key | int]]] = {}
         self.buffers = WriteBuffers(store, self.call, self.counters, flush_at, entry_max,
                                     max_pending)
-        self.readahead = ReadAhead(store, self.call, self.counters)  # mount.py sets its nursery
+        self.reader = FileReader(store, self.call, self.buffers, self.counters)  # mount.py sets its nursery
         self._next_fh = 1
         self._uid, self._gid = os.getuid(), os.getgid()
         self._t0 = time.time()
         # with allow_other anyone may create a session; the sticky bit keeps them apart
         self._sessions_mode = stat.S_IFDIR | (0o1777 if allow_other else 0o755)
-        self.shared: Any = Local()  # the shared tier's hooks (``remote.Remote`` with --shared)
-        self.channel: Any = None  # the native channel's server (``channel.py``), if serving
+        self.shared: Local = Local()  # the shared tier's hooks (``remote.Remote`` with --shared)
+        self.channel: NativeChannel | None = None  # the native channel's server (``channel.py``), if serving
         # cached pages of files the engine cuts behind the kernel's back are dropped
         self.pages = KernelPages(self.inodes) if not direct_io else None
         if self.pages is not None:
-            store.on_cut = self.pages.cut
+            store.reads.on_cut = self.pages.cut
 
-    def use_shared(self, shared: Any) -> None:
+    def use_shared(self, shared: Local) -> None:
         """Replicate to and read through from the shared tier (``remote.Remote``)."""
-        self.shared = self.buffers.shared = shared
+        self.shared = self.buffers.shared = self.reader.shared = shared
 
     # ------------------------------------------------------------------ plumbing
     async def call(self, fn: Callable[..., T], *args: Any, changes: bool = True,
@@ -217,12 +220,12 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         return make_attr(ino, mode, self._uid, self._gid, times,
                          nlink=1 if ino == SESSIONS else 2, timeout=FIXED_TIMEOUT)
 
-    def _dyn_attr(self, ino: int, key: Key, st: Any) -> EntryAttributes:
+    def _dyn_attr(self, ino: int, key: Key, st: SessionStat | FileStat) -> EntryAttributes:
         if len(key) == 1:
             return session_attr(ino, st)
         return file_attr(ino, self.shared.size_of(key, st), self.buffers.get(ino))
 
-    def _stat_sync(self, key: Key) -> Any:
+    def _stat_sync(self, key: Key) -> SessionStat | FileStat:
         return self.store.session_stat(*key) if len(key) == 1 else self.store.file_stat(*key)
 
     async def _attr_of(self, ino: int) -> EntryAttributes:
@@ -235,15 +238,10 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         st = await self.call(on_live, node, self._stat_sync, key, changes=False)
         return self._dyn_attr(ino, key, st)
 
-    def agent_totals(self) -> dict[str, dict[str, Any]]:
-        """What the volume's live agents publish (``kvfs.ops.agents``), summed."""
-        warm_root = (self.profile or {}).get("warm_root")
-        return agents.totals(agents.read(warm_root, self.store.volume_id) if warm_root else [])
-
     def refresh_gauges(self) -> None:
         """The gauges of tiers and figures the registry does not follow by itself (cold
         usage, live agents); run before every scrape (``metrics.on_scrape``). Thread-safe."""
-        set_gauges(self.store.usage(), self.agent_totals())
+        set_gauges(self.store.usage(), agent_totals(self.profile, self.store.volume_id))
 
     async def _generate(self, ino: int, private: bool = False) -> bytes:
         """The body of a generated file; ``private``: for the mount's owner or root (with
@@ -251,7 +249,8 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         def body() -> bytes:
             if ino != STATS:
                 self.shared.refresh_metrics()
-                return metrics_body(self.store.usage(), self.agent_totals())
+                return metrics_body(self.store.usage(),
+                                    agent_totals(self.profile, self.store.volume_id))
             fs = {**asdict(self.counters), "open_files": len(self._handles),
                   "inodes": len(self.inodes), "direct_io": self.direct_io,
                   "pending_bytes": self.buffers.pending_bytes,
@@ -290,7 +289,7 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
                 if not await made:
                     return negative()
                 st = await self.call(self._stat_sync, key, changes=False)
-            if len(key) == 1:
+            if isinstance(st, SessionStat):
                 self._bind_session(key[0], st.sno)
                 await self._drop_pages()
             return self._dyn_attr(self.inodes.looked_up(key), key, st)
@@ -317,7 +316,7 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         key = self._key(ino)
         return SESSIONS if len(key) == 1 else self.inodes.ino_of(key[:1])
 
-    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for ino, n in inode_list:
             self.inodes.forget(ino, n)
 
@@ -334,16 +333,7 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         if node.unlinked and len(node.key) == 2:
             raise Stale(shown(node.key))  # ftruncate, fchmod, futimens of an unlinked file
         key = self._key(inode)
-        changes = {
-            "mode": attr.st_mode & 0o7777 if fields.update_mode else None,
-            "uid": attr.st_uid if fields.update_uid else None,
-            "gid": attr.st_gid if fields.update_gid else None,
-            "atime_ns": attr.st_atime_ns if fields.update_atime else None,
-            "mtime_ns": attr.st_mtime_ns if fields.update_mtime else None,
-        }
-        # EOVERFLOW for a time no record holds, before the size or anything else changes
-        check_time(changes["atime_ns"], "atime")
-        check_time(changes["mtime_ns"], "mtime")
+        change = AttrChange.asked(attr, fields)  # EOVERFLOW first, before the size changes
         if fields.update_size:
             if len(key) == 1:
                 raise FUSEError(errno.EISDIR)
@@ -357,10 +347,9 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
             self.buffers.space_freed()
         elif len(key) == 2:  # written bytes land first, so e.g. tar's futimens sticks
             await self.buffers.flush(node)
-        if any(v is not None for v in changes.values()):
-            setter = self.store.set_session_attrs if len(key) == 1 else self.store.set_file_attrs
-            await self.call(on_live, node, functools.partial(setter, *key, **changes))
-            if len(key) == 1 and any(changes[k] is not None for k in ("mode", "uid", "gid")):
+        if change.any():
+            await self.call(on_live, node, change.apply, self.store, key)
+            if len(key) == 1 and change.owner():
                 self.shared.owner_changed(key[0])  # the owner record travels with the session
         return await self._attr_of(inode)
 
@@ -382,7 +371,7 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         """``node``'s file was truncated: bytes read before are not served from now on."""
         node.truncated = True
         node.cuts += 1
-        ReadAhead.forget(self._handles.values(), node.ino)
+        self.reader.policy.forget(node.ino)
 
     def cut(self, node: Node) -> None:
         """``node``'s file was truncated from outside the kernel (the native channel)."""
@@ -439,11 +428,7 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
             return h.content[off:off + size]
         node = self._file(h.ino)
         self.counters.read_req_max = max(self.counters.read_req_max, size)
-        await self.shared.fill(node, off + size)  # bytes only the shared tier holds yet
-        p = self.buffers.get(h.ino)
-        data = await self.readahead.read(
-            h, node, off, size, lambda: self.buffers.read(node, off, size),
-            p.base if p is not None else None)
+        data = await self.reader.read(fh, node, off, size)  # read_path.py: the whole path
         if len(data) > size:  # FUSE refuses a reply larger than the request: a bug here
             self._internal_error("read", AssertionError(
                 f"{len(data)} bytes read for a request of {size} at {off}"))
@@ -481,6 +466,7 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
     @handler
     async def release(self, fh: int) -> None:
         h = self._handles.pop(fh)
+        self.reader.policy.closed(fh)
         if h.content is not None:
             return
         node = self.inodes.get(h.ino)
@@ -515,12 +501,3 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         if inode in FIXED or not self.shared.enabled or len(self._key(inode)) != 1:
             return []
         return [LEASE_XATTR]
-
-    # ------------------------------------------------------------------ shutdown
-    async def flush_all(self) -> None:
-        """Hand every buffered byte to the engine (at unmount; failures are logged)."""
-        for p in self.buffers.pending():
-            try:
-                await self.buffers.flush(p.node)
-            except (errors.KVFSError, Stale) as e:
-                log.error("flush at unmount failed for %s: %r", shown(p.node.key), e)

@@ -41,6 +41,8 @@ from typing import Any, TypeVar
 import outcome
 import trio
 
+from kvfs.engine.store import Store
+
 log = logging.getLogger("kvfs.fs")
 
 T = TypeVar("T")
@@ -52,7 +54,7 @@ INLINE_SYNC_S = 0.002  # ... while device flushes take less than this may skip t
 class Worker:
     """Runs engine calls on ``threads`` persistent threads (see the module docstring)."""
 
-    def __init__(self, store: Any, threads: int = 1, serialise: bool = True,
+    def __init__(self, store: Store, threads: int = 1, serialise: bool = True,
                  inline_reads: bool = False, inline_syncs: bool = False) -> None:
         self.store = store
         self.engine_lock = threading.Lock() if serialise else None

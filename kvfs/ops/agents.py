@@ -79,7 +79,10 @@ def _read_root(warm_root: str, volume_id: str | None, max_age_s: float) -> list[
         return []
     out, now = [], time.time()
     for n in names:
-        pid = int(_PROC.fullmatch(n).group(1))
+        m = _PROC.fullmatch(n)
+        if m is None:  # not listed: names were chosen by this pattern
+            continue
+        pid = int(m.group(1))
         if not _alive(pid):
             continue
         try:

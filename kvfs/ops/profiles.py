@@ -6,9 +6,8 @@ Owns the profile data files (``kvfs/ops/profiles/<name>.json`` over the shared
 value. Every bad input raises :class:`ProfileError` whose message is one line naming the
 key and what is allowed, so ``kvfs-mount`` can print it and exit without mounting anything.
 
-Also the one parser and formatter of byte sizes (:func:`parse_size`, :func:`format_size`,
-:func:`size_arg`) for every tool. Never imports pyfuse3 or torch, and of the engine only
-``kvfs.engine.types`` (for ``StoreConfig``).
+Sizes and durations are read and written by ``kvfs.ops.units``. Never imports pyfuse3 or
+torch, and of the engine only ``kvfs.engine.types`` (for ``StoreConfig``).
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import dataclasses
 import json
 import math
 import os
-import re
 import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
@@ -26,17 +24,10 @@ from typing import Any
 
 from kvfs.engine.types import StoreConfig
 
-DAY = 24 * 3600.0
+from .units import format_size, parse_duration, parse_size
 
 #: profiles shipped as package data
 PROFILE_NAMES = ("gov", "ecommerce", "iot")
-
-_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGTP]?)(?:I?B)?\s*$", re.IGNORECASE)
-_DURATION_UNITS = {"": 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0,
-                   "d": DAY, "w": 7 * DAY}
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|min|m|h|d|w)?\s*$", re.IGNORECASE)
-
 
 class ProfileError(ValueError):
     """A bad profile name, key, value or config file. ``str(e)`` is one line."""
@@ -44,57 +35,6 @@ class ProfileError(ValueError):
     def __init__(self, message: str, key: str | None = None) -> None:
         super().__init__(" ".join(str(message).split()))
         self.key = key
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes from ``"512M"``, ``"1.2T"``, ``"64KiB"``, ``"4096"`` (binary units, 1K = 1024).
-
-    Raises ``ValueError`` on anything else; fractional results round down to whole bytes.
-    """
-    if isinstance(text, bool):
-        raise ValueError(f"not a size: {text!r}")
-    if isinstance(text, int):
-        if text < 0:
-            raise ValueError(f"negative size: {text}")
-        return text
-    m = _SIZE_RE.match(str(text))
-    if not m:
-        raise ValueError(f"not a size: {text!r} (use e.g. 4096, 512M, 1.2T)")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
-
-
-def parse_duration(text: str | float) -> float:
-    """Seconds from ``"600"``, ``"30s"``, ``"10m"``, ``"2h"``, ``"7d"``, ``"250ms"``."""
-    if isinstance(text, bool):
-        raise ValueError(f"not a duration: {text!r}")
-    if isinstance(text, int | float):
-        return float(text)
-    m = _DURATION_RE.match(str(text))
-    if not m:
-        raise ValueError(f"not a duration: {text!r} (use e.g. 30, 30s, 10m, 7d)")
-    return float(m.group(1)) * _DURATION_UNITS[(m.group(2) or "").lower()]
-
-
-def format_size(n: float) -> str:
-    """``1319413953331`` -> ``"1.2 TiB"`` (for tables and messages)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
-
-
-def size_arg(n: int, up: bool = False) -> str:
-    """``n`` bytes as a size to type on a command line, in whole units of the largest unit
-    that fits: rounded down (``1610612736`` -> ``"1G"``) or, with ``up``, up (``"2G"``).
-    :func:`parse_size` reads the result back."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"not a byte count: {n!r}")
-    for unit in ("P", "T", "G", "M", "K"):
-        mult = _SIZE_UNITS[unit]
-        if n >= mult:
-            return f"{-(-n // mult) if up else n // mult}{unit}"
-    return str(n)
 
 
 # --- field kinds: how a value is converted and which values are allowed -------------------
@@ -274,7 +214,7 @@ def _allowed(f: dataclasses.Field) -> str:
     if kind == "pow2":
         return f"a power of two from {lo} to {hi}"
     if kind == "size":
-        return f"a size of at least {format_size(lo)}, e.g. 512M, 16G, 1.2T"
+        return f"a size of at least {format_size(lo or 0)}, e.g. 512M, 16G, 1.2T"
     if kind == "seconds":
         return f"a duration of at least {lo:g} s, e.g. 30, 30s, 10m, 7d"
     if kind == "ms":
@@ -316,9 +256,9 @@ def _check(f: dataclasses.Field, v: Any, origin: str, shown: Any) -> None:
     elif kind == "fraction":
         ok = isinstance(v, float) and 0.0 < v <= 1.0
     elif kind in ("seconds", "ms"):
-        ok = isinstance(v, float) and math.isfinite(v) and v >= lo
+        ok = isinstance(v, float) and math.isfinite(v) and (lo is None or v >= lo)
     else:  # int, pow2, size
-        ok = isinstance(v, int) and not isinstance(v, bool) and v >= lo
+        ok = isinstance(v, int) and not isinstance(v, bool) and (lo is None or v >= lo)
         ok = ok and (hi is None or v <= hi)
         ok = ok and (kind != "pow2" or v & (v - 1) == 0)
     if not ok:
@@ -331,16 +271,16 @@ def _convert(f: dataclasses.Field, raw: Any, origin: str) -> Any:
     if kind == "bool":
         words = {"true": True, "yes": True, "on": True, "1": True,
                  "false": False, "no": False, "off": False, "0": False}
-        v = raw if isinstance(raw, bool) else words.get(str(raw).strip().lower())
-        if v is None:
+        flag = raw if isinstance(raw, bool) else words.get(str(raw).strip().lower())
+        if flag is None:
             raise _fail(f, raw, origin)
-        return v
+        return flag
     if isinstance(raw, bool) or raw is None or isinstance(raw, list | dict):
         raise _fail(f, raw, origin)
     try:
         if kind.startswith("auto_") and (raw == AUTO or isinstance(raw, str)
                                          and raw.strip().lower() == "auto"):
-            v: Any = AUTO  # as typed, or already converted (Profile re-checks its values)
+            v: int | float | str = AUTO  # as typed, or already converted (Profile re-checks its values)
         elif kind == "auto_share":
             v = (float(raw.strip()[:-1]) / 100.0 if isinstance(raw, str) and raw.strip().endswith("%")
                  else float(raw))
@@ -351,10 +291,9 @@ def _convert(f: dataclasses.Field, raw: Any, origin: str) -> Any:
             if isinstance(raw, float) and not raw.is_integer():
                 raise ValueError
         elif kind in ("name", "str", "choice", "path", "file"):
-            v = raw if isinstance(raw, str) else None
-            if v is None:
+            if not isinstance(raw, str):
                 raise ValueError
-            v = v.strip()
+            v = raw.strip()
         elif kind == "size":
             if isinstance(raw, float):
                 if not raw.is_integer():

@@ -1,4 +1,4 @@
-"""Real kvfs mounts for tests, benchmarks and tools (no pytest import).
+"""Real kvfs mounts run for tests, benchmarks and tools (no pytest import).
 
 ``Mount`` runs ``kvfs-mount VOLUME MOUNTPOINT --foreground`` in a subprocess, waits for
 the kernel mount with a timeout (raising ``MountFailed`` with the process's stderr and
