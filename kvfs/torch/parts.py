@@ -8,7 +8,7 @@ that owns the value: ``refills = Shown[int]("moves", "refills")`` reads
 
 from __future__ import annotations
 
-from typing import Generic, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast, overload
 
 T = TypeVar("T")
 
@@ -19,5 +19,12 @@ class Shown(Generic[T]):
     def __init__(self, part: str, name: str) -> None:
         self.part, self.name = part, name
 
-    def __get__(self, obj: object, owner: type | None = None) -> T:
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> Shown[T]: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> T: ...
+
+    def __get__(self, obj: Any, owner: type | None = None) -> T | Shown[T]:
+        if obj is None:  # on the class: the descriptor itself (introspection, docs)
+            return self
         return cast(T, getattr(getattr(obj, self.part), self.name))
