@@ -89,6 +89,13 @@ def one_sequence(n: int) -> str:
             "(KVRouter.fork) and continue each branch")
 
 
+def _pair(k: torch.Tensor | None, v: torch.Tensor | None, idx: int,
+          what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if k is None or v is None:
+        raise AssertionError(f"layer {idx} holds no {what}")
+    return k, v
+
+
 #: fewest decode steps a buffer must have room for before its views are made in one go
 MIN_VIEW_STEPS = 8
 
@@ -157,22 +164,15 @@ class TieredLayer(DynamicLayer):
 
     def _kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``keys``, ``values`` of a layer that holds storage (between steps)."""
-        k, v = self._logical(self._kb), self._logical(self._vb)
-        if k is None or v is None:
-            raise AssertionError(f"layer {self.idx} holds no storage")
-        return k, v
+        return _pair(self._logical(self._kb), self._logical(self._vb), self.idx, "storage")
 
     def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The physical K and V buffers (a step runs on an initialized layer)."""
-        if self._kb is None or self._vb is None:
-            raise AssertionError(f"layer {self.idx} holds no storage")
-        return self._kb, self._vb
+        return _pair(self._kb, self._vb, self.idx, "storage")
 
     def _sinks_held(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The copy of the sinks that moves up to the window after a drop."""
-        if self._sk is None or self._sv is None:
-            raise AssertionError(f"layer {self.idx}: sinks to move up but no copy of them")
-        return self._sk, self._sv
+        return _pair(self._sk, self._sv, self.idx, "copy of its sinks")
 
     # --- state ---------------------------------------------------------------------------
     @property
