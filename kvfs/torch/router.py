@@ -246,7 +246,7 @@ class KVRouter:
 
     def _register(self, c: TieredCache) -> None:
         self._sessions[c.session_id] = c
-        self.account(c)
+        self.hot_budget.register(c)
         metrics.hot_sessions.set(self.hot_session_count())
 
     def release(self, session_id: str, flush: bool = True) -> None:

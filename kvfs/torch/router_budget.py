@@ -74,6 +74,11 @@ class HotBudget:
         if self.hot_total > self.peak_hot_bytes:  # every change is seen, corrections included
             self.peak_hot_bytes = self.hot_total
 
+    def register(self, c: BudgetedCache) -> None:
+        """A session joined the device: account its bytes from nothing."""
+        self._accounted[c.session_id] = 0
+        self.account(c)
+
     def forget(self, sid: str) -> None:
         """The session left the device: its bytes leave the total."""
         self.hot_total -= self._accounted.pop(sid, 0)
