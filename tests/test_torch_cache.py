@@ -298,7 +298,7 @@ def test_automatic_recall_attends_the_closest_round_for_the_rest_of_the_round(mo
                 ranked = cache.rank(hk[..., -x.shape[1]:, :])
                 assert cache.recalled_rounds == ranked[:1], i
                 if ranked:
-                    spans = [cache._unattended(r) for r in ranked[:1]]
+                    spans = [cache.recalled.unattended(r) for r in ranked[:1]]
                     for layer, lay in enumerate(cache.layers):
                         k, v = ref.history(layer)
                         assert torch.equal(lay.recall_keys, torch.cat([k[..., a:b, :] for a, b in spans], -2))
@@ -378,7 +378,7 @@ def test_decode_steps_write_into_the_buffer_and_match_the_reference(model, warm,
     expected = [ref.turn(t, new) for t in ts]
     cache = TieredCache(model, warm=warm, session_id=f"buf{sinks}", max_kv_len=window, sink_tokens=sinks)
     decodes, spills = [0], [0]
-    real_decode, real_spill = TieredLayer._decode, cache._spill
+    real_decode, real_spill = TieredLayer._decode, cache.hand_down
 
     def count_decode(self, *a):
         decodes[0] += self.idx == 0
@@ -389,7 +389,7 @@ def test_decode_steps_write_into_the_buffer_and_match_the_reference(model, warm,
         real_spill(layer, *a)
 
     monkeypatch.setattr(TieredLayer, "_decode", count_decode)
-    monkeypatch.setattr(cache, "_spill", count_spill)
+    monkeypatch.setattr(cache, "hand_down", count_spill)
     out = generate_turns(model, cache, ts, new)
     assert all(torch.equal(a, b) for a, b in zip(expected, out, strict=True))
     steps = cache.steps

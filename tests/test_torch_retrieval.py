@@ -128,7 +128,7 @@ def test_resume_continues_like_a_run_that_never_stopped(tmp_path, model, where):
     outs = generate_turns(model, c, BEFORE, NEW)
     if where == "mid-round":  # saved inside a round: the next turn continues the same round
         c.rounds.pop()
-        c._round_start = c.rounds[-1][1]
+        c.round_log.start = c.rounds[-1][1]
     assert [o[0].tolist() for o in outs] == expected[:len(BEFORE)]
     chosen = [list(ch) for ch in c.retrieval.chosen]
     r.save("s")

@@ -116,7 +116,7 @@ def test_budget_moves_and_refills_keep_rotated_sinks_and_recall_exact(model, war
             assert cache.evict_sinks() > 0 and cache.stored == 0
         if i == 3:
             assert cache.recall(rounds=[0]) == [0]
-            a, b = cache._recall_spans[0]
+            a, b = cache.recalled.spans[0]
             at = cache.attended_start - sinks - (b - a)
             for layer, lay in enumerate(cache.layers):
                 k, v = read_tokens(warm, cache.session_id, layer, cache.geo, a, b, torch.device("cpu"))
@@ -125,7 +125,7 @@ def test_budget_moves_and_refills_keep_rotated_sinks_and_recall_exact(model, war
             before = [lay.recall_keys.clone() for lay in cache.layers]
             cache.evict_oldest_round()  # drops the recalled copies: read back before the next step
             assert cache.layers[0].recall_keys is None
-            cache._prepare_step()
+            cache.moves.prepare_step()
             assert all(torch.equal(b_, lay.recall_keys) for b_, lay in zip(before, cache.layers, strict=True))
             ref.prefix = [(lay.recall_keys.clone(), lay.recall_values.clone()) for lay in cache.layers]
     assert cache.refills >= 2
@@ -258,11 +258,11 @@ def test_reach_mode_recall_keeps_recalled_rounds_before_the_window(warm):
     assert got == [1, 2]
     ws, t = cache.attended_start, cache.sink_shift_for(cache.attended_start, 4)
     assert t > 0
-    for (a, b), shift in zip(cache._recall_spans, cache.recall_shifts, strict=True):
+    for (a, b), shift in zip(cache.recalled.spans, cache.recall_shifts, strict=True):
         assert shift == max(0, min(t, ws - b)) and b + shift <= ws  # never past the window
         k, _ = read_tokens(warm, cache.session_id, 0, cache.geo, a, b, torch.device("cpu"))
         rec = cache.layers[0].recall_keys
-        off = sum(y - x for x, y in cache._recall_spans[: cache._recall_spans.index((a, b))])
+        off = sum(y - x for x, y in cache.recalled.spans[: cache.recalled.spans.index((a, b))])
         assert torch.equal(rec[..., off:off + b - a, :], cache.rope.rotate(k, shift) if shift else k)
     cache.close()
 

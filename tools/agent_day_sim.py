@@ -141,7 +141,7 @@ class Day(DayEvents, DaySamples):
         r = self.router
         saved, r.watermark = r.watermark, self.prof.device_watermark
         try:
-            r._move_out(0, exclude=None)  # noqa: SLF001 - the router's own watermark move
+            r.hot_budget.move_out(0)  # the router's own watermark move
         finally:
             r.watermark = saved
 

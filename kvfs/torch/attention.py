@@ -70,7 +70,8 @@ def _register(impl: str, model: Any) -> str:
     with _lock:
         if name in ALL_ATTENTION_FUNCTIONS:
             return name
-        inner = eager if impl == "eager" else ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager)
+        # transformers types the default as a function; None is what the next line tests for
+        inner = eager if impl == "eager" else ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager)  # type: ignore[arg-type]
         if inner is None:
             raise KVUnsupported(f"attention implementation {impl!r} is not registered")
         AttentionInterface.register(name, _wrap(inner))

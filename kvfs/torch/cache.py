@@ -19,16 +19,10 @@ Window semantics (``max_kv_len = W``; ``None`` = no window; ``sink_tokens = S``)
 * ``get_seq_length()`` is the number of tokens seen (it drives input slicing and position
   ids, so positions keep counting across turns); ``get_mask_sizes(q)`` is
   ``(recalled + stored + q, seen - stored - recalled)`` (stored = sinks + window).
-* Long sessions: positions keep counting (the query of token ``t`` is at position ``t``),
-  so without re-rotation the sinks sit ``t`` positions away from it; once ``t`` passes the
-  model's ``max_position_embeddings`` that is a distance the model was never trained on.
-  ``rope_rerotate=True`` (RoPE models, :mod:`kvfs.torch.rope`) rotates the stored sinks'
-  keys so they sit just before the window (at ``window_start - S``, rounded down to a
-  multiple of ``rope_quantum`` tokens) and recalled rounds just before the sinks: every
-  distance a step attends stays within the window, as with transformers' former
-  ``SinkCache``. Only the device copies are rotated; the tiers below hold the model's own
-  keys. The cache logs one ``logging.warning`` (logger ``kvfs.torch.cache``) when a session
-  without re-rotation crosses ``max_position_embeddings``.
+* Long sessions: positions keep counting; ``rope_rerotate`` keeps every attended distance
+  within the window (:mod:`kvfs.torch.rotation`). Without it the cache logs one
+  ``logging.warning`` (logger ``kvfs.torch.cache``) when a session crosses the model's
+  ``max_position_embeddings``.
 * Tokens already copied below by :meth:`TieredCache.flush` are not appended again when they
   later fall out of the window (``spilled`` per layer). Tokens leave in batches: the ones
   that will fall out within ``window_slack`` steps are handed down together (see
@@ -39,34 +33,24 @@ Rounds: a round is the tokens processed between two :meth:`TieredCache.end_round
 through the model, so that token is processed at the start of the next call and belongs to
 the next round.
 
-Recall (:meth:`TieredCache.recall`): the chosen closed rounds' tokens that are no longer
-attended (outside the sinks and the window) are read back from the warm tier (exact bytes)
-and attended between the sinks and the window, in round order, for every step until the
-next ``end_round()`` (or :meth:`TieredCache.clear_recall`). Their keys carry their original
-rotary positions (with ``rope_rerotate``: moved to end where the sinks begin); they are copies (the window and ``spilled`` are unchanged) and a new
-``recall`` replaces the previous one.
-
-Automatic recall (``auto_recall=True``, ``recall_rounds = k``): at the first step of each
-new round the keys of that step's input (summary layer) rank the older rounds by their
-summaries (:meth:`TieredCache.rank`) and the top ``k`` are recalled for the rest of the
-round, within the router's device budget (fewer rounds when they would not fit). The first
-step itself attends without them (its attention mask is built before any layer runs).
-
-Budget moves and refill: the router may move the oldest rounds of an idle session's window
-(and its recalled copies) to the warm tier to stay under the device budget. Before that
-session's next step (when the model asks ``get_mask_sizes``, i.e. before any layer runs)
-the missing tail of the window and the recalled copies are read back, so what a step
-attends never depends on the budget: only its latency does. A step that had to read from
-the warm/cold tier first (refill, a fresh recall, the first step after resume) counts as a
-hot miss; every other step is a hot hit.
+Recall and automatic recall: :mod:`kvfs.torch.cache_recall`. Budget moves, refill and
+resume: :mod:`kvfs.torch.cache_moves`. A step that had to read from the warm/cold tier first
+(refill, a fresh recall, the first step after resume) counts as a hot miss; every other step
+is a hot hit.
 
 Batch size is 1 per session (the layer file format has no batch dimension).
-"""
 
+Parts (each its own state; none imports this module): one :class:`~kvfs.torch.layer.
+TieredLayer` per layer (the window), :class:`~kvfs.torch.spill.SessionSpill` (the way down),
+:class:`~kvfs.torch.rounds.Rounds`, :class:`~kvfs.torch.rotation.SinkRotation`,
+:class:`~kvfs.torch.cache_recall.Recall`, :class:`~kvfs.torch.cache_moves.Moves` (budget
+moves, refill; resume), :class:`~kvfs.torch.stepstats.StepStats` and, when on,
+:class:`~kvfs.torch.retrieval.Retrieval`. The cache holds them and runs the step hooks.
+"""
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -74,20 +58,20 @@ from transformers.cache_utils import Cache
 
 import kvfs.torch.attention as attention
 from kvfs.ops import metrics
-from kvfs.torch.cache_moves import MovesMixin
-from kvfs.torch.cache_recall import RecallMixin
+from kvfs.torch.blocks import BlockLayout
+from kvfs.torch.cache_moves import Moves, resume
+from kvfs.torch.cache_recall import Recall
 from kvfs.torch.compat import require_cache_keyword
-from kvfs.torch.fingerprint import (
-    KVGeometry,
-    build_meta,
-    fingerprint,
-    geometry,
-)
+from kvfs.torch.fingerprint import KVGeometry, build_meta, fingerprint, geometry
 from kvfs.torch.layer import TieredLayer, window_slack
-from kvfs.torch.recall import summarize_keys
+from kvfs.torch.parts import Shown
 from kvfs.torch.retrieval import FRESH_BLOCKS, Retrieval
 from kvfs.torch.rope import RopeShift
-from kvfs.torch.spill import Spiller
+from kvfs.torch.rotation import SinkRotation
+from kvfs.torch.rounds import Rounds
+from kvfs.torch.seams import CacheRouter, WarmStore
+from kvfs.torch.spill import SessionSpill, Spiller
+from kvfs.torch.stepstats import StepStats
 
 log = logging.getLogger("kvfs.torch.cache")
 
@@ -99,8 +83,7 @@ DEFAULT_ROPE_REROTATE = False
 DEFAULT_RETRIEVAL = False  # on per profile (every shipped one)
 DEFAULT_RETRIEVAL_BLOCK = 16
 
-
-class TieredCache(RecallMixin, MovesMixin, Cache):
+class TieredCache(Cache):
     """A windowed, tiered KV cache for one session (see the module docstring for semantics).
 
     Build it through :meth:`kvfs.torch.KVRouter.cache` (budget, shared spill thread), or
@@ -108,11 +91,15 @@ class TieredCache(RecallMixin, MovesMixin, Cache):
     ``warm=None`` gives a plain windowed cache whose dropped tokens are discarded.
     """
 
-    def __init__(self, model_or_config: Any, *, session_id: str = "default", warm: Any = None,
-                 max_kv_len: int | None = 24, sink_tokens: int = DEFAULT_SINK_TOKENS,
-                 auto_recall: bool = DEFAULT_AUTO_RECALL, recall_rounds: int = DEFAULT_RECALL_ROUNDS,
-                 spiller: Spiller | None = None, router: Any = None,
-                 summary_dim: int = 128, dtype: torch.dtype | None = None,
+    #: see :class:`~kvfs.torch.stepstats.StepStats`
+    PUBLISH_HITS_EVERY = StepStats.PUBLISH_HITS_EVERY
+
+    def __init__(self, model_or_config: Any, *, session_id: str = "default",
+                 warm: WarmStore | None = None, max_kv_len: int | None = 24,
+                 sink_tokens: int = DEFAULT_SINK_TOKENS, auto_recall: bool = DEFAULT_AUTO_RECALL,
+                 recall_rounds: int = DEFAULT_RECALL_ROUNDS, spiller: Spiller | None = None,
+                 router: CacheRouter | None = None, summary_dim: int = 128,
+                 dtype: torch.dtype | None = None,
                  rope_rerotate: bool | str = DEFAULT_ROPE_REROTATE,
                  rope_reach: int | None = None, retrieval: bool = DEFAULT_RETRIEVAL,
                  retrieval_block: int = DEFAULT_RETRIEVAL_BLOCK,
@@ -120,70 +107,37 @@ class TieredCache(RecallMixin, MovesMixin, Cache):
         require_cache_keyword()
         if max_kv_len is not None and max_kv_len < 1:
             raise ValueError(f"max_kv_len must be >= 1 or None, got {max_kv_len}")
-        if rope_reach is not None and rope_reach < 1:
-            raise ValueError(f"rope_reach must be >= 1 or None, got {rope_reach}")
         if sink_tokens < 0 or recall_rounds < 0:
             raise ValueError(f"sink_tokens and recall_rounds must be >= 0, got {sink_tokens}, "
                              f"{recall_rounds}")
         self.geo: KVGeometry = geometry(model_or_config, dtype)
         self.fingerprint = fingerprint(model_or_config)
-        super().__init__(layers=[TieredLayer(self, i) for i in range(self.geo.num_layers)])
+        # the window, one part per layer (transformers sees the same list as ``layers``)
+        self.tiered: list[TieredLayer] = [TieredLayer(self, i) for i in range(self.geo.num_layers)]
+        # one list, transformers' and ours (it types it as its base layers' union)
+        super().__init__(layers=cast("list[Any]", self.tiered))
         self.session_id = session_id
         self.warm = warm
         self.max_kv_len = max_kv_len
-        self.sink_tokens = int(sink_tokens)
+        self.sink_tokens: int = int(sink_tokens)
         self.window_slack = window_slack(max_kv_len, self.sink_tokens)  # buffer room, tokens
-        # sinks re-rotated toward the window (no window: every position is attended anyway)
-        mode = {False: None, "off": None, True: "window"}.get(rope_rerotate, rope_rerotate)
-        if mode not in (None, "window", "reach"):
-            raise ValueError(f"rope_rerotate must be off, window or reach, got {rope_rerotate!r}")
-        self.rope_mode: str | None = mode if max_kv_len is not None else None
-        self.rope: RopeShift | None = RopeShift.of(model_or_config) if self.rope_mode else None
-        self.rope_quantum = max(1, self.window_slack)
-        self.step_sink_shift = 0  # the sinks' shift for the step being run
+        self.step_slack = self.window_slack  # the room the current step's layers allocate
         self.auto_recall = bool(auto_recall)
         self.recall_rounds = int(recall_rounds)
         self.config = getattr(model_or_config, "config", model_or_config)
         self.max_positions: int | None = getattr(self.config, "max_position_embeddings", None)
-        # reach: the farthest the sinks may be from a query (within what the model was
-        # trained on, a quantum of margin)
-        reach = [r for r in (rope_reach, self.max_positions and self.max_positions - 1 - self.rope_quantum)
-                 if r]
-        self.rope_reach: int | None = min(reach) if reach and self.rope_mode == "reach" else None
-        self._warned_positions = False
-        self._auto_query: torch.Tensor | None = None
-        self.sinks_moved = False  # the budget took the sinks too (read back before a step)
-        # storage may miss what the next step attends (budget moves, a branch): check first
-        self._check_refill = True
-        self.num_layers = self.geo.num_layers
+        self.rotation = SinkRotation(model_or_config, rope_rerotate, max_kv_len,
+                                     max(1, self.window_slack), self.max_positions, rope_reach)
+        self.num_layers: int = self.geo.num_layers
         self.summary_layer = self.num_layers - 1
         self.summary_dim = summary_dim
         self.router = router
-        self._own_spiller = spiller is None and warm is not None
-        self.spiller = spiller if spiller is not None else (Spiller(warm) if warm is not None else None)
-        self.rounds: list[list[int]] = []
-        self._round_start = 0
-        self._round_sum: torch.Tensor | None = None
-        self._round_keys: list[torch.Tensor] = []  # summary-layer keys not yet summed
-        self._round_count = 0
-        self.recalled_rounds: list[int] = []
-        self._recall_spans: list[tuple[int, int]] = []
-        self.recall_shifts: list[int] = []  # per recalled span, positions its keys moved
-        self._miss_pending = False  # the next step had to read from below first
+        self.spill = SessionSpill(session_id, warm, spiller, self.geo.token_bytes)
+        self.round_log = Rounds(summary_dim)
+        self.recalled = Recall(self)
+        self.moves = Moves(self)
+        self.counts = StepStats()
         self._closed = False
-        # per-session statistics
-        self.steps = 0
-        self.hits = 0
-        self.misses = 0
-        self.spilled_tokens = 0  # layer-0 tokens handed down
-        self.evicted_rounds = 0  # watermark moves of this session
-        self.recalls = 0
-        self.auto_recalls = 0
-        self.refills = 0  # windows read back after budget moves
-        self._warned_discard = False
-        self.step_slack = self.window_slack  # the room the current step's layers allocate
-        self._hits_unpublished = 0  # hot hits not yet added to the process-wide counter
-        self._step_miss = False  # the running step read from below first
         self.retrieval: Retrieval | None = None
         self.retrieval_block = int(retrieval_block)
         if retrieval and max_kv_len is not None:
@@ -211,24 +165,48 @@ class TieredCache(RecallMixin, MovesMixin, Cache):
             attention.install(model_or_config)
         return Retrieval(self, block, attend)
 
+    # --- the parts' state, read through the cache as before ------------------------------------
+    spiller = Shown[Spiller | None]("spill", "spiller")
+    rounds = Shown[list[list[int]]]("round_log", "closed")  # closed rounds, [start, end) each
+    recalled_rounds = Shown[list[int]]("recalled", "rounds")
+    recall_shifts = Shown[list[int]]("recalled", "shifts")  # per recalled span (rope_rerotate)
+    recalling = Shown[bool]("recalled", "active")
+    recalls = Shown[int]("recalled", "recalls")
+    auto_recalls = Shown[int]("recalled", "auto_recalls")
+    sinks_moved = Shown[bool]("moves", "sinks_moved")
+    refills = Shown[int]("moves", "refills")
+    evicted_rounds = Shown[int]("moves", "evicted_rounds")
+    rope = Shown[RopeShift | None]("rotation", "rope")
+    rope_mode = Shown[str | None]("rotation", "mode")
+    rope_reach = Shown[int | None]("rotation", "reach")
+    rope_quantum = Shown[int]("rotation", "quantum")
+    steps = Shown[int]("counts", "steps")
+    hits = Shown[int]("counts", "hits")
+    misses = Shown[int]("counts", "misses")
+    spilled_tokens = Shown[int]("spill", "spilled_tokens")  # layer-0 tokens handed down
+
+    def sink_shift_for(self, window_start: int, sinks: int) -> int:
+        """:meth:`SinkRotation.shift_for`: a function of the window alone."""
+        return self.rotation.shift_for(window_start, sinks)
+
     # --- views -------------------------------------------------------------------------------
     @property
     def seen(self) -> int:
-        return self.layers[0].seen
+        return self.tiered[0].seen
 
     @property
     def stored(self) -> int:
-        return self.layers[0].stored
+        return self.tiered[0].stored
 
     @property
     def sinks(self) -> int:
         """Sink tokens on the device (the session's first ``min(sink_tokens, seen)``)."""
-        return self.layers[0].pinned
+        return self.tiered[0].pinned
 
     @property
     def window_start(self) -> int:
         """First window token on the device now (budget moves may have taken the front)."""
-        return self.layers[0].window_start
+        return self.tiered[0].window_start
 
     def window_from(self, seen: int) -> int:
         """First window token after ``seen`` tokens: the last ``max_kv_len`` tokens past the
@@ -260,22 +238,31 @@ class TieredCache(RecallMixin, MovesMixin, Cache):
     @property
     def hot_bytes(self) -> int:
         """Device bytes this session's K/V storage holds (sinks, window, the buffer's room, recall)."""
-        lay = self.layers[0]
+        lay = self.tiered[0]
         ret = 0 if self.retrieval is None else self.retrieval.device_bytes
         return (lay.held + lay.recalled) * self.geo.session_token_bytes + ret
 
+    def step_growth(self, q: int) -> int:
+        """Device bytes a step of ``q`` tokens may add (the router makes room first)."""
+        lay = self.tiered[0]
+        extra = max(0, lay.held_after(q) - lay.held) * self.geo.session_token_bytes
+        if self.retrieval is not None:  # blocks chosen, leaving the window, their bounds
+            extra += self.retrieval.step_growth(q)
+        return extra
+
     @property
     def device(self) -> torch.device | None:
-        return getattr(self.layers[0], "device", None)
+        return getattr(self.tiered[0], "device", None)
 
     def stats(self) -> dict[str, Any]:
-        self._publish_hits()
+        self.counts.publish()
+        n = self.counts
         return {
             "seen": self.seen, "hot_tokens": self.stored, "sink_tokens": self.sinks,
-            "recalled_tokens": self.layers[0].recalled, "auto_recalls": self.auto_recalls,
+            "recalled_tokens": self.tiered[0].recalled, "auto_recalls": self.auto_recalls,
             "hot_bytes": self.hot_bytes, "spilled_tokens": self.spilled_tokens,
-            "rounds": len(self.rounds), "steps": self.steps, "hits": self.hits, "misses": self.misses,
-            "hit_rate": self.hits / self.steps if self.steps else 1.0,
+            "rounds": len(self.rounds), "steps": n.steps, "hits": n.hits, "misses": n.misses,
+            "hit_rate": n.hits / n.steps if n.steps else 1.0,
             "evicted_rounds": self.evicted_rounds, "recalls": self.recalls, "refills": self.refills,
             "recalled_rounds": list(self.recalled_rounds),
             "retrieval": None if self.retrieval is None else self.retrieval.stats(),
@@ -285,122 +272,109 @@ class TieredCache(RecallMixin, MovesMixin, Cache):
         return (f"TieredCache(session={self.session_id!r}, seen={self.seen}, hot={self.stored}, "
                 f"max_kv_len={self.max_kv_len}, sinks={self.sink_tokens}, rounds={len(self.rounds)})")
 
-    # --- hooks called from the layers ---------------------------------------------------------
+    # --- hooks called by transformers and the layers -------------------------------------------
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         """The model asks this once per forward, before any layer runs: refill first."""
-        if layer_idx == 0 and self._check_refill:
-            self._prepare_step()
-        if layer_idx >= len(self.layers):
+        if layer_idx == 0 and self.moves.check:
+            self.moves.prepare_step()
+        if layer_idx >= len(self.tiered):
             return super().get_mask_sizes(query_length, layer_idx)
-        return self.layers[layer_idx].get_mask_sizes(query_length)
+        return self.tiered[layer_idx].get_mask_sizes(query_length)
 
     def room_for(self, q: int) -> int:
         """Buffer room a step of ``q`` tokens allocates: ``window_slack``, or none when the
         session would not fit the router's budget with it (the storage is then exact)."""
         slack, r = self.window_slack, self.router
         if slack and r is not None and r.limit is not None:
-            lay = self.layers[0]
+            lay = self.tiered[0]
             if not r.has_room(self, (lay.capacity_after(q, slack) - lay.held) * self.geo.session_token_bytes):
                 return 0
         return slack
 
-    #: hot hits are added to the process-wide counter in batches (a counter update costs as
-    #: much as a layer's cache work at decode): every this many steps, at round ends and stats
-    PUBLISH_HITS_EVERY = 64
+    def miss_next(self) -> None:
+        """The next step runs on bytes read from below first: a hot miss."""
+        self.counts.miss_next()
 
-    def _publish_hits(self) -> None:
-        if self._hits_unpublished:
-            metrics.hot_hits.inc(self._hits_unpublished)
-            self._hits_unpublished = 0
+    def step_waited(self) -> None:
+        """The running step waited for a read from below (a retrieval fetch): a hot miss."""
+        self.counts.waited()
 
-    def _step_begin(self, q: int) -> None:
-        self.steps += 1
-        if self.rope is not None:  # one shift for every layer of this step (same window)
-            lay = self.layers[0]
-            p = lay.pinned
-            self.step_sink_shift = self.sink_shift_for(lay.window_start, p) if p else 0
+    def step_begin(self, q: int) -> None:
+        """The first layer of a step of ``q`` tokens: its shift, room and budget."""
+        self.counts.begin()
+        lay = self.tiered[0]
+        self.rotation.begin_step(lay.window_start, lay.pinned, lay.seen + q, self.session_id)
         self.step_slack = self.room_for(q) if self.router is not None else self.window_slack
-        mp = self.max_positions
-        if mp and not self._warned_positions and self.seen + q > mp:
-            self._warned_positions = True
-            if self.rope is None:
-                log.warning("session %r passes the model's max_position_embeddings (%d) at token "
-                            "%d: the sinks are now farther from the query than the model was "
-                            "trained on (rope_rerotate keeps them next to the window)",
-                            self.session_id, mp, self.seen + q)
-            else:
-                log.info("session %r passes max_position_embeddings (%d) at token %d; its sinks "
-                         "are re-rotated next to the window", self.session_id, mp, self.seen + q)
-        self._step_miss, self._miss_pending = self._miss_pending, False
         if self.retrieval is not None:
             self.retrieval.step_begin()
         if self.router is not None:
             self.router.before_step(self, q)
 
-    def step_waited(self) -> None:
-        """The running step waited for a read from below (a retrieval fetch): a hot miss."""
-        self._step_miss = True
+    def step_keys(self, keys: torch.Tensor, start: int) -> None:
+        """The summary layer's keys of a step (tokens from ``start``): the open round's;
+        the first step of a new round is the automatic recall's query."""
+        if (start == self.round_log.start and self.auto_recall and self.recall_rounds
+                and self.rounds and self.warm is not None and self.max_kv_len is not None
+                and not self.recalled.active):
+            self.recalled.query = keys
+        self.round_log.add(keys)
 
-    def _count_step(self) -> None:
-        if self._step_miss:
-            self._step_miss = False
-            self.misses += 1
-            metrics.hot_misses.inc()
-        else:
-            self.hits += 1
-            self._hits_unpublished += 1
-            if self._hits_unpublished >= self.PUBLISH_HITS_EVERY:
-                self._publish_hits()
-
-    def _step_end(self) -> None:
-        self._count_step()
+    def step_end(self) -> None:
+        """The last layer of a step: count it, queue block records, recall, budget."""
+        self.counts.end()
         if self.retrieval is not None:
             self.retrieval.queue_records()
-        if self._auto_query is not None:
-            query, self._auto_query = self._auto_query, None
+        query, self.recalled.query = self.recalled.query, None
+        if query is not None:
             if self.router is not None:
                 self.router.account(self)  # this step's growth first: the recall reserves room
-            self._auto_recall(query)
+            self.recalled.auto(query, self.recall_rounds)
         if self.router is not None:
             self.router.after_step(self)
 
-    def _spill(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        if layer == 0:
-            self.spilled_tokens += k.shape[-2]
-        if self.spiller is None:
-            if not self._warned_discard:
-                log.info("session %r has no warm tier: tokens leaving the window are discarded",
-                            self.session_id)
-                self._warned_discard = True
-            return
-        self.spiller.submit_kv(self.session_id, layer, start * self.geo.token_bytes, k, v)
+    def hand_down(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Queue tokens ``[start, start + T)`` of ``layer`` for the warm tier."""
+        self.spill.kv(layer, start, k, v)
 
-    def _accumulate(self, key_states: torch.Tensor, start: int) -> None:
-        """Add a step's summary-layer keys (tokens from ``start``) to the open round (folded
-        every 32 steps); the first step of a new round is the automatic recall's query."""
-        if (start == self._round_start and self.auto_recall and self.recall_rounds
-                and self.rounds and self.warm is not None and self.max_kv_len is not None
-                and not self._recall_spans):
-            self._auto_query = key_states
-        self._round_keys.append(key_states)
-        self._round_count += key_states.shape[-2]
-        if len(self._round_keys) >= 32 or key_states.shape[-2] > 64:  # keep few refs alive
-            self._fold()
+    # --- recall -----------------------------------------------------------------------------------
+    def rank(self, query: torch.Tensor | np.ndarray) -> list[int]:
+        """Closed rounds not fully in the window, most similar to ``query`` first (:meth:`Recall.rank`)."""
+        return self.recalled.rank(query)
 
-    def _fold(self) -> None:
-        if self._round_keys:
-            s = torch.cat(self._round_keys, dim=-2)[0].float().sum(dim=1)  # [H, D]
-            self._round_sum = s if self._round_sum is None else self._round_sum + s
-            self._round_keys = []
+    def recall(self, rounds: list[int] | None = None, *, query: Any = None, k: int = 1) -> list[int]:
+        """Bring closed rounds back into the attended window until the next ``end_round()``
+        (``rounds``, or the ``k`` most similar to ``query``: :meth:`Recall.recall`)."""
+        return self.recalled.recall(rounds, query=query, k=k)
+
+    def clear_recall(self) -> None:
+        """End the active recall (``end_round`` does this)."""
+        self.recalled.clear()
+
+    def recalled_blocks(self, layout: BlockLayout) -> set[int]:
+        """Blocks that overlap the active recall (retrieval leaves them to it)."""
+        return self.recalled.blocks(layout)
+
+    # --- budget moves and resume (:mod:`kvfs.torch.cache_moves`) --------------------------------
+    def evict_oldest_round(self, min_tokens: int = 1) -> int:
+        """Move the window's oldest round to the warm tier (:meth:`Moves.evict_oldest_round`);
+        the bytes freed on the device. Between steps only."""
+        return self.moves.evict_oldest_round(min_tokens)
+
+    def evict_sinks(self) -> int:
+        """Move the sinks to the warm tier, the budget's last resort (:meth:`Moves.evict_sinks`)."""
+        return self.moves.evict_sinks()
+
+    def load(self, device: torch.device | str = "cpu") -> TieredCache:
+        """Rebuild this (empty) cache from the session's stored meta.json and layer files
+        (:func:`kvfs.torch.cache_moves.resume`)."""
+        resume(self, device)
+        self.moves.check = True
+        return self
 
     # --- rounds --------------------------------------------------------------------------------
     def current_summary(self) -> np.ndarray:
         """Summary vector of the open round so far (e.g. a new question: use it as a recall query)."""
-        self._fold()
-        if self._round_sum is None or self._round_count == 0:
-            return np.zeros(self.summary_dim, np.float32)
-        mean = (self._round_sum / self._round_count).reshape(1, -1).cpu().numpy()
-        return summarize_keys(mean, self.summary_dim)
+        return self.round_log.summary()
 
     def end_round(self) -> int | None:
         """Close the current round ``[start, seen)``; returns its index (None if it was empty).
@@ -409,18 +383,14 @@ class TieredCache(RecallMixin, MovesMixin, Cache):
         ends any active recall.
         """
         self.clear_recall()
-        end = self.seen
-        if end <= self._round_start:
+        closed = self.round_log.close(self.seen)
+        if closed is None:
             return None
-        idx = len(self.rounds)
-        self.rounds.append([self._round_start, end])
-        summary = self.current_summary()
-        self._round_start = end
-        self._round_sum, self._round_keys, self._round_count = None, [], 0
+        idx, summary = closed
         if self.spiller is not None:
-            self.spiller.submit_call(self.warm.put_summary, self.session_id, idx, summary)
+            self.spill.summary(idx, summary)
             self._queue_meta()
-        self._publish_hits()
+        self.counts.publish()
         metrics.update_hot_hit_rate()
         return idx
 
@@ -428,28 +398,26 @@ class TieredCache(RecallMixin, MovesMixin, Cache):
         """Queue a meta.json snapshot that claims only tokens already queued for appending."""
         if self.spiller is None:
             return None
-        tokens = min(lay.spilled for lay in self.layers)
+        tokens = min(lay.spilled for lay in self.tiered)
         rounds = [list(r) for r in self.rounds if r[1] <= tokens]
         meta = build_meta(self.fingerprint, self.geo, tokens, rounds)
         if self.retrieval is not None and tokens == self.seen:  # what the next step attends
             self.retrieval.queue_records()
             meta["retrieval"] = self.retrieval.meta_state(tokens)
-        return self.spiller.submit_call(self.warm.put_meta, self.session_id, meta)
+        return self.spill.meta(meta)
 
     def flush(self, wait: bool = True) -> None:
         """Copy the window's not-yet-stored tokens below and write meta.json (between steps).
 
         After ``flush()`` every token seen is in the warm tier; the window stays on the device.
         """
-        self._publish_hits()
+        self.counts.publish()
         if self.spiller is None:
             return
-        for lay in self.layers:
+        for lay in self.tiered:
             lay.flush_pending()
         self._queue_meta()
-        self.spiller.submit_call(self.warm.flush, self.session_id)
-        if wait:
-            self.spiller.wait()
+        self.spill.flush(wait)
 
     # --- branching --------------------------------------------------------------------------------
     def copy_state_to(self, other: TieredCache) -> None:
@@ -458,33 +426,15 @@ class TieredCache(RecallMixin, MovesMixin, Cache):
         rounds, the open round's key sum and the active recall copied. Between steps."""
         if other.geo != self.geo or other.fingerprint != self.fingerprint:
             raise ValueError("copy_state_to needs a cache of the same model")
-        for src, dst in zip(self.layers, other.layers, strict=True):
+        for src, dst in zip(self.tiered, other.tiered, strict=True):
             src.copy_to(dst)
-        self._fold()
-        other.rounds = [list(r) for r in self.rounds]
-        other._round_start = self._round_start
-        other._round_sum = None if self._round_sum is None else self._round_sum.clone()
-        other._round_count = self._round_count
-        other._recall_spans = list(self._recall_spans)
-        other.recall_shifts = list(self.recall_shifts)
-        other.rope, other.rope_mode, other.rope_reach = self.rope, self.rope_mode, self.rope_reach
-        other.sinks_moved = self.sinks_moved
-        other._check_refill = True
-        other.recalled_rounds = list(self.recalled_rounds)
+        self.round_log.copy_to(other.round_log)
+        self.recalled.copy_to(other.recalled)
+        other.rotation.adopt(self.rotation)
+        other.moves.sinks_moved = self.moves.sinks_moved
+        other.moves.check = True
         if self.retrieval is not None and other.retrieval is not None:
             self.retrieval.copy_to(other.retrieval)
-
-    @property
-    def recalling(self) -> bool:
-        return bool(self._recall_spans)
-
-    def recalled_blocks(self, layout: Any) -> set[int]:
-        """Blocks that overlap the active recall (retrieval leaves them to it)."""
-        out: set[int] = set()
-        o, n = layout.origin, layout.block
-        for a, b in self._recall_spans:
-            out.update(range(max(0, (a - o) // n), -(-(b - o) // n)))
-        return out
 
     # --- the rest of transformers' surface ---------------------------------------------------
     def crop(self, tokens_to_remove: int) -> None:
@@ -497,28 +447,29 @@ class TieredCache(RecallMixin, MovesMixin, Cache):
             raise ValueError(f"crop takes the number of tokens to remove as a negative count, "
                              f"got {tokens_to_remove}")
         n = -int(tokens_to_remove)
-        if n == 0 or not self.layers[0].is_initialized:
+        if n == 0 or not self.tiered[0].is_initialized:
             return
         if self.max_kv_len is not None:
             raise NotImplementedError(
                 f"TieredCache with a window (max_kv_len={self.max_kv_len}) cannot be cropped: tokens "
                 "have left the device; for assisted or prompt-lookup decoding use max_kv_len=None")
         new = self.seen - n
-        if new < self._round_start:
+        start = self.round_log.start
+        if new < start:
             raise ValueError(f"crop of {n} tokens would cut into closed rounds (the open round "
-                             f"starts at token {self._round_start}, {self.seen} seen)")
-        stored = max(lay.spilled for lay in self.layers)
-        for lay in self.layers:
+                             f"starts at token {start}, {self.seen} seen)")
+        stored = max(lay.spilled for lay in self.tiered)
+        for lay in self.tiered:
             lay.cut_to(new)
-        if stored > new and self.spiller is not None:
-            self.spiller.wait()
+        if stored > new and self.spiller is not None and self.warm is not None:
+            self.spill.wait()
             for layer in range(self.num_layers):
                 if self.warm.size(self.session_id, layer) > new * self.geo.token_bytes:
                     self.warm.truncate(self.session_id, layer, new * self.geo.token_bytes)
             self._queue_meta()
-        keys = self.layers[self.summary_layer].keys  # the open round's key sum, from its keys
-        self._round_sum, self._round_count = None, new - self._round_start
-        self._round_keys = [keys[..., self._round_start:new, :]] if self._round_count else []
+        keys = self.tiered[self.summary_layer].keys  # the open round's key sum, from its keys
+        assert keys is not None  # initialized above
+        self.round_log.restart(keys, new)
 
     def __deepcopy__(self, memo: dict) -> TieredCache:
         """A copy that continues like this cache: only for a cache without tiers (``warm=None``);
@@ -532,16 +483,15 @@ class TieredCache(RecallMixin, MovesMixin, Cache):
                             summary_dim=self.summary_dim, dtype=self.geo.dtype)
         other.fingerprint = self.fingerprint
         self.copy_state_to(other)
-        other._check_refill = False
+        other.moves.check = False
         memo[id(self)] = other
         return other
 
     # --- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop this cache's own spill thread (if it has one) after draining it."""
-        self._publish_hits()
+        self.counts.publish()
         if self._closed:
             return
         self._closed = True
-        if self._own_spiller and self.spiller is not None:
-            self.spiller.close()
+        self.spill.close()

@@ -9,7 +9,9 @@ Logical storage (``keys``/``values``, ``[1, H, stored, D]``): the session's firs
 min(sinks, seen)`` tokens (the attention sinks, absolute ``[0, pinned)``), then the window,
 absolute ``[window_start, seen)`` with ``window_start >= pinned``. Recalled copies are
 attended between the two parts (position order). Everything that involves more than one
-layer (hooks, budget, rounds, storage) is the owning :class:`~kvfs.torch.cache.TieredCache`'s.
+layer (hooks, budget, rounds, storage) is the owning cache's (a
+:class:`~kvfs.torch.cache.TieredCache`); what a layer reads and calls of it is
+:class:`~kvfs.torch.seams.LayerHost`, so this module never imports the cache.
 
 Physical storage: one preallocated buffer per K and V with ``window_slack`` tokens of room
 past the stored ones, so a decode step copies its input and the sinks, never the window:
@@ -28,15 +30,14 @@ are views valid until the next step (or copies while sinks are pending).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from transformers.cache_utils import DynamicLayer
 
 from kvfs.torch.fingerprint import KVMismatch
-
-if TYPE_CHECKING:
-    from kvfs.torch.cache import TieredCache
+from kvfs.torch.rotation import SinkRotation
+from kvfs.torch.seams import LayerHost
 
 
 class _DecodeViews:
@@ -60,6 +61,8 @@ class _DecodeViews:
         self.fk, self.fv = (b.narrow(2, start, n + count - 1).unfold(2, n, 1).transpose(-1, -2).unbind(2)
                             for b in (kb, vb))
         self.ik, self.iv = (b.narrow(2, start + n - 1, count).split(1, 2) for b in (kb, vb))
+        self.sk: tuple[torch.Tensor, ...]
+        self.sv: tuple[torch.Tensor, ...]
         self.sk, self.sv = ((b.narrow(2, start, p + count - 1).unfold(2, p, 1).transpose(-1, -2).unbind(2)
                              for b in (kb, vb)) if p else ((), ()))
 
@@ -86,6 +89,13 @@ def one_sequence(n: int) -> str:
             "(KVRouter.fork) and continue each branch")
 
 
+def _pair(k: torch.Tensor | None, v: torch.Tensor | None, idx: int,
+          what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if k is None or v is None:
+        raise AssertionError(f"layer {idx} holds no {what}")
+    return k, v
+
+
 #: fewest decode steps a buffer must have room for before its views are made in one go
 MIN_VIEW_STEPS = 8
 
@@ -101,7 +111,7 @@ class TieredLayer(DynamicLayer):
         """Without a window every token is on the device: the cache can be cut back."""
         return self._cache.max_kv_len is None
 
-    def __init__(self, cache: TieredCache, idx: int) -> None:
+    def __init__(self, cache: LayerHost, idx: int) -> None:
         self._install(None, None)  # before the base class assigns keys/values
         self._sk: torch.Tensor | None = None  # a copy of the sinks (the source of the move up)
         self._sv: torch.Tensor | None = None
@@ -137,7 +147,7 @@ class TieredLayer(DynamicLayer):
                          dim=-2)
 
     @property
-    def keys(self) -> torch.Tensor | None:  # type: ignore[override]
+    def keys(self) -> torch.Tensor | None:
         return self._logical(self._kb)
 
     @keys.setter
@@ -145,12 +155,24 @@ class TieredLayer(DynamicLayer):
         self._install(k, self.values)
 
     @property
-    def values(self) -> torch.Tensor | None:  # type: ignore[override]
+    def values(self) -> torch.Tensor | None:
         return self._logical(self._vb)
 
     @values.setter
     def values(self, v: torch.Tensor | None) -> None:
         self._install(self.keys, v)
+
+    def _kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``keys``, ``values`` of a layer that holds storage (between steps)."""
+        return _pair(self._logical(self._kb), self._logical(self._vb), self.idx, "storage")
+
+    def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The physical K and V buffers (a step runs on an initialized layer)."""
+        return _pair(self._kb, self._vb, self.idx, "storage")
+
+    def _sinks_held(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The copy of the sinks that moves up to the window after a drop."""
+        return _pair(self._sk, self._sv, self.idx, "copy of its sinks")
 
     # --- state ---------------------------------------------------------------------------
     @property
@@ -207,12 +229,13 @@ class TieredLayer(DynamicLayer):
     def copy_to(self, dst: TieredLayer) -> None:
         """Give ``dst`` (a layer of a new, empty cache) copies of this layer's storage,
         counters, sink rotation and recalled copies (a fork; between steps)."""
-        if not self.is_initialized or self.keys is None:
+        if not self.is_initialized or self._kb is None:
             return
-        dst.set_window(self.keys.clone(), self.values.clone(), self.seen)
+        keys, values = self._kv()
+        dst.set_window(keys.clone(), values.clone(), self.seen)
         dst.spilled = self.spilled
         dst._rot, dst._sk0 = self._rot, None if self._sk0 is None else self._sk0.clone()
-        if self.recall_keys is not None:
+        if self.recall_keys is not None and self.recall_values is not None:
             dst.recall_keys = self.recall_keys.clone()
             dst.recall_values = self.recall_values.clone()
 
@@ -226,9 +249,10 @@ class TieredLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         q = key_states.shape[-2]
         if self.idx == 0:
-            c._step_begin(q)
-        if c.rope is not None and c.step_sink_shift != self._rot:
-            self._align_sinks(c, c.step_sink_shift)
+            c.step_begin(q)
+        rot = c.rotation
+        if rot.rope is not None and rot.step_shift != self._rot:
+            self._align_sinks(rot, rot.step_shift)
         v = self._views
         if (v is not None and q == 1 and self._gap == v.gap and self._n == v.between
                 and self._a + v.gap - v.start < v.count and c.max_kv_len == v.w
@@ -236,13 +260,14 @@ class TieredLayer(DynamicLayer):
             return self._decode(c, v, key_states, value_states)
         return self._update(c, q, key_states, value_states)
 
-    def _decode(self, c: TieredCache, v: _DecodeViews, key_states: torch.Tensor,
+    def _decode(self, c: LayerHost, v: _DecodeViews, key_states: torch.Tensor,
                 value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A steady decode step (see :class:`_DecodeViews`): the same rule as ``_update``."""
         i = self._a + v.gap - v.start
         if v.gap:  # the last step's drop: its attention has run, move the sinks up
-            v.sk[i].copy_(self._sk)
-            v.sv[i].copy_(self._sv)
+            sk, sv = self._sinks_held()
+            v.sk[i].copy_(sk)
+            v.sv[i].copy_(sv)
         v.ik[i].copy_(key_states)
         v.iv[i].copy_(value_states)
         full_k, full_v = v.fk[i], v.fv[i]
@@ -253,16 +278,17 @@ class TieredLayer(DynamicLayer):
             self._spill_ahead(full_k, full_v, v.p, first, first + 1, seen, c.step_slack)
         return self._finish(c, key_states, full_k, full_v, v.p, seen)
 
-    def _update(self, c: TieredCache, q: int, key_states: torch.Tensor,
+    def _update(self, c: LayerHost, q: int, key_states: torch.Tensor,
                 value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Any step: sinks moved up, input written (a fresh buffer when out of room), what
         leaves the window handed down."""
-        kb, vb, a, n0, gap = self._kb, self._vb, self._a, self._n, self._gap
+        (kb, vb), a, n0, gap = self._buffers(), self._a, self._n, self._gap
         if gap:  # the last step's drop: its attention has run, move the sinks up
             a += gap
             n0 -= gap
-            kb[:, :, a:a + self._gp] = self._sk
-            vb[:, :, a:a + self._gp] = self._sv
+            sk, sv = self._sinks_held()
+            kb[:, :, a:a + self._gp] = sk
+            vb[:, :, a:a + self._gp] = sv
             self._gap = 0
         n = n0 + q
         slack = c.step_slack
@@ -300,21 +326,21 @@ class TieredLayer(DynamicLayer):
                     self._views = _DecodeViews(kb, vb, a + 1, n, p, w)
         return self._finish(c, key_states, full_k, full_v, p, seen)
 
-    def _align_sinks(self, c: TieredCache, t: int) -> None:
+    def _align_sinks(self, rot: SinkRotation, t: int) -> None:
         """Rotate the stored sinks' keys by ``t`` positions, the cache's shift for this
-        step (``rope_rerotate``, :meth:`TieredCache.sink_shift_for`)."""
+        step (``rope_rerotate``, :meth:`SinkRotation.shift_for`)."""
         p = self.pinned
-        if not p or self._kb is None:
+        if not p or self._kb is None or rot.rope is None:
             return
         if self._sk0 is None:  # the stored sinks are still the model's own keys
             self._sk0 = self._kb.narrow(-2, self._a, p).clone()
-        new = c.rope.rotate(self._sk0, t)
+        new = rot.rope.rotate(self._sk0, t)
         if not self._gap:  # else the sinks are written from _sk when they move up
             if self._owned:
                 self._kb[:, :, self._a:self._a + p] = new
             else:
-                keys = self.keys
-                self._install(torch.cat([new, keys[..., p:, :]], dim=-2), self.values)
+                keys, values = self._kv()
+                self._install(torch.cat([new, keys[..., p:, :]], dim=-2), values)
         if self._sk is not None:
             self._sk = new
         self._rot = t
@@ -327,10 +353,11 @@ class TieredLayer(DynamicLayer):
         self._hand_down(k, v, p, first, self.spilled, upto)
         self.spilled = upto
 
-    def _finish(self, c: TieredCache, key_states: torch.Tensor, full_k: torch.Tensor,
+    def _finish(self, c: LayerHost, key_states: torch.Tensor, full_k: torch.Tensor,
                 full_v: torch.Tensor, p: int, seen: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ks, vs = [], []
-        if self.recall_keys is not None:
+        ks: list[torch.Tensor] = []
+        vs: list[torch.Tensor] = []
+        if self.recall_keys is not None and self.recall_values is not None:
             ks.append(self.recall_keys)
             vs.append(self.recall_values)
         if c.retrieval is not None:
@@ -342,9 +369,9 @@ class TieredLayer(DynamicLayer):
             full_k = torch.cat([full_k[:, :, :p], *ks, full_k[:, :, p:]], dim=-2)
             full_v = torch.cat([full_v[:, :, :p], *vs, full_v[:, :, p:]], dim=-2)
         if self.idx == c.summary_layer:
-            c._accumulate(key_states, seen - key_states.shape[-2])
+            c.step_keys(key_states, seen - key_states.shape[-2])
         if self.idx == c.num_layers - 1:
-            c._step_end()  # may start a recall: for the next steps, not this one
+            c.step_end()  # may start a recall: for the next steps, not this one
         return full_k, full_v
 
     def _move(self, k: torch.Tensor, v: torch.Tensor, a: int, n: int,
@@ -395,7 +422,8 @@ class TieredLayer(DynamicLayer):
 
     def cut_to(self, seen: int) -> None:
         """Keep tokens ``[0, seen)`` (no window: all of them are stored; between steps)."""
-        self._install(self.keys[..., :seen, :].clone(), self.values[..., :seen, :].clone())
+        keys, values = self._kv()
+        self._install(keys[..., :seen, :].clone(), values[..., :seen, :].clone())
         self.seen = seen
         self.spilled = min(self.spilled, seen)
 
@@ -420,25 +448,26 @@ class TieredLayer(DynamicLayer):
         c = self._cache
         if first != p and a < p:  # sinks first (never dropped, handed down in order)
             e = min(b, p)
-            sk = self._sk0 if self._rot else k  # the model's own keys, never rotated ones
-            c._spill(self.idx, a, sk[..., a:e, :], v[..., a:e, :])
+            # the model's own keys, never rotated ones (kept in _sk0 once rotated)
+            sk = self._sk0 if self._rot and self._sk0 is not None else k
+            c.hand_down(self.idx, a, sk[..., a:e, :], v[..., a:e, :])
             a = e
         if a < b:
             if a < first and first != p:
                 raise AssertionError(f"layer {self.idx}: tokens [{a}, {first}) are in no tier")
             s = p + a - first  # = a when sinks and window are contiguous
-            c._spill(self.idx, a, k[..., s:s + b - a, :], v[..., s:s + b - a, :])
+            c.hand_down(self.idx, a, k[..., s:s + b - a, :], v[..., s:s + b - a, :])
 
     def flush_pending(self) -> None:
         """Queue the stored tokens not yet handed down (they stay on the device)."""
         if self.is_initialized and self.spilled < self.seen:
-            self._hand_down(self.keys, self.values, self.pinned, self.window_start, self.spilled,
-                            self.seen)
+            keys, values = self._kv()
+            self._hand_down(keys, values, self.pinned, self.window_start, self.spilled, self.seen)
             self.spilled = self.seen
 
     def prepend(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Put ``k``/``v`` (the tokens just before the window) back in front of it (refill)."""
-        p, keys, values = self.pinned, self.keys, self.values
+        p, (keys, values) = self.pinned, self._kv()
         self._install(torch.cat([keys[..., :p, :], k, keys[..., p:, :]], dim=-2),
                       torch.cat([values[..., :p, :], v, values[..., p:, :]], dim=-2))
 
@@ -450,7 +479,7 @@ class TieredLayer(DynamicLayer):
         n = min(n, self.stored - p)
         if n <= 0:
             return
-        keys, values, ws = self.keys, self.values, self.window_start
+        (keys, values), ws = self._kv(), self.window_start
         if self.spilled < ws + n:
             self._hand_down(keys, values, p, ws, self.spilled, ws + n)
             self.spilled = ws + n
@@ -461,7 +490,8 @@ class TieredLayer(DynamicLayer):
         """Free the whole storage (everything already handed down; between steps)."""
         if self.spilled < self.seen:
             raise AssertionError(f"layer {self.idx}: tokens [{self.spilled}, {self.seen}) not handed down")
-        self._install(self._kb[..., :0, :].clone(), self._vb[..., :0, :].clone())
+        kb, vb = self._buffers()
+        self._install(kb[..., :0, :].clone(), vb[..., :0, :].clone())
         self._rot, self._sk = 0, None  # the sinks come back as the model's own keys
 
     def release(self) -> None:

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, TypeGuard
 
 from kvfs.torch.fingerprint import FORMAT, KVCorrupt, KVGeometry, check_meta
+from kvfs.torch.seams import WarmStore
 
 log = logging.getLogger("kvfs.torch")
 
@@ -36,7 +38,7 @@ _INTS = ("num_layers", "num_kv_heads", "head_dim", "tokens")
 _KEYS = ("format", "model", "num_layers", "num_kv_heads", "head_dim", "dtype", "tokens", "rounds")
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: Any) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -71,7 +73,7 @@ def check(meta: Any, sid: str = "?") -> dict:
     return meta
 
 
-def stored(warm: Any, sid: str) -> dict | None:
+def stored(warm: WarmStore, sid: str) -> dict | None:
     """The session's ``meta.json`` from the warm tier (or the mount below it), checked; None
     when there is none. KVCorrupt when it cannot be read or is not one kvfs writes."""
     from kvfs.warm import WarmCorrupt  # noqa: PLC0415 - the warm tier's own error
@@ -85,9 +87,9 @@ def stored(warm: Any, sid: str) -> dict | None:
     return None if meta is None else check(meta, sid)
 
 
-def acknowledged(warm: Any, sid: str) -> int:
+def acknowledged(warm: WarmStore, sid: str) -> int:
     """Tokens a flush acknowledged as durable (0 without a record or a mount)."""
-    cold = getattr(warm, "cold", None)
+    cold = warm.cold
     if cold is None:
         return 0
     raw = cold.read_small(sid, ACKED)
@@ -104,10 +106,10 @@ def acknowledged(warm: Any, sid: str) -> int:
     return n
 
 
-def acknowledge(warm: Any, sids: Any, done: dict[str, int]) -> None:
+def acknowledge(warm: WarmStore, sids: Iterable[str], done: dict[str, int]) -> None:
     """After a flush made them durable: record the tokens of each session's ``meta.json``
     as acknowledged (only those changed since ``done``, which is updated)."""
-    cold = getattr(warm, "cold", None)
+    cold = warm.cold
     if cold is None:
         return
     for sid in sids:
@@ -120,7 +122,7 @@ def acknowledge(warm: Any, sids: Any, done: dict[str, int]) -> None:
         done[sid] = n
 
 
-def reconcile(warm: Any, sid: str, meta: dict, fp: str, geo: KVGeometry, layers: int) -> int:
+def reconcile(warm: WarmStore, sid: str, meta: dict, fp: str, geo: KVGeometry, layers: int) -> int:
     """Check ``meta`` against the model and the layer files; drop a crash tail. Returns
     the session's tokens. KVCorrupt (nothing changed) when the files hold fewer tokens than
     meta.json claims, or meta.json claims fewer than were acknowledged."""

@@ -17,12 +17,12 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import numpy as np
 import torch
 
 from kvfs.torch.fingerprint import KVCorrupt, KVGeometry, kv_from_bytes
+from kvfs.torch.seams import WarmStore
 from kvfs.warm import summarize_keys as warm_summarize_keys
 
 log = logging.getLogger("kvfs.torch.recall")
@@ -81,7 +81,7 @@ SCRATCH_MAX = 16 << 20  # reads up to this size go through a reused per-thread b
 _scratch = threading.local()
 
 
-def _read(warm: Any, sid: str, layer: int, a: int, b: int, promote: bool | None) -> Any:
+def _read(warm: WarmStore, sid: str, layer: int, a: int, b: int, promote: bool | None) -> np.ndarray:
     """Layer bytes [a, b): into this thread's reused buffer up to ``SCRATCH_MAX`` bytes
     (its pages are faulted in once, not per read: 4 MiB of fresh memory costs about a
     millisecond of page faults), else a new array. The bytes are valid until this
@@ -98,7 +98,7 @@ def _read(warm: Any, sid: str, layer: int, a: int, b: int, promote: bool | None)
     return out
 
 
-def read_tokens(warm: Any, sid: str, layer: int, geo: KVGeometry, start: int, end: int,
+def read_tokens(warm: WarmStore, sid: str, layer: int, geo: KVGeometry, start: int, end: int,
                 device: torch.device | str, promote: bool | None = None,
                 checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens ``[start, end)`` of (sid, layer) as K/V ``[1,H,T,D]`` on ``device`` (exact bytes).
@@ -121,7 +121,7 @@ def read_tokens(warm: Any, sid: str, layer: int, geo: KVGeometry, start: int, en
     return kv_from_bytes(buf, geo, end - start, device)
 
 
-def read_spans(warm: Any, sid: str, geo: KVGeometry, spans: list[tuple[int, int]],
+def read_spans(warm: WarmStore, sid: str, geo: KVGeometry, spans: list[tuple[int, int]],
                device: torch.device | str, promote: bool | None = None, checked: bool = False
                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """For each layer, K/V of the concatenated token ``spans`` (in the order given).

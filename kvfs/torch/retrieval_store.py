@@ -18,15 +18,13 @@ to hold exactly those blocks, so the live session appends after them. Separate f
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from kvfs.torch.blocks import HEADER_BYTES, STREAM, BlockLayout, centroids_of_keys
 from kvfs.torch.recall import read_tokens
-
-if TYPE_CHECKING:
-    from kvfs.torch.cache import TieredCache
+from kvfs.torch.seams import Bytes, WarmStore
 
 log = logging.getLogger("kvfs.torch.retrieval")
 
@@ -34,9 +32,24 @@ log = logging.getLogger("kvfs.torch.retrieval")
 BACKFILL_TOKENS = 4096
 
 
-def stored_centroids(c: TieredCache, lay: BlockLayout, need: int) -> torch.Tensor:
+class BlockSession(Protocol):
+    """The session whose block centroids are loaded: its id and its warm tier (a cache)."""
+
+    session_id: str
+
+    @property
+    def warm(self) -> WarmStore | None: ...
+
+
+def _warm(c: BlockSession) -> WarmStore:
+    if c.warm is None:
+        raise ValueError(f"session {c.session_id!r}: retrieval needs a warm tier")
+    return c.warm
+
+
+def stored_centroids(c: BlockSession, lay: BlockLayout, need: int) -> torch.Tensor:
     """The valid prefix (at most ``need`` records) of the session's stream, on the CPU."""
-    warm, sid = c.warm, c.session_id
+    warm, sid = _warm(c), c.session_id
     size = warm.side_size(sid, STREAM)
     if size < HEADER_BYTES or not lay.header_matches(warm.side_read(sid, STREAM, 0, HEADER_BYTES)):
         return centroids_shape(lay, 0)
@@ -52,7 +65,7 @@ def centroids_shape(lay: BlockLayout, n: int) -> torch.Tensor:
     return torch.empty((n, g.num_layers, g.num_kv_heads, 2, g.head_dim), dtype=g.dtype)
 
 
-def recompute(c: TieredCache, lay: BlockLayout, first: int, end: int) -> torch.Tensor:
+def recompute(c: BlockSession, lay: BlockLayout, first: int, end: int) -> torch.Tensor:
     """Centroids of blocks ``[first, end)`` from the stored keys ``[n, L, H, 2, D]`` (CPU)."""
     out = centroids_shape(lay, end - first)
     per = max(1, BACKFILL_TOKENS // lay.block)
@@ -60,15 +73,15 @@ def recompute(c: TieredCache, lay: BlockLayout, first: int, end: int) -> torch.T
         e = min(end, b + per)
         a, z = lay.span(b)[0], lay.span(e - 1)[1]
         for layer in range(lay.geo.num_layers):
-            k, _ = read_tokens(c.warm, c.session_id, layer, lay.geo, a, z, "cpu", promote=False)
+            k, _ = read_tokens(_warm(c), c.session_id, layer, lay.geo, a, z, "cpu", promote=False)
             out[b - first:e - first, layer] = centroids_of_keys(k, lay.block)
     return out
 
 
-def load_centroids(c: TieredCache, lay: BlockLayout, need: int) -> tuple[torch.Tensor, int]:
+def load_centroids(c: BlockSession, lay: BlockLayout, need: int) -> tuple[torch.Tensor, int]:
     """Centroids ``[need, L, H, 2, D]`` (CPU) of blocks ``[0, need)`` and how many were
     recomputed; afterwards the stream holds exactly their header and records."""
-    warm, sid = c.warm, c.session_id
+    warm, sid = _warm(c), c.session_id
     have = stored_centroids(c, lay, need)
     valid = have.shape[0]
     size = warm.side_size(sid, STREAM)
@@ -85,12 +98,11 @@ def load_centroids(c: TieredCache, lay: BlockLayout, need: int) -> tuple[torch.T
     return have, need - valid
 
 
-def write_records(warm: Any, sid: str, lay: BlockLayout, first: int, cents: torch.Tensor) -> None:
+def write_records(warm: WarmStore, sid: str, lay: BlockLayout, first: int, cents: torch.Tensor) -> None:
     """Spill thread: append the records of blocks ``first, ...`` (``cents`` ``[m, L, H, 2,
     D]``, any device; the header first when ``first`` is 0)."""
-    data = lay.records(first, cents.cpu())
-    if first == 0:
-        data = memoryview(lay.header() + data.tobytes())
+    records = lay.records(first, cents.cpu())
+    data: Bytes = memoryview(lay.header() + records.tobytes()) if first == 0 else records
     new = warm.side_append(sid, STREAM, data)
     want = lay.offset(first + cents.shape[0])
     if new != want:

@@ -4,7 +4,9 @@ Owns: the mapping of live sessions (in least-recently-used order), the device bu
 its watermark, the shared :class:`~kvfs.torch.spill.Spiller`, the :class:`kvfs.warm.WarmTier`
 it builds over the mount (``cold_root``), resume, forks, and the hot-tier metrics. The
 budget's checks and its synchronous "move the oldest round of the least recently used
-sessions out" policy are a mixin of the router (:mod:`kvfs.torch.router_budget`).
+sessions out" policy are its part :class:`~kvfs.torch.router_budget.HotBudget`
+(``router.hot_budget``); the caches call them through the router (:class:`~kvfs.torch.
+seams.CacheRouter`), which keeps its sessions in least-recently-used order first.
 
 Never calls ``torch.cuda.empty_cache()``; never writes files itself (the warm tier does).
 One thread drives a router and its caches (the forward passes); the spill thread is the
@@ -20,15 +22,17 @@ from typing import Any
 import torch
 
 from kvfs.ops import metrics, profiles
-from kvfs.torch.blocks import STREAM
 from kvfs.torch.cache import (
     TieredCache,
 )
 from kvfs.torch.fingerprint import KVCorrupt, KVMismatch, KVUnsupported, fingerprint, geometry
+from kvfs.torch.fork import copy_stored
 from kvfs.torch.meta import acknowledge
 from kvfs.torch.meta import stored as stored_meta
+from kvfs.torch.parts import Shown
 from kvfs.torch.rope import RopeShift
-from kvfs.torch.router_budget import BudgetMixin
+from kvfs.torch.router_budget import HotBudget
+from kvfs.torch.seams import BudgetedCache, WarmStore
 from kvfs.torch.spill import Spiller, SpillError
 from kvfs.warm import mount_info
 
@@ -58,7 +62,7 @@ def hot_settings(prof: Any) -> dict[str, Any]:
             "retrieval_block": prof.retrieval_block, "retrieval_bytes": prof.retrieval_bytes}
 
 
-class KVRouter(BudgetMixin):
+class KVRouter:
     """Session id -> :class:`TieredCache` over one warm tier (and, below it, the mount).
 
     ``KVRouter(mount="/mnt/kv", device="cpu", max_kv_len=24, device_budget_bytes=None,
@@ -75,7 +79,7 @@ class KVRouter(BudgetMixin):
     def __init__(self, mount: str | None = None, device: str | torch.device = "cpu",
                  max_kv_len: int | None = _UNSET, device_budget_bytes: int | None = None,
                  profile: str | Any = None, warm_root: str | None = None, *,
-                 watermark: float | None = None, warm: Any = None,
+                 watermark: float | None = None, warm: WarmStore | None = None,
                  warm_options: dict[str, Any] | None = None, summary_dim: int | None = None,
                  sink_tokens: int | None = None, auto_recall: bool | None = None,
                  recall_rounds: int | None = None, rope_rerotate: bool | str | None = None,
@@ -105,14 +109,13 @@ class KVRouter(BudgetMixin):
         self.mount = mount
         self.device = torch.device(device)
         self.max_kv_len = self.profile.max_kv_len if max_kv_len is _UNSET else max_kv_len
-        self.watermark = float(watermark if watermark is not None else self.profile.device_watermark)
-        if not 0 < self.watermark <= 1:
-            raise ValueError(f"watermark must be in (0, 1], got {self.watermark}")
+        line = float(watermark if watermark is not None else self.profile.device_watermark)
         self.summary_dim = int(summary_dim or self.profile.summary_dim)
         self._cuda = self.device.type == "cuda"
         if self._cuda and device_budget_bytes is None:
             device_budget_bytes = torch.cuda.get_device_properties(self.device).total_memory
-        self.budget = device_budget_bytes
+        self._sessions: OrderedDict[str, TieredCache] = OrderedDict()  # LRU first
+        self.hot_budget = HotBudget(self._sessions, device_budget_bytes, line, self.device)
         self._own_warm = warm is None
         if warm is None:
             from kvfs.warm import WarmTier  # noqa: PLC0415 - heavy peer, only when needed
@@ -123,17 +126,11 @@ class KVRouter(BudgetMixin):
                 kw["root"] = warm_root
             kw.update(warm_options or {})
             warm = WarmTier(cold_root=mount, volume_id=self.volume_id, **kw)
-        self.warm = warm
+        self.warm: WarmStore = warm
         if self._own_warm:  # kvfs-stat shows this process's hot tier beside its RAM tier
             warm.stats_extra = self._published
         # one spiller for every session: one session's failed spill stays that session's
         self.spiller = Spiller(warm, max_pending_bytes=max_pending_bytes, isolate=True)
-        self._sessions: OrderedDict[str, TieredCache] = OrderedDict()  # LRU first
-        self._accounted: dict[str, int] = {}
-        self.hot_total = 0
-        self.peak_hot_bytes = 0
-        self.watermark_moves = 0
-        self.move_ms_total = 0.0
         self._closed = False
         self._acked: dict[str, int] = {}
         self._warned_retrieval = False  # tokens recorded as acknowledged, per session
@@ -249,8 +246,7 @@ class KVRouter(BudgetMixin):
 
     def _register(self, c: TieredCache) -> None:
         self._sessions[c.session_id] = c
-        self._accounted[c.session_id] = 0
-        self.account(c)
+        self.hot_budget.register(c)
         metrics.hot_sessions.set(self.hot_session_count())
 
     def release(self, session_id: str, flush: bool = True) -> None:
@@ -268,8 +264,8 @@ class KVRouter(BudgetMixin):
             c.flush()
             self.spiller.wait(sid=session_id)
             self.warm.release(session_id)  # synced to the mount; another process may take it
-        self.hot_total -= self._accounted.pop(session_id, 0)
-        for lay in c.layers:
+        self.hot_budget.forget(session_id)
+        for lay in c.tiered:
             lay.release()
         c.router = None
         metrics.hot_bytes.set(self.hot_total)
@@ -296,7 +292,7 @@ class KVRouter(BudgetMixin):
         meta = self.warm.get_meta(src_id)
         if meta is None:
             raise KeyError(f"fork: session {src_id!r} has no meta.json in any tier")
-        self._copy_stored(src_id, new_id, meta)
+        copy_stored(self.warm, src_id, new_id, meta)
         if src is None:
             return self.resume(new_id, model) if model is not None else None
         ret = src.retrieval
@@ -314,33 +310,61 @@ class KVRouter(BudgetMixin):
         self.after_step(c)
         return c
 
-    def _copy_stored(self, src_id: str, new_id: str, meta: dict, chunk: int = 8 << 20) -> None:
-        """Layer bytes, summaries, then meta.json (last: it claims the bytes) of a session."""
-        w = self.warm
-        try:
-            for layer in range(int(meta["num_layers"])):
-                size = w.size(src_id, layer)
-                for a in range(0, size, chunk):
-                    w.append(new_id, layer, w.read(src_id, layer, a, min(size, a + chunk), promote=False))
-            for i, vec in enumerate(w.summaries(src_id)):
-                w.put_summary(new_id, i, vec)
-            size = w.side_size(src_id, STREAM)  # block key centroids (retrieval)
-            for a in range(0, size, chunk):
-                w.side_append(new_id, STREAM, w.side_read(src_id, STREAM, a, min(size, a + chunk)))
-            w.put_meta(new_id, meta)
-            w.flush(new_id)
-        except BaseException:
-            if w.where(new_id) is not None:
-                w.delete(new_id)  # no half copy left behind
-            raise
-        log.info("forked session %r -> %r (%d tokens)", src_id, new_id, meta.get("tokens", 0))
-
     def sessions(self) -> list[str]:
         """Live session ids, least recently used first."""
         return list(self._sessions)
 
     def hot_session_count(self) -> int:
-        return sum(1 for c in self._sessions.values() if c.hot_bytes > 0)
+        return self.hot_budget.hot_sessions()
+
+    # --- the device budget (:class:`HotBudget`), as the caches and callers see it -----------------
+    @property
+    def budget(self) -> int | None:
+        """Device bytes the sessions may use (``limit`` = ``watermark * budget``)."""
+        return self.hot_budget.budget
+
+    @budget.setter
+    def budget(self, value: int | None) -> None:
+        self.hot_budget.budget = value
+
+    @property
+    def watermark(self) -> float:
+        return self.hot_budget.watermark
+
+    @watermark.setter
+    def watermark(self, value: float) -> None:
+        self.hot_budget.watermark = value
+
+    limit = Shown[float | None]("hot_budget", "limit")  # watermark * budget
+    hot_total = Shown[int]("hot_budget", "hot_total")
+    peak_hot_bytes = Shown[int]("hot_budget", "peak_hot_bytes")
+    watermark_moves = Shown[int]("hot_budget", "watermark_moves")
+    move_ms_total = Shown[float]("hot_budget", "move_ms_total")
+
+    def account(self, c: BudgetedCache) -> None:
+        """Record ``c``'s device bytes now (called by the cache after it changed them)."""
+        self.hot_budget.account(c)
+
+    def before_step(self, c: BudgetedCache, q: int) -> None:
+        """``c`` is about to step: it becomes the most recently used; room for its growth."""
+        self._sessions.move_to_end(c.session_id)
+        self.hot_budget.before_step(c, q)
+
+    def reserve(self, c: BudgetedCache, extra: int) -> None:
+        """Make room for ``extra`` bytes ``c`` is about to read back (refill, recall)."""
+        self.hot_budget.reserve(c, extra)
+
+    def has_room(self, c: BudgetedCache, extra: int) -> bool:
+        """Whether ``c`` can grow by ``extra`` bytes within the budget (others moved out)."""
+        return self.hot_budget.has_room(c, extra)
+
+    def after_step(self, c: BudgetedCache) -> None:
+        """Account ``c``'s step and enforce the budget (called by the cache's last layer)."""
+        self.hot_budget.after_step(c)
+
+    def device_usage_ratio(self) -> float:
+        """Device memory reserved (CUDA) or hot bytes (CPU) over the budget; 0 without one."""
+        return self.hot_budget.usage_ratio()
 
     # --- reporting ------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -380,7 +404,7 @@ class KVRouter(BudgetMixin):
         and fsync'd. Raises (``WarmError``) when the mount cannot take them (unmounted,
         full): never only a log line. Without a mount, the RAM tier holds them, msynced."""
         self._check_open()
-        failed: dict[str, BaseException] = {}
+        failed: dict[str, BaseException | None] = {}  # None: its RAM copy was lost
         for sid, c in self._sessions.items():
             try:
                 c.flush(wait=False)
@@ -392,9 +416,9 @@ class KVRouter(BudgetMixin):
             self.warm.sync()  # a lost session is logged there and left out
         failed.update(self.spiller.failed())
         failed.update((sid, None) for sid in self.warm.lost() if sid not in failed)
-        for sid, e in failed.items():
+        for sid, err in failed.items():
             log.warning("flush: session %r is not flushed (%s); its own calls say so, the "
-                        "other sessions are flushed", sid, e or "its RAM copy was lost")
+                        "other sessions are flushed", sid, err or "its RAM copy was lost")
         if self.mount is not None:
             ok = [sid for sid in self._sessions if sid not in failed]
             acknowledge(self.warm, ok, self._acked)  # durable: say so
@@ -419,7 +443,7 @@ class KVRouter(BudgetMixin):
         far (e.g. what ``generate`` returned); ids past the stored tokens are kept, unused.
         Needs a mount (the ids are written there directly, fsync'd)."""
         self._check_open()
-        cold = getattr(self.warm, "cold", None)
+        cold = self.warm.cold
         if cold is None:
             raise RuntimeError("record_tokens needs a router over a mount")
         from kvfs.torch.tokens import record_ids  # noqa: PLC0415 - only sessions shared with vLLM
@@ -445,7 +469,7 @@ class KVRouter(BudgetMixin):
             return
         try:
             self.flush()
-            if to_cold and getattr(self.warm, "cold", True) is not None:
+            if to_cold and self.warm.cold is not None:
                 moved = self.warm.migrate(max(1, len(self.warm.sessions())))
                 log.info("close: %d sessions migrated to the cold tier", len(moved))
         finally:

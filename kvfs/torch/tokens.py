@@ -14,7 +14,8 @@ is only ever appended to (the mount's rule) and a reader rebuilds the list recor
 A record that is torn, cut short or fails its checksum ends the list there (with one log
 line): a reader gets a shorter, correct prefix, never a wrong id.
 
-Only file calls on the mount (through :class:`kvfs.warm.cold.ColdStore`); no torch.
+Only file calls on the mount (a :class:`kvfs.torch.seams.ColdFiles`: the warm tier's cold
+backend); no torch.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from collections.abc import Sequence
 import crc32c
 import numpy as np
 
-from kvfs.warm.cold import Changes, ColdBackend
+from kvfs.torch.seams import ColdFiles
+from kvfs.warm.cold import Changes
 
 log = logging.getLogger("kvfs.torch.tokens")
 
@@ -83,13 +85,13 @@ def common_prefix(a: np.ndarray | Sequence[int], b: np.ndarray | Sequence[int]) 
     return int(diff[0]) if diff.size else n
 
 
-def read_ids(cold: ColdBackend, sid: str) -> np.ndarray:
+def read_ids(cold: ColdFiles, sid: str) -> np.ndarray:
     """The stored ids of session ``sid`` (empty when it has none)."""
     raw = cold.read_small(sid, TOKENS)
     return decode(raw, f"session {sid!r} {TOKENS}")[0] if raw else np.empty(0, np.uint32)
 
 
-def record_ids(cold: ColdBackend, sid: str, ids: Sequence[int] | np.ndarray,
+def record_ids(cold: ColdFiles, sid: str, ids: Sequence[int] | np.ndarray,
                sync: bool = True) -> int:
     """Make the session's stored ids start with ``ids``: nothing when they already do,
     else one record from the first id that differs (a damaged tail is cut off first, so
