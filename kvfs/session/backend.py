@@ -117,6 +117,8 @@ class ColdBackend(Protocol):
         """Keep the session's lease (None: no shared tier, or no directory yet);
         WarmBusy when another node keeps it past ``wait_s``."""
     def list(self) -> list[str]: ...
+    def reachable(self) -> None:
+        """An error unless the store is there (an unmounted volume is not an empty one)."""
     def exists(self, sid: str) -> bool:
         """Whether the session is there; an error when the store itself is unreachable."""
     def delete(self, sid: str) -> bool: ...
@@ -125,7 +127,6 @@ class ColdBackend(Protocol):
     def state(self, sid: str, incarnation: bool = True) -> ColdState | None:
         """Every stream's size and the incarnation id (None without ``incarnation``);
         None when the session is not there (an error when the store is unreachable)."""
-    def size(self, sid: str, stream: int) -> int: ...
     def read_ranges(self, sid: str, ranges: Sequence[Range], missing_is_empty: bool = False) -> None:
         """Fill each out buffer from its stream at its offset (ValueError past the end)."""
     def read_small(self, sid: str, name: str) -> bytes | None:

@@ -27,6 +27,12 @@ def layer_sizes(cold: ColdBackend, sid: str) -> dict[int, int] | None:
     return None if st is None else st[0]
 
 
+def stream_size(cold: ColdBackend, sid: str, stream: int) -> int:
+    """Bytes of one stream of the session's copy (0 when it has none)."""
+    st = cold.state(sid, incarnation=False)
+    return 0 if st is None else st[0].get(stream, 0)
+
+
 def read_layer(cold: ColdBackend, sid: str, layer: int, off: int, out: np.ndarray,
                missing_is_empty: bool = False) -> None:
     """Fill ``out`` (uint8) from stream ``layer`` at ``off`` (ValueError past its end)."""

@@ -32,29 +32,27 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from .checked import CheckedSessions
-from .cold import (
+from kvfs.session.backend import (
     APPEND,
     HOLD_WAIT_S,
-    INCARNATION,
-    MAX_SMALL,
-    META,
     REPLACE,
-    SUMMARIES,
+    TRUNCATE,
     Changes,
+    ColdState,
+    Piece,
+    Range,
     Written,
-    cold_errors,
-    layer_name,
-    mount_info,
-    parse_incarnation,
-    parse_meta,
-    stream_number,
 )
+from kvfs.session.formats import parse_incarnation
+from kvfs.session.names import INCARNATION, META, layer_name, small_limit, stream_number
+
+from .checked import CheckedSessions
+from .cold import cold_errors, mount_info
 from .ids import WarmBusy, WarmCorrupt, WarmError
 
 log = logging.getLogger("kvfs.warm")
@@ -83,6 +81,21 @@ def _fsync_fd(fd: int) -> None:
             raise
 
 
+class FdHold:
+    """A session's hold: a descriptor of meta.json opened for writing (module doc)."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def release(self) -> None:
+        try:
+            os.close(self.fd)
+        except OSError as e:  # the mount went away: its lease ends with it
+            log.warning("closing a session hold: %s", e)
+
+
 class ColdStore:
     """File-level access to ``cold_root/sessions`` (module doc); a ``ColdBackend``."""
 
@@ -103,9 +116,9 @@ class ColdStore:
         self._pool: ThreadPoolExecutor | None = None
 
     # ---- the session's lease (a mount with a shared tier) ---------------------------
-    def hold(self, sid: str, wait_s: float = HOLD_WAIT_S) -> int | None:
-        """Keep the session's lease for this process (see the module docstring): a
-        descriptor to give to ``unhold``. None without a shared tier, or when the session
+    def hold(self, sid: str, wait_s: float = HOLD_WAIT_S) -> FdHold | None:
+        """Keep the session's lease for this process (see the module docstring) until
+        its ``release``. None without a shared tier, or when the session
         has no directory yet (then ``hold`` once it is made). ``WarmBusy`` when another
         node holds the lease after ``wait_s`` (a node that just let it go hands it over
         within moments)."""
@@ -114,7 +127,7 @@ class ColdStore:
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                return self.checked.open(sid, META, os.O_WRONLY, create=True)
+                return FdHold(self.checked.open(sid, META, os.O_WRONLY, create=True))
             except (FileNotFoundError, NotADirectoryError):
                 return None
             except OSError as e:
@@ -124,14 +137,6 @@ class ColdStore:
                 if time.monotonic() >= deadline:
                     raise WarmBusy(sid, self.lease_owner(sid)) from None
                 time.sleep(0.05)
-
-    @staticmethod
-    def unhold(fd: int | None) -> None:
-        if fd is not None:
-            try:
-                os.close(fd)
-            except OSError as e:  # the mount went away: its lease ends with it
-                log.warning("closing a session hold: %s", e)
 
     def lease_owner(self, sid: str) -> str | None:
         """The node the mount says holds the session's lease (None: it cannot say)."""
@@ -192,17 +197,13 @@ class ColdStore:
             os.close(dfd)
 
     @_errors
-    def state(self, sid: str) -> tuple[dict[int, int], int | None] | None:
+    def state(self, sid: str, incarnation: bool = True) -> ColdState | None:
         """(layer sizes, incarnation id or None) of the cold copy; None when there is none."""
         sizes = self.layer_sizes(sid)
         if sizes is None:
             self.reachable()  # an unmounted volume is an error, never "the session was removed"
             return None
-        return sizes, self.read_incarnation(sid)
-
-    def read_incarnation(self, sid: str) -> int | None:
-        """The cold copy's incarnation id; None when it has none (or not one we can read)."""
-        return parse_incarnation(self.read_small(sid, INCARNATION))
+        return sizes, parse_incarnation(self.read_small(sid, INCARNATION)) if incarnation else None
 
     @_errors
     def size(self, sid: str, layer: int) -> int:
@@ -255,7 +256,7 @@ class ColdStore:
             fd = self.checked.open(sid, name, os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError):
             return None
-        limit = None if name == SUMMARIES else MAX_SMALL
+        limit = small_limit(name)
         try:
             parts, n = [], 0
             while chunk := os.read(fd, 1 << 20):
@@ -268,10 +269,7 @@ class ColdStore:
         finally:
             os.close(fd)
 
-    def read_meta(self, sid: str) -> dict | None:
-        return parse_meta(self.read_small(sid, META), sid)
-
-    def read_ranges(self, sid: str, ranges: list[tuple[int, int, np.ndarray]],
+    def read_ranges(self, sid: str, ranges: Sequence[Range],
                     missing_is_empty: bool = False) -> None:
         """``read_into`` of each (layer, offset, out), one file at a time."""
         for layer, off, out in ranges:
@@ -339,7 +337,7 @@ class ColdStore:
             os.close(fd)
 
     @_errors
-    def append(self, sid: str, name: str, expect: int, pieces: Iterable[np.ndarray],
+    def append(self, sid: str, name: str, expect: int, pieces: Iterable[Piece],
                sync: bool = True, keep: list[int] | None = None) -> int:
         """Append ``pieces`` to file ``name`` whose size must be ``expect`` (fsync unless
         ``sync`` is False: the caller then calls ``fsync_file``, or ``fsync_close`` on the
@@ -410,16 +408,24 @@ class ColdStore:
             os.close(fd)
 
     # ---- the protocol's batched writes ---------------------------------------------
-    def write(self, sid: str, changes: Changes, w: Written | None = None) -> Written:
-        """Apply ``changes`` in order (no fsync but a truncate's) into ``w`` (each name as
-        it is tried, its size once done: a failure leaves what was done recorded); the
-        descriptors of files appended to stay open for ``sync`` while fewer than
-        ``KEEP_FDS`` are."""
+    def write(self, sid: str, changes: Changes, w: Written | None = None,
+              durable: bool = False) -> Written:
+        """Apply ``changes`` in order (no fsync but a truncate's, unless ``durable``) into
+        ``w`` (each name as it is tried, its size once done: a failure leaves what was
+        done recorded); the descriptors of files appended to stay open for ``sync`` while
+        fewer than ``KEEP_FDS`` are. A truncate is durable at once: its name is not one
+        ``sync`` needs."""
         w = w if w is not None else Written(sid)
+        w.release = self.forget
+        if changes.make_dir:
+            w.made_dir = self.ensure_dir(sid) or w.made_dir
         try:
             for c in changes.items:
-                w.names.add(c.name)
-                if c.kind == APPEND:
+                if c.kind != TRUNCATE and not durable:
+                    w.names.add(c.name)
+                if c.kind == APPEND and durable:
+                    w.sizes[c.name] = self.append(sid, c.name, c.arg, c.pieces)
+                elif c.kind == APPEND:
                     with self._kept_lock:
                         keep: list[int] | None = [] if self._kept < KEEP_FDS and c.name not in w.fds else None
                         if keep is not None:
@@ -433,7 +439,7 @@ class ColdStore:
                             with self._kept_lock:
                                 self._kept -= 1
                 elif c.kind == REPLACE:
-                    self.replace(sid, c.name, b"".join(bytes(p) for p in c.pieces), sync=False)
+                    self.replace(sid, c.name, b"".join(bytes(p) for p in c.pieces), sync=durable)
                     w.sizes[c.name] = sum(len(p) for p in c.pieces)
                 else:
                     self.truncate(sid, c.name, c.arg)

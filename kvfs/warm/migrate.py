@@ -38,17 +38,11 @@ from collections.abc import Callable, Container
 from typing import TypeVar
 
 from kvfs.ops import metrics
+from kvfs.session import files
+from kvfs.session.backend import ColdBackend, Written
+from kvfs.session.commit import RoundWrite
+from kvfs.session.names import layer_name
 
-from .cold import (
-    INCARNATION,
-    META,
-    SUMMARIES,
-    Changes,
-    ColdBackend,
-    Written,
-    incarnation_bytes,
-    layer_name,
-)
 from .format import FLAG_CLEAN, FLAG_MIGRATING, K_LAYER
 from .health import ColdHealth
 from .held import HeldSessions
@@ -115,7 +109,7 @@ class Mover:
         for slot, f in res.shards.load():
             for s in list(f.sessions.values()):
                 try:
-                    s.cold = self.cold.layer_sizes(s.name) if self.cold else None
+                    s.cold = files.layer_sizes(self.cold, s.name) if self.cold else None
                     if not writebehind:
                         self._reconcile(f, s)
                     elif not s.flags & FLAG_CLEAN:  # checked and written by the first pass
@@ -152,7 +146,7 @@ class Mover:
                 f.truncate(s, K_LAYER, layer, 0)
             elif c > st.end:  # never written by us; restore "cold is a prefix"
                 log.warning("warm session %r layer %d: cold copy longer than warm; cut", s.name, layer)
-                self.cold.truncate(s.name, layer_name(layer), st.end)
+                files.truncate_stream(self.cold, s.name, layer, st.end)
                 s.cold[layer] = st.end
         if s.flags & FLAG_MIGRATING:
             if self._cold_complete(f, s):
@@ -165,10 +159,10 @@ class Mover:
     def _cold_complete(self, f: ShardFile, s: WarmSession) -> bool:
         if any((s.cold or {}).get(layer, 0) != st.end for layer, st in s.layers.items()):
             return False
-        if (self.cold.read_small(s.name, SUMMARIES) or b"") != self.res.summary_bytes(f, s):
+        if files.read_summaries(self.cold, s.name) != self.res.summary_bytes(f, s):
             return False
         meta = f.meta_bytes(s)
-        return meta is None or self.cold.read_small(s.name, META) == meta
+        return meta is None or files.read_meta_bytes(self.cold, s.name) == meta
 
     def drop_damaged(self, sid: str, err: WarmCorrupt) -> None:
         """A warm copy that fails its checksums cannot be migrated: drop it (the cold copy,
@@ -238,14 +232,14 @@ class Mover:
             f.set_flags(s, s.flags | FLAG_MIGRATING)  # for a restart: see _reconcile
             st = _Staged(sid, s)
             try:
-                made = self.cold.ensure_dir(sid)
+                made = files.ensure_dir(self.cold, sid)
                 self.held.hold_made(sid)
-                ch = Changes()
-                if self.cold.read_incarnation(sid) is None:  # deletion wins: writeback.py
-                    ch.replace(INCARNATION, incarnation_bytes(s.inc or 1))
+                plan = RoundWrite(sid)
+                if files.read_incarnation(self.cold, sid) is None:  # deletion wins: writeback.py
+                    plan.incarnation = s.inc or 1
                 s.cold = s.cold if s.cold is not None else {}
                 # the files, not the cache: a failed try may have grown them (one listing)
-                sizes = self.cold.layer_sizes(sid) or {}
+                sizes = files.layer_sizes(self.cold, sid) or {}
                 done: dict[int, int] = {}  # layer sizes once ``ch`` is written
                 for k, (layer, stream) in enumerate(sorted(s.layers.items())):
                     name = layer_name(layer)
@@ -253,22 +247,21 @@ class Mover:
                     if c < stream.base:
                         raise WarmError(f"cold {name} has {c} bytes, warm starts at {stream.base}")
                     if c > stream.end:
-                        self.cold.truncate(sid, name, stream.end)
+                        files.truncate_stream(self.cold, sid, layer, stream.end)
                         s.cold[layer] = c = stream.end
                     if c < stream.end or layer not in s.cold:
-                        ch.append(name, c, f.segments(s, stream, c, stream.end, f"layer {layer}"))
+                        plan.stream(layer, c, f.segments(s, stream, c, stream.end, f"layer {layer}"))
                     done[layer] = stream.end
-                    if k == 0 and ch:
+                    if k == 0 and (ch := plan.changes()):
                         st.written.append(self.cold.write(sid, ch))
                         s.cold.update(done)
-                        ch, done = Changes(), {}
+                        plan, done = RoundWrite(sid), {}
                         _pause("cold_partial")
-                ch.rewrite(SUMMARIES, self.res.summary_bytes(f, s),
-                           self.cold.read_small(sid, SUMMARIES) or b"")
+                plan.summaries = (self.res.summary_bytes(f, s), files.read_summaries(self.cold, sid))
                 meta = f.meta_bytes(s)
-                if meta is not None and self.cold.read_small(sid, META) != meta:
-                    ch.replace(META, meta)
-                if ch:
+                if meta is not None and files.read_meta_bytes(self.cold, sid) != meta:
+                    plan.meta = meta
+                if ch := plan.changes():
                     st.written.append(self.cold.write(sid, ch))
                 s.cold.update(done)
                 if not st.written:
@@ -277,7 +270,7 @@ class Mover:
             except BaseException:
                 f.set_flags(s, s.flags & ~FLAG_MIGRATING)
                 for w in st.written:  # descriptors kept for a sync that will not run
-                    self.cold.forget(w)
+                    w.forget()
                 raise
             return st
 
@@ -315,7 +308,7 @@ class Mover:
             f, s = res.warm(slot, sid, create=True)
         if s.cold is None:
             return False
-        s.cold = self.cold.layer_sizes(sid) or {}
+        s.cold = files.layer_sizes(self.cold, sid) or {}
         need = sum(res.span(s, layer)[0] for layer in s.cold)
         if self.health.error is not None and res.budget.bytes + need > res.budget.cap:
             if soft:

@@ -31,9 +31,11 @@ from contextlib import AbstractContextManager
 import numpy as np
 
 from kvfs.ops import metrics
+from kvfs.session import files
+from kvfs.session.backend import ColdBackend
+from kvfs.session.formats import parse_meta
 
 from .budget import Budget
-from .cold import META, SUMMARIES, ColdBackend
 from .dirty import DirtySet
 from .format import FLAG_CLEAN, FLAG_ON_COLD, K_SUMMARY
 from .held import HeldSessions
@@ -96,10 +98,10 @@ class Resident:
         s.cold, held = cold, 0
         if cold is not None:  # the warm record must be whole before it is published
             try:
-                raw = self.cold.read_small(sid, META)
-                if raw and self.cold.read_meta(sid) is not None:
+                raw = files.read_meta_bytes(self.cold, sid)
+                if raw and parse_meta(raw, sid) is not None:
                     held += f.put_meta(s, raw)
-                summ = self.cold.read_small(sid, SUMMARIES) or b""
+                summ = files.read_summaries(self.cold, sid)
                 n = len(summ) // self.row * self.row
                 if n:
                     held += f.write(s, K_SUMMARY, 0, 0, np.frombuffer(summ, np.uint8, n))

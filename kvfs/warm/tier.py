@@ -31,8 +31,12 @@ from typing import Any
 
 import numpy as np
 
+from kvfs.session import files
+from kvfs.session.backend import ColdBackend
+from kvfs.session.names import side_stream
+
 from .budget import Budget
-from .cold import SUMMARIES, ColdBackend, layer_name, open_cold, side_stream
+from .coldopen import open_cold
 from .dirty import DirtySet
 from .format import K_LAYER, K_SUMMARY, KEY_DEVICE, KEY_SESSION
 from .health import ColdHealth
@@ -199,13 +203,13 @@ class WarmTier:
             if s is not None:
                 size, cold_size = res.span(s, layer)[1], (s.cold or {}).get(layer, 0)
             else:
-                size = cold_size = self.cold.size(sid, layer) if self.cold else 0
+                size = cold_size = files.stream_size(self.cold, sid, layer) if self.cold else 0
             if not 0 <= length <= size:
                 raise ValueError(f"truncate to {length}: only shortening (size {size})")
             if length == size:
                 return
             if cold_size > length:
-                self.cold.truncate(sid, layer_name(layer), length)
+                files.truncate_stream(self.cold, sid, layer, length)
                 if s is not None:
                     s.cold[layer] = length
             if s is not None:
@@ -235,7 +239,7 @@ class WarmTier:
         with self._locked(sid) as slot:
             f, s = self.res.warm(slot, sid)
             if s is None:
-                return self.cold.read_meta(sid) if self.cold else None
+                return files.read_meta(self.cold, sid) if self.cold else None
             raw = f.meta_bytes(s)
             self.res.touch(f, s)
             return json.loads(raw) if raw is not None else None
@@ -276,7 +280,7 @@ class WarmTier:
                 raw = self.res.summary_bytes(f, s)
                 self.res.touch(f, s)
             else:
-                raw = (self.cold.read_small(sid, SUMMARIES) if self.cold else None) or b""
+                raw = files.read_summaries(self.cold, sid) if self.cold else b""
         n = len(raw) // self.res.row
         return np.frombuffer(raw, np.float32, n * self.dim).reshape(n, self.dim).copy()
 

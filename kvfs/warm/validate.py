@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import logging
 
-from .cold import META, ColdBackend
+from kvfs.session import files
+from kvfs.session.backend import ColdBackend
+from kvfs.session.names import META, layer_name
+
 from .format import FLAG_CLEAN, FLAG_ON_COLD
 from .held import HeldSessions
 from .ids import WarmError, check_sid
@@ -62,7 +65,7 @@ class Validator:
     def mount_meta(self, sid: str, cs: object) -> bytes | None:
         """The mount's meta.json of ``sid`` (None when it has no copy): the session's
         content version, compared with the one this copy last wrote or read."""
-        return self.cold.read_small(sid, META) if cs is not None and self.cold else None
+        return files.read_meta_bytes(self.cold, sid) if cs is not None and self.cold else None
 
     def validate(self, sid: str) -> None:
         with self.res.io_lock(sid):
@@ -99,11 +102,11 @@ class Validator:
             floor = max(known.get(layer, 0), end if s.flags & FLAG_CLEAN else 0,
                         st.base if st is not None and st.segs else 0)
             if c < floor:
-                return f"layer_{layer} was cut to {c} bytes through the mount (we wrote {floor})", False
+                return f"{layer_name(layer)} was cut to {c} bytes through the mount (we wrote {floor})", False
             if c > end:
-                return f"layer_{layer} grew to {c} bytes on the mount (ours has {end})", True
+                return f"{layer_name(layer)} grew to {c} bytes on the mount (ours has {end})", True
         if meta is not None and s.cmeta is not None and meta != s.cmeta:
-            return "its meta.json on the mount is not the one this copy wrote or read", True
+            return f"its {META} on the mount is not the one this copy wrote or read", True
         return None
 
     def forget(self, sid: str, reason: str) -> None:

@@ -33,17 +33,11 @@ import time
 from collections.abc import Callable, Container
 
 from kvfs.ops import metrics
+from kvfs.session import files
+from kvfs.session.backend import ColdBackend, Written
+from kvfs.session.commit import RoundWrite
+from kvfs.session.names import INCARNATION, META, SUMMARIES, layer_name
 
-from .cold import (
-    INCARNATION,
-    META,
-    SUMMARIES,
-    Changes,
-    ColdBackend,
-    Written,
-    incarnation_bytes,
-    layer_name,
-)
 from .format import FLAG_CLEAN, FLAG_MIGRATING, FLAG_ON_COLD
 from .health import ColdHealth
 from .ids import WarmCorrupt, WarmError
@@ -134,7 +128,7 @@ class WriteBehind:
                     for st in staged:  # written, not durable: no longer towards the threshold
                         res.dirty.written(st.sid, st.bytes)
                     for st in staged:
-                        self.cold.forget(st.written)
+                        st.written.forget()
                     staged = []
                 if staged:  # one durability point for every session written
                     self.cold.sync([st.written for st in staged])
@@ -147,7 +141,7 @@ class WriteBehind:
                         lag = max(lag, done)
             finally:
                 for st in staged:
-                    self.cold.forget(st.written)  # none left unless something failed midway
+                    st.written.forget()  # none left unless something failed midway
                 for sid in temps:
                     res.held.release_temp(sid)
             if staged and not errors:
@@ -187,25 +181,26 @@ class WriteBehind:
                 old_summ, old_meta = s.csumm, s.cmeta
                 st = _Pass(sid, s, s.gen, res.dirty.since(sid))
             # the tail's extents stay (io lock): write them without blocking the agent
-            ch = Changes()
+            plan = RoundWrite(sid)
             w = st.written  # names as they are tried (synced later even if this fails)
             summ_changed = meta_changed = True  # until known: then what cold holds is known
             try:
                 if cs is None:
-                    w.made_dir = self.cold.ensure_dir(sid)
+                    w.made_dir = files.ensure_dir(self.cold, sid)
                     res.held.hold_made(sid)
                 if cs is None or cs[1] is None:
-                    ch.replace(INCARNATION, incarnation_bytes(s.inc))
+                    plan.incarnation = s.inc
                 for layer, c, pieces in tails:
-                    ch.append(layer_name(layer), c, pieces)
+                    plan.stream(layer, c, pieces)
                 if old_summ is None:
-                    old_summ = self.cold.read_small(sid, SUMMARIES) or b""
-                summ_changed = ch.rewrite(SUMMARIES, summ, old_summ)
+                    old_summ = files.read_summaries(self.cold, sid)
+                summ_changed = summ != old_summ
+                plan.summaries = (summ, old_summ)
                 meta_changed = meta is not None and meta != old_meta and (
-                    old_meta is not None or self.cold.read_small(sid, META) != meta)
+                    old_meta is not None or files.read_meta_bytes(self.cold, sid) != meta)
                 if meta_changed:
-                    ch.replace(META, meta)
-                if ch:
+                    plan.meta = meta
+                if ch := plan.changes():
                     self.cold.write(sid, ch, w)
             finally:
                 for layer, _, _ in tails:
