@@ -33,8 +33,6 @@ _SIDE_NAMES = {n: name for name, n in SIDE_STREAMS.items()}
 #: small files are read whole, at most this many bytes (far more than 100,000 rounds take);
 #: a larger one is none kvfs wrote. SUMMARIES grows with the rounds and has no bound.
 MAX_SMALL = 1 << 20
-#: the shared tier's record of a session's owner (uid, gid, mode): no file name holds a NUL
-OWNER_RECORD = "\0owner"
 
 
 def layer_name(layer: int) -> str:

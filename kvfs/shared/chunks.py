@@ -29,6 +29,8 @@ import json
 import struct
 from dataclasses import dataclass
 
+from kvfs.session.names import META
+
 from .errors import BadName
 from .seal import Sealer, SealError
 
@@ -38,7 +40,7 @@ ENCRYPTED = 1  # header flag: the body is nonce + ciphertext + tag
 HEADER = struct.Struct("<HBBQI")
 HEADER_SIZE = HEADER.size
 assert HEADER_SIZE == 16
-META_FILE = "meta.json"
+META_FILE = META  # the claim's place: the ``meta`` key, not a chunk (kvfs.session.names)
 OWNER_FILE = "\0owner"  # the owner record's place: no file name holds a NUL
 MAX_NAME = 255
 # names may not contain these: "/" and NUL (path components), "{" "}" (the hash tag)

@@ -24,6 +24,8 @@ import os
 import crc32c
 import numpy as np
 
+from kvfs.session.names import META
+
 from .extent import fill_blocks, name_seal, seal_of
 from .format import (
     BLOCK,
@@ -480,5 +482,5 @@ class ShardFile(Space):
     def meta_bytes(self, s: WarmSession) -> bytes | None:
         if s.meta is None:
             return None
-        self.check(s, s.meta, 0, s.meta.used, "meta.json")
+        self.check(s, s.meta, 0, s.meta.used, META)
         return self.map()[s.meta.off:s.meta.off + s.meta.used].tobytes()

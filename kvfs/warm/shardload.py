@@ -23,6 +23,8 @@ import os
 import crc32c
 import numpy as np
 
+from kvfs.session.names import META
+
 from .extent import name_seal, seal_of
 from .format import (
     ALIGN,
@@ -148,7 +150,7 @@ def _load_index(sh: ShardFile) -> dict[str, str]:
             continue
         kind = int(t["kind"][i])
         if not sealed[i]:
-            what = "meta.json" if kind == K_META else f"kind {kind} layer {int(t['layer'][i])}"
+            what = META if kind == K_META else f"kind {kind} layer {int(t['layer'][i])}"
             damaged.setdefault(s.name, f"{what} extent fails its checksum")
         seg = Seg(i, int(t["start"][i]), int(t["off"][i]), int(t["cap"][i]),
                   int(t["seal"][i]) & 0xFFFFFFFF)
