@@ -98,6 +98,11 @@ class Written:
             self.release(self)
 
 
+def byte_view(piece: Piece) -> memoryview:
+    """The bytes of a piece (an ndarray's buffer, or any other bytes-like one)."""
+    return (piece.data if isinstance(piece, np.ndarray) else memoryview(piece)).cast("B")
+
+
 class Hold(Protocol):
     """A session's lease kept by this process on a shared mount, until ``release``."""
 
@@ -139,7 +144,7 @@ class ColdBackend(Protocol):
               durable: bool = False) -> Written:
         """Apply ``changes`` in order into ``w`` (sizes of what was done, also when one
         fails); durable at once with ``durable``, else after ``sync``."""
-    def sync(self, written: list[Written]) -> None:
+    def sync(self, written: Sequence[Written]) -> None:
         """Make what these writes touched durable; a session whose part fails gets its
         ``error``, the others are durable."""
     def close(self) -> None: ...

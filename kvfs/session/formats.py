@@ -60,7 +60,7 @@ def parse_acked(raw: bytes | None, sid: str) -> int | None:
         n = doc["tokens"] if isinstance(doc, dict) else None
     except (ValueError, RecursionError, KeyError):
         n = None
-    if not _is_int(n) or n < 0:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         raise SessionCorrupt(f"session {sid!r}: {ACKED} is unreadable; what was acknowledged is "
                              "unknown, so nothing is cut (remove the file to resume from "
                              f"{META})")

@@ -158,7 +158,7 @@ class Codec:
             pos, have = end, have + length
         return (parts[0] if len(parts) == 1 else b"".join(parts)), len(parts)
 
-    def split_append(self, session: str, file: str, offset: int, data: bytes | memoryview,
+    def split_append(self, session: str, file: str, offset: int, data: bytes | bytearray | memoryview,
                      chunk_bytes: int) -> list[tuple[int, bytes]]:
         """Cut an append at chunk boundaries: [(chunk number, encoded piece), ...]."""
         mv = memoryview(data)

@@ -26,6 +26,7 @@ never written into. Files are created 0600 and opened with ``O_NOFOLLOW``.
 
 from __future__ import annotations
 
+import builtins
 import errno
 import logging
 import os
@@ -47,6 +48,7 @@ from kvfs.session.backend import (
     Piece,
     Range,
     Written,
+    byte_view,
 )
 from kvfs.session.formats import parse_incarnation
 from kvfs.session.names import INCARNATION, META, layer_name, small_limit, stream_number
@@ -237,7 +239,7 @@ class ColdStore:
             if off + len(out) > st.st_size:
                 raise ValueError(f"read [{off}, {off + len(out)}) past the end ({st.st_size}) "
                                  f"of {sid}/{layer_name(layer)}")
-            view = memoryview(out).cast("B")
+            view = out.data.cast("B")
             done = 0
             while done < len(view):
                 n = os.preadv(fd, [view[done:]], off + done)
@@ -338,7 +340,7 @@ class ColdStore:
 
     @_errors
     def append(self, sid: str, name: str, expect: int, pieces: Iterable[Piece],
-               sync: bool = True, keep: list[int] | None = None) -> int:
+               sync: bool = True, keep: builtins.list[int] | None = None) -> int:
         """Append ``pieces`` to file ``name`` whose size must be ``expect`` (fsync unless
         ``sync`` is False: the caller then calls ``fsync_file``, or ``fsync_close`` on the
         descriptor left open in ``keep``). Writes go at the current end (the mount's
@@ -352,7 +354,7 @@ class ColdStore:
                 raise WarmError(f"cold {sid}/{name}: size {pos}, expected {expect} (written "
                                 "meanwhile by another process or node)")
             for piece in pieces:
-                view = memoryview(piece).cast("B")
+                view = byte_view(piece)
                 done = 0
                 while done < len(view):
                     done += os.write(fd, view[done:done + _CHUNK])
@@ -462,7 +464,7 @@ class ColdStore:
             self._pool = ThreadPoolExecutor(FSYNC_THREADS, thread_name_prefix="kvfs-warm-fsync")
         return self._pool
 
-    def sync(self, written: list[Written]) -> None:
+    def sync(self, written: Sequence[Written]) -> None:
         """Make what these writes touched durable: every file (layer files on the
         descriptor that wrote them), the session directories when names were added, and
         ``sessions/`` when a session was made, on a few threads at once. A session whose

@@ -22,7 +22,16 @@ from collections.abc import Iterable, Sequence
 
 from kvfs.channel import Channel, FileExtents
 from kvfs.channel import protocol as P
-from kvfs.session.backend import APPEND, HOLD_WAIT_S, TRUNCATE, Changes, ColdState, Range, Written
+from kvfs.session.backend import (
+    APPEND,
+    HOLD_WAIT_S,
+    TRUNCATE,
+    Changes,
+    ColdState,
+    Range,
+    Written,
+    byte_view,
+)
 from kvfs.session.formats import parse_incarnation
 from kvfs.session.names import INCARNATION, MAX_SMALL, layer_name, small_limit, stream_number
 
@@ -96,14 +105,14 @@ class NativeCold:
             raise WarmError(why)
 
     def _check_extents(self, sid: str, attrs: tuple[int, int, int],
-                       files: list[tuple[str, FileExtents | None]]) -> None:
+                       files: Sequence[tuple[str, FileExtents | None]]) -> None:
         self._refuse(self.path(sid), attrs[0], attrs[1], True)
         for name, fe in files:
             if fe is not None:
                 self._refuse(self.path(sid, name), fe.mode, fe.uid, False)
 
-    def _stat(self, sid: str, small: list[str]) -> P.SessionInfo | None:
-        info = self.ch.stat(sid, small)
+    def _stat(self, sid: str, small: Sequence[str]) -> P.SessionInfo | None:
+        info = self.ch.stat(sid, tuple(small))
         if info is None:
             return None
         self._refuse(self.path(sid), info.mode, info.uid, True)
@@ -128,7 +137,7 @@ class NativeCold:
         self._read(sid, ranges, missing_is_empty)
 
     def _read(self, sid: str, ranges: Sequence[Range], missing_is_empty: bool) -> None:
-        jobs = [(layer_name(layer), off, memoryview(out).cast("B")) for layer, off, out in ranges]
+        jobs = [(layer_name(layer), off, out.data.cast("B")) for layer, off, out in ranges]
         try:
             self.ch.read(sid, jobs)
         except FileNotFoundError as e:
@@ -172,7 +181,7 @@ class NativeCold:
             if c.kind == APPEND:
                 at = c.arg
                 for piece in c.pieces:
-                    mv = memoryview(piece).cast("B")
+                    mv = byte_view(piece)
                     items.append(P.Item(P.APPEND, c.name, at, mv))
                     at += len(mv)
                 if not c.pieces:  # an empty file made
@@ -196,7 +205,7 @@ class NativeCold:
                 w.sizes[it.name] = size
         return w
 
-    def sync(self, written: list[Written]) -> None:
+    def sync(self, written: Sequence[Written]) -> None:
         """One durability point for every session written (the mount's fsync covers all)."""
         if not any(w.names or w.made_dir for w in written):
             return

@@ -37,6 +37,8 @@ import time
 from collections.abc import Callable, Container
 from typing import TypeVar
 
+import numpy as np
+
 from kvfs.ops import metrics
 from kvfs.session import files
 from kvfs.session.backend import ColdBackend, Written
@@ -47,7 +49,7 @@ from .format import FLAG_CLEAN, FLAG_MIGRATING, K_LAYER
 from .health import ColdHealth
 from .held import HeldSessions
 from .ids import WarmCorrupt, WarmError, WarmFull
-from .records import Slot, WarmSession
+from .records import Seg, Slot, WarmSession
 from .resident import Resident
 from .shard import ShardFile
 
@@ -100,6 +102,13 @@ class Mover:
         self.root = root
         self.after_promote: Callable[[str], None] = lambda sid: None  # the evictor's, set later
 
+    @property
+    def _cold(self) -> ColdBackend:
+        """The cold tier, where a caller runs only with one."""
+        assert self.cold is not None
+        return self.cold
+
+
     def scan(self, writebehind: bool) -> None:
         """Load every shard file; reconcile sessions caught mid-migration (no write-behind)
         or leave the unclean ones dirty for the first pass; the LRU order from the
@@ -109,7 +118,7 @@ class Mover:
         for slot, f in res.shards.load():
             for s in list(f.sessions.values()):
                 try:
-                    s.cold = files.layer_sizes(self.cold, s.name) if self.cold else None
+                    s.cold = files.layer_sizes(self._cold, s.name) if self.cold else None
                     if not writebehind:
                         self._reconcile(f, s)
                     elif not s.flags & FLAG_CLEAN:  # checked and written by the first pass
@@ -146,7 +155,7 @@ class Mover:
                 f.truncate(s, K_LAYER, layer, 0)
             elif c > st.end:  # never written by us; restore "cold is a prefix"
                 log.warning("warm session %r layer %d: cold copy longer than warm; cut", s.name, layer)
-                files.truncate_stream(self.cold, s.name, layer, st.end)
+                files.truncate_stream(self._cold, s.name, layer, st.end)
                 s.cold[layer] = st.end
         if s.flags & FLAG_MIGRATING:
             if self._cold_complete(f, s):
@@ -159,10 +168,10 @@ class Mover:
     def _cold_complete(self, f: ShardFile, s: WarmSession) -> bool:
         if any((s.cold or {}).get(layer, 0) != st.end for layer, st in s.layers.items()):
             return False
-        if files.read_summaries(self.cold, s.name) != self.res.summary_bytes(f, s):
+        if files.read_summaries(self._cold, s.name) != self.res.summary_bytes(f, s):
             return False
         meta = f.meta_bytes(s)
-        return meta is None or files.read_meta_bytes(self.cold, s.name) == meta
+        return meta is None or files.read_meta_bytes(self._cold, s.name) == meta
 
     def drop_damaged(self, sid: str, err: WarmCorrupt) -> None:
         """A warm copy that fails its checksums cannot be migrated: drop it (the cold copy,
@@ -171,6 +180,7 @@ class Mover:
         with self.res.io_lock(sid), self.res.locked(sid) as slot:
             f, s = self.res.warm(slot, sid)
             if s is not None:
+                assert f is not None  # a warm record lives in a shard file
                 self.res.drop(slot, f, s)
 
     def migrate_group(self, n: int, exclude: Container[str], explicit: bool = False) -> list[str]:
@@ -199,7 +209,7 @@ class Mover:
         # the durability point only once every session is written: an fsync that runs
         # while others are still being written finds new bytes each time, and on the
         # mount each such fsync is a device flush (one flush covers all files of a volume)
-        self.cold.sync([w for st in staged for w in st.written])
+        self._cold.sync([w for st in staged for w in st.written])
         done, moved = [], 0
         for st in staged:
             freed = self._commit(st)
@@ -209,9 +219,9 @@ class Mover:
             elif st.error is not None:
                 errors.append(f"{st.sid!r}: {st.error}")
         if errors:
-            self.health.failed(errors, self.cold.root, self.res.budget.ratio)
+            self.health.failed(errors, self._cold.root, self.res.budget.ratio)
         else:
-            self.health.ok("migration to", self.cold.root)
+            self.health.ok("migration to", self._cold.root)
         ms = (time.perf_counter() - t0) * 1000
         metrics.warm_evict_latency.observe(ms)
         metrics.warm_migrations.inc(len(done))
@@ -229,17 +239,18 @@ class Mover:
             f, s = self.res.warm(slot, sid)
             if s is None:
                 return None
+            assert f is not None  # a warm record lives in a shard file
             f.set_flags(s, s.flags | FLAG_MIGRATING)  # for a restart: see _reconcile
             st = _Staged(sid, s)
             try:
-                made = files.ensure_dir(self.cold, sid)
+                made = files.ensure_dir(self._cold, sid)
                 self.held.hold_made(sid)
                 plan = RoundWrite(sid)
-                if files.read_incarnation(self.cold, sid) is None:  # deletion wins: writeback.py
+                if files.read_incarnation(self._cold, sid) is None:  # deletion wins: writeback.py
                     plan.incarnation = s.inc or 1
                 s.cold = s.cold if s.cold is not None else {}
                 # the files, not the cache: a failed try may have grown them (one listing)
-                sizes = files.layer_sizes(self.cold, sid) or {}
+                sizes = files.layer_sizes(self._cold, sid) or {}
                 done: dict[int, int] = {}  # layer sizes once ``ch`` is written
                 for k, (layer, stream) in enumerate(sorted(s.layers.items())):
                     name = layer_name(layer)
@@ -247,22 +258,22 @@ class Mover:
                     if c < stream.base:
                         raise WarmError(f"cold {name} has {c} bytes, warm starts at {stream.base}")
                     if c > stream.end:
-                        files.truncate_stream(self.cold, sid, layer, stream.end)
+                        files.truncate_stream(self._cold, sid, layer, stream.end)
                         s.cold[layer] = c = stream.end
                     if c < stream.end or layer not in s.cold:
                         plan.stream(layer, c, f.segments(s, stream, c, stream.end, f"layer {layer}"))
                     done[layer] = stream.end
                     if k == 0 and (ch := plan.changes()):
-                        st.written.append(self.cold.write(sid, ch))
+                        st.written.append(self._cold.write(sid, ch))
                         s.cold.update(done)
                         plan, done = RoundWrite(sid), {}
                         _pause("cold_partial")
-                plan.summaries = (self.res.summary_bytes(f, s), files.read_summaries(self.cold, sid))
+                plan.summaries = (self.res.summary_bytes(f, s), files.read_summaries(self._cold, sid))
                 meta = f.meta_bytes(s)
-                if meta is not None and files.read_meta_bytes(self.cold, sid) != meta:
+                if meta is not None and files.read_meta_bytes(self._cold, sid) != meta:
                     plan.meta = meta
                 if ch := plan.changes():
-                    st.written.append(self.cold.write(sid, ch))
+                    st.written.append(self._cold.write(sid, ch))
                 s.cold.update(done)
                 if not st.written:
                     st.written.append(Written(sid))
@@ -281,6 +292,7 @@ class Mover:
             f, s = self.res.warm(slot, st.sid)
             if s is not st.session:
                 return None  # deleted (and maybe re-created) meanwhile
+            assert f is not None  # a warm record lives in a shard file
             if st.error is not None or s.gen != st.gen:
                 f.set_flags(s, s.flags & ~FLAG_MIGRATING)
                 return None
@@ -303,12 +315,13 @@ class Mover:
         res = self.res
         f, s = res.warm(slot, sid)
         if s is None:
-            if self.cold is None or not self.cold.exists(sid):
+            if self.cold is None or not self._cold.exists(sid):
                 raise WarmError(f"no session {sid!r}")
             f, s = res.warm(slot, sid, create=True)
+        assert f is not None  # a warm record lives in a shard file
         if s.cold is None:
             return False
-        s.cold = files.layer_sizes(self.cold, sid) or {}
+        s.cold = files.layer_sizes(self._cold, sid) or {}
         need = sum(res.span(s, layer)[0] for layer in s.cold)
         if self.health.error is not None and res.budget.bytes + need > res.budget.cap:
             if soft:
@@ -316,7 +329,7 @@ class Mover:
             raise WarmError(f"warm tier {self.root!r} is full and migration to cold fails "
                             f"({self.health.error}): {sid!r} not promoted")
         changed = False
-        reads = []  # every layer's cold part in one batch
+        reads: list[tuple[int, list[tuple[Seg, np.ndarray]]]] = []  # every layer's cold part in one batch
         for layer, c in sorted(s.cold.items()):
             base = res.span(s, layer)[0]
             if base == 0:
@@ -333,7 +346,7 @@ class Mover:
                 break  # no room: the rest is served from cold
             reads.append((layer, pieces))
         try:
-            self.cold.read_ranges(sid, [(layer, g.start, view) for layer, pc in reads for g, view in pc])
+            self._cold.read_ranges(sid, [(layer, g.start, view) for layer, pc in reads for g, view in pc])
         except BaseException:
             for _, pc in reads:
                 f.abandon(pc)
@@ -359,6 +372,13 @@ class Evictor:
         self.move: Callable[[int, Container[str], bool], list[str]] = lambda n, ex, explicit: []
         self.lock = threading.Lock()  # one migration at a time
 
+    @property
+    def _cold(self) -> ColdBackend:
+        """The cold tier, where a caller runs only with one."""
+        assert self.cold is not None
+        return self.cold
+
+
     def migrate(self, n: int | None = None) -> list[str]:
         """Move the ``n`` (default: group) least recently used sessions to cold now (also
         while backing off); WarmError when the cold tier refused and nothing moved."""
@@ -367,7 +387,7 @@ class Evictor:
         with self.lock:
             done = self.move(n or self.group, set(), True)
         if not done and self.health.error is not None:
-            raise WarmError(f"migration to cold tier {self.cold.root!r} failed: {self.health.error}")
+            raise WarmError(f"migration to cold tier {self._cold.root!r} failed: {self.health.error}")
         return done
 
     def maybe_migrate(self, exclude: Container[str] = frozenset()) -> None:
@@ -404,7 +424,7 @@ class Evictor:
         if self.health.error is not None and b.bytes + n > b.cap:
             raise WarmError(
                 f"warm tier {self.root!r} is full ({b.bytes} of {b.cap} bytes) and "
-                f"migration to cold tier {self.cold.root!r} fails ({self.health.error}); "
+                f"migration to cold tier {self._cold.root!r} fails ({self.health.error}); "
                 f"next try in {self.health.wait_s():.0f} s")
 
     def with_room(self, sid: str, fn: Callable[[], T]) -> T:

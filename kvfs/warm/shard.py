@@ -257,7 +257,7 @@ class ShardFile(Space):
             bc = mm[at + 4 * k0:at + 4 * k1].view("<u4").tolist()
             at = g.off + k0 * BLOCK
             for want in bc:
-                if crc32c.crc32c(mm[at:at + BLOCK]) != want:
+                if crc32c.crc32c(mm[at:at + BLOCK].data) != want:
                     bad = True
                     break
                 at += BLOCK

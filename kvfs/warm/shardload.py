@@ -144,10 +144,11 @@ def _load_index(sh: ShardFile) -> dict[str, str]:
         if not sealed[i]:
             damaged[name] = "session flags fail their checksum"
     for i in others:
-        s = sh.by_uid.get(int(t["uid"][i]))
-        if s is None:  # the session was dropped and the process died before its segments
+        owner = sh.by_uid.get(int(t["uid"][i]))
+        if owner is None:  # the session was dropped and the process died before its segments
             sh.kill_entry(i)
             continue
+        s = owner
         kind = int(t["kind"][i])
         if not sealed[i]:
             what = META if kind == K_META else f"kind {kind} layer {int(t['layer'][i])}"
@@ -178,7 +179,7 @@ def _load_index(sh: ShardFile) -> dict[str, str]:
         s.layers = {k: v for k, v in s.layers.items() if v.segs}
         if s.meta is not None:
             with contextlib.suppress(WarmCorrupt):  # then reading meta.json says so
-                s.tokens = tokens_of(sh.meta_bytes(s))
+                s.tokens = tokens_of(sh.meta_bytes(s) or b"")
     _rebuild_free(sh, t)
     sh.total_bytes = sum(s.held for s in sh.sessions.values())
     sh.total_tokens = sum(s.tokens for s in sh.sessions.values())

@@ -39,6 +39,13 @@ class Validator:
     def __init__(self, res: Resident, held: HeldSessions, cold: ColdBackend | None) -> None:
         self.res, self.held, self.cold = res, held, cold
 
+    @property
+    def _cold(self) -> ColdBackend:
+        """The cold tier, where a caller runs only with one."""
+        assert self.cold is not None
+        return self.cold
+
+
     def own(self, sid: str) -> None:
         """Take the session on its first use here (WarmError naming the holder), and check
         a RAM copy made earlier against the mount before it is used."""
@@ -46,7 +53,7 @@ class Validator:
         if h is not None and not h.temp:
             if h.seen and self.cold is not None:
                 try:
-                    gone = not self.cold.exists(sid)
+                    gone = not self._cold.exists(sid)
                 except WarmError:  # the mount is away: the RAM copy serves; checked later
                     gone = False
                 if gone:
@@ -65,16 +72,17 @@ class Validator:
     def mount_meta(self, sid: str, cs: object) -> bytes | None:
         """The mount's meta.json of ``sid`` (None when it has no copy): the session's
         content version, compared with the one this copy last wrote or read."""
-        return files.read_meta_bytes(self.cold, sid) if cs is not None and self.cold else None
+        return files.read_meta_bytes(self._cold, sid) if cs is not None and self.cold else None
 
     def validate(self, sid: str) -> None:
         with self.res.io_lock(sid):
-            cs = self.cold.state(sid)
+            cs = self._cold.state(sid)
             meta = self.mount_meta(sid, cs)
             with self.res.locked(sid) as slot:
                 f, s = self.res.warm(slot, sid)
                 if s is None:
                     return
+                assert f is not None  # a warm record lives in a shard file
                 stale = self.stale_reason(s, cs, meta)
                 if stale is not None:
                     self.forget_locked(slot, f, s, *stale)
@@ -113,6 +121,7 @@ class Validator:
         with self.res.io_lock(sid), self.res.locked(sid) as slot:
             f, s = self.res.warm(slot, sid)
             if s is not None:
+                assert f is not None  # a warm record lives in a shard file
                 self.forget_locked(slot, f, s, reason)
 
     def forget_locked(self, slot: Slot, f: ShardFile, s: WarmSession, reason: str,
