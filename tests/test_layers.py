@@ -131,11 +131,11 @@ def test_package_root_is_light() -> None:
 
 # the warm tier's modules, lowest first: each imports only modules before it (a new module
 # must be placed here, which is the point)
-WARM_ORDER = ("format", "ids", "extent", "space", "rootdir", "records", "summary", "owners",
+WARM_ORDER = ("kvmap_format", "ids", "extent", "space", "rootdir", "shard_index", "summary", "owners",
               "shard", "shardload", "shards", "cold", "checked", "coldfiles", "coldnative", "coldopen",
               "policy",
-              "health", "budget", "dirty", "held", "resident", "validate", "reads", "migrate",
-              "writeback", "tier")
+              "health", "budget", "dirty", "held", "resident", "validate", "reader", "migrate",
+              "writeback", "warm_tier")
 
 
 def test_warm_modules_import_only_downwards() -> None:

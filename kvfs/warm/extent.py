@@ -1,15 +1,15 @@
-"""Extent checksums of a ``.kvmap`` file (format.py): seal words and block checksums."""
+"""Extent checksums of a ``.kvmap`` file (kvmap_format.py): seal words and block checksums."""
 
 from __future__ import annotations
 
 import crc32c
 import numpy as np
 
-from .format import BLOCK, USED
+from .kvmap_format import BLOCK, USED
 
 
 def seal_of(mm: np.ndarray, off: int, cap: int, used: int) -> int:
-    """The seal word of an extent holding ``used`` bytes (format.py)."""
+    """The seal word of an extent holding ``used`` bytes (kvmap_format.py)."""
     full = used // BLOCK
     c = crc32c.crc32c(USED.pack(used))
     if full:

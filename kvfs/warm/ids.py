@@ -9,7 +9,7 @@ import numpy as np
 
 from kvfs.session.errors import SessionError
 
-from .format import KEY_DEVICE, KEY_SESSION
+from .kvmap_format import KEY_DEVICE, KEY_SESSION
 
 
 class WarmError(SessionError):

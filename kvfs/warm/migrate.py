@@ -45,13 +45,14 @@ from kvfs.session.backend import ColdBackend, Written
 from kvfs.session.commit import RoundWrite
 from kvfs.session.names import layer_name
 
-from .format import FLAG_CLEAN, FLAG_MIGRATING, K_LAYER
 from .health import ColdHealth
 from .held import HeldSessions
 from .ids import WarmCorrupt, WarmError, WarmFull
-from .records import Seg, Slot, WarmSession
+from .kvmap_format import FLAG_CLEAN, FLAG_MIGRATING, K_LAYER
 from .resident import Resident
 from .shard import ShardFile
+from .shard_index import Seg, WarmSession
+from .shards import Slot
 
 log = logging.getLogger("kvfs.warm")
 T = TypeVar("T")

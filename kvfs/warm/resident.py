@@ -38,12 +38,12 @@ from kvfs.session.formats import parse_meta
 
 from .budget import Budget
 from .dirty import DirtySet
-from .format import FLAG_CLEAN, FLAG_ON_COLD, K_SUMMARY
 from .held import HeldSessions
+from .kvmap_format import FLAG_CLEAN, FLAG_ON_COLD, K_SUMMARY
 from .policy import EvictionPolicy
-from .records import Slot, WarmSession
 from .shard import ShardFile
-from .shards import ShardStore
+from .shard_index import WarmSession
+from .shards import ShardStore, Slot
 
 IO_STRIPES = 64
 POOL_THREADS = 8

@@ -23,10 +23,12 @@ import os
 import crc32c
 import numpy as np
 
+from kvfs.session.formats import tokens_claimed
 from kvfs.session.names import META
 
 from .extent import name_seal, seal_of
-from .format import (
+from .ids import WarmCorrupt, WarmError, check_sid
+from .kvmap_format import (
     ALIGN,
     DEAD,
     ENTRY_SIZE,
@@ -43,10 +45,9 @@ from .format import (
     VERSION,
     footprint,
 )
-from .ids import WarmCorrupt, WarmError, check_sid
-from .records import Seg, ShardCorrupt, Stream, WarmSession, tokens_of
 from .rootdir import RootDir
 from .shard import DATA_START, ShardFile
+from .shard_index import Seg, ShardCorrupt, Stream, WarmSession
 
 log = logging.getLogger("kvfs.warm")
 
@@ -179,7 +180,7 @@ def _load_index(sh: ShardFile) -> dict[str, str]:
         s.layers = {k: v for k, v in s.layers.items() if v.segs}
         if s.meta is not None:
             with contextlib.suppress(WarmCorrupt):  # then reading meta.json says so
-                s.tokens = tokens_of(sh.meta_bytes(s) or b"")
+                s.tokens = tokens_claimed(sh.meta_bytes(s) or b"")
     _rebuild_free(sh, t)
     sh.total_bytes = sum(s.held for s in sh.sessions.values())
     sh.total_tokens = sum(s.tokens for s in sh.sessions.values())

@@ -22,8 +22,8 @@ import os
 
 import numpy as np
 
-from .format import ALIGN, MAX_GROW
 from .ids import WarmError, WarmFull
+from .kvmap_format import ALIGN, MAX_GROW
 
 log = logging.getLogger("kvfs.warm")
 PAGE = mmap.PAGESIZE

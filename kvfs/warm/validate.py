@@ -25,12 +25,13 @@ from kvfs.session import files
 from kvfs.session.backend import ColdBackend
 from kvfs.session.names import META, layer_name
 
-from .format import FLAG_CLEAN, FLAG_ON_COLD
 from .held import HeldSessions
 from .ids import WarmError, check_sid
-from .records import Slot, WarmSession
+from .kvmap_format import FLAG_CLEAN, FLAG_ON_COLD
 from .resident import Resident
 from .shard import ShardFile
+from .shard_index import WarmSession
+from .shards import Slot
 
 log = logging.getLogger("kvfs.warm")
 

@@ -38,13 +38,13 @@ from kvfs.session.backend import ColdBackend, Written
 from kvfs.session.commit import RoundWrite
 from kvfs.session.names import INCARNATION, META, SUMMARIES, layer_name
 
-from .format import FLAG_CLEAN, FLAG_MIGRATING, FLAG_ON_COLD
 from .health import ColdHealth
 from .ids import WarmCorrupt, WarmError
+from .kvmap_format import FLAG_CLEAN, FLAG_MIGRATING, FLAG_ON_COLD
 from .owners import write_stats
-from .records import WarmSession
 from .resident import Resident, new_incarnation
 from .rootdir import RootDir
+from .shard_index import WarmSession
 from .validate import Validator
 
 log = logging.getLogger("kvfs.warm")

@@ -22,9 +22,10 @@ from kvfs.session.backend import ColdBackend
 from kvfs.session.names import SIDE_BASE, layer_name, side_stream
 
 from .ids import WarmCorrupt, WarmError, check_layer
-from .records import Slot, WarmSession
 from .resident import Resident
 from .shard import ShardFile
+from .shard_index import WarmSession
+from .shards import Slot
 
 log = logging.getLogger("kvfs.warm")
 

@@ -38,18 +38,17 @@ from kvfs.session.names import side_stream
 from .budget import Budget
 from .coldopen import open_cold
 from .dirty import DirtySet
-from .format import K_LAYER, K_SUMMARY, KEY_DEVICE, KEY_SESSION
 from .health import ColdHealth
 from .held import HeldSessions
 from .ids import WarmError, as_u8, check_layer, check_shards, check_sid
+from .kvmap_format import K_LAYER, K_SUMMARY, KEY_DEVICE, KEY_SESSION
 from .migrate import Evictor, Mover
 from .owners import SessionLocks, adopt_dead, check_volume_id, claim_dir
 from .policy import EvictionPolicy, LRUGroups
-from .reads import Reader
-from .records import Slot
+from .reader import Reader
 from .resident import Resident
 from .rootdir import DEFAULT_ROOT, RootDir, open_root
-from .shards import ShardStore
+from .shards import ShardStore, Slot
 from .validate import Validator
 from .writeback import WriteBehind
 
@@ -307,7 +306,7 @@ class WarmTier:
                 res.mark_dirty(f, s, 0)
                 res.account(-f.truncate(s, K_SUMMARY, 0, rounds * res.row))
 
-    # ---- reads (reads.py) ------------------------------------------------------------------
+    # ---- reads (reader.py) ------------------------------------------------------------------
     def size(self, sid: str, layer: int) -> int:
         return self.reader.size(sid, layer)
 
