@@ -26,8 +26,7 @@ import logging
 from typing import Any
 
 from kvfs.session import SessionCorrupt, files
-from kvfs.session.formats import check_meta_doc
-from kvfs.session.names import layer_name
+from kvfs.session.formats import check_claim, check_meta_doc
 from kvfs.torch.fingerprint import FORMAT, KVCorrupt, KVGeometry, check_meta
 
 log = logging.getLogger("kvfs.torch")
@@ -95,13 +94,13 @@ def reconcile(warm: Any, sid: str, meta: dict, fp: str, geo: KVGeometry, layers:
                         "acknowledged as durable: meta.json is corrupt; the layer files are "
                         "left as they are")
     sizes = warm.layer_sizes(sid)
+    try:
+        check_claim(sid, tokens, sizes, layers, tb)
+    except SessionCorrupt as e:
+        raise KVCorrupt(str(e)) from None
     tails = {}
     for layer in range(layers):
         have = sizes.get(layer, 0)
-        if have < tokens * tb:
-            raise KVCorrupt(
-                f"session {sid!r} {layer_name(layer)}: {have} bytes, meta.json says {tokens} tokens x "
-                f"{tb} B = {tokens * tb} B: the layer file is truncated")
         if have > tokens * tb:
             tails[layer] = have - tokens * tb
     if tails:
