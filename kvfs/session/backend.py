@@ -129,9 +129,12 @@ class ColdBackend(Protocol):
     def delete(self, sid: str) -> bool: ...
 
     # sizes and reads
-    def state(self, sid: str, incarnation: bool = True) -> ColdState | None:
-        """Every stream's size and the incarnation id (None without ``incarnation``);
-        None when the session is not there (an error when the store is unreachable)."""
+    def state(self, sid: str, incarnation: bool = True,
+              streams: Sequence[int] | None = None) -> ColdState | None:
+        """Every stream's size (or only of ``streams``, when a backend can look them up
+        apart: absent ones left out) and the incarnation id (None without
+        ``incarnation``); None when the session is not there (an error when the store is
+        unreachable)."""
     def read_ranges(self, sid: str, ranges: Sequence[Range], missing_is_empty: bool = False) -> None:
         """Fill each out buffer from its stream at its offset (ValueError past the end)."""
     def read_small(self, sid: str, name: str) -> bytes | None:

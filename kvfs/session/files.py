@@ -29,7 +29,7 @@ def layer_sizes(cold: ColdBackend, sid: str) -> dict[int, int] | None:
 
 def stream_size(cold: ColdBackend, sid: str, stream: int) -> int:
     """Bytes of one stream of the session's copy (0 when it has none)."""
-    st = cold.state(sid, incarnation=False)
+    st = cold.state(sid, incarnation=False, streams=(stream,))
     return 0 if st is None else st[0].get(stream, 0)
 
 

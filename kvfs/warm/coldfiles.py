@@ -199,28 +199,34 @@ class ColdStore:
             os.close(dfd)
 
     @_errors
-    def state(self, sid: str, incarnation: bool = True) -> ColdState | None:
-        """(layer sizes, incarnation id or None) of the cold copy; None when there is none."""
-        sizes = self.layer_sizes(sid)
+    def state(self, sid: str, incarnation: bool = True,
+              streams: Sequence[int] | None = None) -> ColdState | None:
+        """(layer sizes, incarnation id or None) of the cold copy; None when there is none.
+        ``streams``: only those (a stat each, no listing; absent ones are left out)."""
+        sizes = self.layer_sizes(sid) if streams is None else self._sizes_of(sid, streams)
         if sizes is None:
             self.reachable()  # an unmounted volume is an error, never "the session was removed"
             return None
         return sizes, parse_incarnation(self.read_small(sid, INCARNATION)) if incarnation else None
 
     @_errors
-    def size(self, sid: str, layer: int) -> int:
+    def _sizes_of(self, sid: str, streams: Sequence[int]) -> dict[int, int] | None:
         try:
             dfd = self.checked.sdir(sid)
         except (FileNotFoundError, NotADirectoryError):
-            return 0
+            return None
+        out = {}
         try:
-            st = os.stat(layer_name(layer), dir_fd=dfd, follow_symlinks=False)
-        except FileNotFoundError:
-            return 0
+            for stream in streams:
+                try:
+                    st = os.stat(layer_name(stream), dir_fd=dfd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                self.checked.refuse(self.path(sid, layer_name(stream)), st, False)
+                out[stream] = st.st_size
         finally:
             os.close(dfd)
-        self.checked.refuse(self.path(sid, layer_name(layer)), st, False)
-        return st.st_size
+        return out
 
     @_errors
     def read_into(self, sid: str, layer: int, off: int, out: np.ndarray,

@@ -123,7 +123,8 @@ class NativeCold:
 
     # ---- sizes and reads --------------------------------------------------------------
     @cold_errors
-    def state(self, sid: str, incarnation: bool = True) -> ColdState | None:
+    def state(self, sid: str, incarnation: bool = True,
+              streams: Sequence[int] | None = None) -> ColdState | None:
         info = self._stat(sid, [INCARNATION] if incarnation else [])
         if info is None:
             self.files.reachable()  # an unmounted volume is an error, not a removed session
