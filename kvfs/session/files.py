@@ -152,7 +152,7 @@ def delete(cold: ColdBackend, sid: str) -> bool:
 def fork(cold: ColdBackend, src: str, dst: str) -> Written | None:
     """Copy session ``src`` to a new ``dst`` in the commit order (streams, ids, summaries,
     then meta.json: a crash leaves ``dst`` without a claim, or whole). None when ``src`` is
-    not there; WarmError-like when ``dst`` is."""
+    not there; FileExistsError when ``dst`` is."""
     from .commit import RoundWrite, commit  # noqa: PLC0415 - commit builds on these reads
 
     st = cold.state(src, incarnation=False)
