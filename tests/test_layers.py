@@ -85,17 +85,21 @@ def _assert_acyclic(graph: dict[str, set[str]]) -> None:
 
 
 def test_layers_import_only_downwards() -> None:
-    """engine < channel < fuse, warm < torch; ops may use engine types; nothing below
-    imports cli."""
+    """engine < channel < fuse, warm < torch; ops may use engine types; the session's
+    files (kvfs.session) sit below every layer that stores sessions and use nothing of
+    kvfs; nothing below imports cli."""
     allowed = {
+        "kvfs.session": {"kvfs.session"},
         "kvfs.engine": {"kvfs.engine"},
         "kvfs.channel": {"kvfs.channel", "kvfs.engine"},
-        "kvfs.warm": {"kvfs.warm", "kvfs.ops", "kvfs.channel"},
+        "kvfs.warm": {"kvfs.warm", "kvfs.ops", "kvfs.channel", "kvfs.session"},
         "kvfs.ops": {"kvfs.ops", "kvfs.engine"},
-        "kvfs.fuse": {"kvfs.fuse", "kvfs.engine", "kvfs.ops", "kvfs.shared", "kvfs.channel"},
-        "kvfs.torch": {"kvfs.torch", "kvfs.warm", "kvfs.ops"},
-        "kvfs.shared": {"kvfs.shared", "kvfs.engine"},
-        "kvfs.vllm": {"kvfs.vllm", "kvfs.torch", "kvfs.warm", "kvfs.ops", "kvfs.mount_runner"},
+        "kvfs.fuse": {"kvfs.fuse", "kvfs.engine", "kvfs.ops", "kvfs.shared", "kvfs.channel",
+                      "kvfs.session"},
+        "kvfs.torch": {"kvfs.torch", "kvfs.warm", "kvfs.ops", "kvfs.session"},
+        "kvfs.shared": {"kvfs.shared", "kvfs.engine", "kvfs.session"},
+        "kvfs.vllm": {"kvfs.vllm", "kvfs.torch", "kvfs.warm", "kvfs.ops", "kvfs.mount_runner",
+                      "kvfs.session"},
     }
     bad = []
     for mod, deps in _graph().items():
@@ -130,6 +134,10 @@ def test_vllm_package_root_is_light() -> None:
     assert not _loaded_after("import kvfs.vllm, kvfs.vllm.testing") & {"vllm", "torch"}
 
 
+def test_session_package_loads_no_torch_or_fuse() -> None:
+    assert not _loaded_after("import kvfs.session") & {"pyfuse3", "trio", "torch", "redis"}
+
+
 def test_channel_client_loads_no_fuse() -> None:
     assert not _loaded_after("import kvfs.channel") & {"pyfuse3", "trio", "torch"}
 
@@ -140,10 +148,11 @@ def test_package_root_is_light() -> None:
 
 # the warm tier's modules, lowest first: each imports only modules before it (a new module
 # must be placed here, which is the point)
-WARM_ORDER = ("format", "ids", "extent", "space", "rootdir", "records", "summary", "owners",
-              "shard", "shardload", "shards", "cold", "checked", "coldfiles", "coldnative", "policy",
-              "health", "budget", "dirty", "held", "resident", "validate", "reads", "migrate",
-              "writeback", "tier")
+WARM_ORDER = ("kvmap_format", "ids", "extent", "space", "rootdir", "shard_index", "summary", "owners",
+              "shard", "shardload", "shards", "cold", "checked", "coldfiles", "coldnative", "coldopen",
+              "policy",
+              "health", "budget", "dirty", "held", "resident", "validate", "reader", "migrate",
+              "writeback", "warm_tier")
 
 
 def test_warm_modules_import_only_downwards() -> None:

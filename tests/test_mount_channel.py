@@ -16,7 +16,7 @@ import pytest
 from kvfs.channel import APPEND, REPLACE, TRUNCATE, Channel, Item
 from kvfs.mount_runner import HAVE_FUSE, As, Mount
 from kvfs.warm import WarmTier
-from kvfs.warm.cold import open_cold
+from kvfs.warm.coldopen import open_cold
 
 
 def _read(ch: Channel, sid: str, name: str, n: int, off: int = 0) -> bytes:
@@ -89,7 +89,7 @@ def test_peers_are_checked_as_the_kernel_would():
         assert alice(f"open({mnt + '/sessions/chat/layer_0'!r}, 'wb').write(b'A' * 100)") == "100"
         # the volume is 0600 root's: no other user may read it, so no channel: the files
         assert alice(f"{ch}.open({mnt!r}) is None") == "True"
-        assert alice(f"__import__('kvfs.warm.cold', fromlist=['x']).open_cold({mnt!r}).kind") == "'files'"
+        assert alice(f"__import__('kvfs.warm.coldopen', fromlist=['x']).open_cold({mnt!r}).kind") == "'files'"
         # a volume others may read: the channel, with the files' permissions
         os.chmod(m.volume, 0o644)
         assert alice(f"fds.update(c={ch}.open({mnt!r})) or fds['c'] is not None") == "True"

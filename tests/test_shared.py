@@ -64,7 +64,8 @@ def _fill(t: SharedTier, session: str, file: str, data: bytes, steps: list[int])
 
 
 def test_imports_stay_light() -> None:
-    """kvfs.shared uses only the engine's errors from kvfs, and loads no FUSE, trio or torch."""
+    """kvfs.shared uses only the engine's errors and the session's file names from kvfs,
+    and loads no FUSE, trio or torch."""
     code = "import sys, kvfs.shared, kvfs.shared.testing; print(' '.join(sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded = {m.split(".")[0] for m in out.stdout.split()}
@@ -73,7 +74,8 @@ def test_imports_stay_light() -> None:
     for f in pkg.glob("*.py"):
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("kvfs"):
-                assert node.module.startswith(("kvfs.shared", "kvfs.engine")), (f.name, node.module)
+                assert node.module.startswith(("kvfs.shared", "kvfs.engine", "kvfs.session")), (
+                        f.name, node.module)
 
 
 def test_round_trip_across_chunk_boundaries(cluster: Cluster, tier: SharedTier) -> None:

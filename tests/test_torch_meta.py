@@ -19,8 +19,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from kvfs.session.names import ACKED
 from kvfs.torch import KVCorrupt, KVMismatch, KVRouter
-from kvfs.torch.meta import ACKED, check
+from kvfs.torch.meta import check
 from kvfs.torch.testing import generate_turns, prompt, tiny_llama
 
 SID = "m"

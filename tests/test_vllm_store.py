@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+from kvfs.session.names import TOKENS
 from kvfs.torch.fingerprint import KVGeometry, KVUnsupported
-from kvfs.torch.tokens import TOKENS, common_prefix, decode, encode, read_ids, record_ids
+from kvfs.torch.tokens import common_prefix, decode, encode, read_ids, record_ids
 from kvfs.vllm.paged import probe_layout
 from kvfs.vllm.scheduler import SchedulerSide, parts_of, session_of
 from kvfs.vllm.store import SessionStore, agreed, prefix_keys, server_key

@@ -14,7 +14,8 @@ import pytest
 from kvfs.warm import WarmCorrupt, WarmError, device_id, shard_of
 from kvfs.warm import WarmTier as _WarmTier
 from kvfs.warm.extent import seal_of
-from kvfs.warm.format import (
+from kvfs.warm.ids import shard_file_name
+from kvfs.warm.kvmap_format import (
     ENTRY_SIZE,
     HEADER,
     HEADER_CRC,
@@ -24,7 +25,6 @@ from kvfs.warm.format import (
     K_NAME,
     KEY_DEVICE,
 )
-from kvfs.warm.ids import shard_file_name
 from kvfs.warm.rootdir import RootDir
 from kvfs.warm.shardload import load_shard
 

@@ -313,7 +313,7 @@ def resume(quick: bool = False, workdir: str | None = None, cold_root: str | Non
     layer_bufs = [np.empty(per_layer, np.uint8) for _ in range(geo.num_layers)]
 
     def cold_reads() -> float:
-        from kvfs.warm.cold import open_cold
+        from kvfs.warm.coldopen import open_cold
 
         cold_tier = open_cold(str(cold))
         try:

@@ -18,11 +18,11 @@ from typing import Any
 
 from kvfs.engine import errors
 from kvfs.ops import metrics
+from kvfs.session.names import META, is_claim
 from kvfs.shared import NotAppend, NotFoundShared, Owner
 
 log = logging.getLogger("kvfs.shared.mount")
 
-META = "meta.json"
 PUSH_MAX = 8 << 20  # contiguous queued appends are joined into pushes of at most this
 READ_STEP = 4 << 20  # a reconcile reads the local volume this much at a time
 
@@ -105,7 +105,7 @@ class Pusher:
             return
         remote = self.tier.list_files(session)
         for name in names:
-            if name == META:
+            if is_claim(name):  # pushed with the owner record (``push_meta``)
                 continue
             try:
                 size = self._local(self.store.file_stat, session, name).size

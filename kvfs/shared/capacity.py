@@ -56,7 +56,7 @@ class Capacity:
         lru = CAP_TAG + "lru"
         names = self._c.guard(lru, "evict", lambda: self._c.rc.zrange(lru, 0, 31))
         for raw in names:
-            s = raw.decode()
+            s = raw.decode() if isinstance(raw, bytes) else str(raw)
             if s == protect or s in self._leases:
                 continue
             k = SessionKeys(s)

@@ -29,6 +29,8 @@ import json
 import struct
 from dataclasses import dataclass
 
+from kvfs.session.names import META
+
 from .errors import BadName
 from .seal import Sealer, SealError
 
@@ -38,7 +40,7 @@ ENCRYPTED = 1  # header flag: the body is nonce + ciphertext + tag
 HEADER = struct.Struct("<HBBQI")
 HEADER_SIZE = HEADER.size
 assert HEADER_SIZE == 16
-META_FILE = "meta.json"
+META_FILE = META  # the claim's place: the ``meta`` key, not a chunk (kvfs.session.names)
 OWNER_FILE = "\0owner"  # the owner record's place: no file name holds a NUL
 MAX_NAME = 255
 # names may not contain these: "/" and NUL (path components), "{" "}" (the hash tag)
@@ -156,7 +158,7 @@ class Codec:
             pos, have = end, have + length
         return (parts[0] if len(parts) == 1 else b"".join(parts)), len(parts)
 
-    def split_append(self, session: str, file: str, offset: int, data: bytes | memoryview,
+    def split_append(self, session: str, file: str, offset: int, data: bytes | bytearray | memoryview,
                      chunk_bytes: int) -> list[tuple[int, bytes]]:
         """Cut an append at chunk boundaries: [(chunk number, encoded piece), ...]."""
         mv = memoryview(data)

@@ -215,6 +215,7 @@ class Cluster:
                 self._spawn(p)
             for p in self.ports:
                 self._wait_ping(p)
+            assert REDIS_CLI is not None and REDIS_SERVER is not None  # HAVE_REDIS, checked above
             cmd = [REDIS_CLI, *self._cli_args(), "--cluster", "create",
                    *(f"{HOST}:{p}" for p in self.ports),
                    "--cluster-replicas", str(self.replicas), "--cluster-yes"]
@@ -260,6 +261,7 @@ class Cluster:
 
     def _spawn(self, port: int) -> None:
         conf = self._conf(port)
+        assert REDIS_SERVER is not None
         self.procs[port] = subprocess.Popen([REDIS_SERVER, str(conf)], cwd=conf.parent,
                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

@@ -18,7 +18,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from .capacity import Capacity
-from .chunks import ChunkError, Codec, Owner, SessionInfo, SessionKeys, check_name, chunks_of
+from .chunks import (
+    META_FILE,
+    ChunkError,
+    Codec,
+    Owner,
+    SessionInfo,
+    SessionKeys,
+    check_name,
+    chunks_of,
+)
 from .client import ClusterClient, ClusterURL, TLSFiles, parse_urls
 from .errors import (
     BadRange,
@@ -405,7 +414,7 @@ class SharedTier:
             meta_crc = self._meta_head.get(session)
         lost = {f: (want, have.get(f, 0)) for f, want in mine.items() if have.get(f, 0) < want}
         if meta_crc is not None and meta_head != meta_crc:
-            lost["meta.json"] = (1, 0)
+            lost[META_FILE] = (1, 0)
         if lost:
             with self._lock:   # reset: the caller re-appends from its copy at the new sizes
                 for f, (_, now) in lost.items():

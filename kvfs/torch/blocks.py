@@ -38,11 +38,12 @@ import crc32c
 import numpy as np
 import torch
 
+from kvfs.session.names import KEY_CENTROIDS
 from kvfs.torch.fingerprint import KVGeometry, dtype_name
 
 MAGIC = b"KVFSKC01"
 VERSION = 1
-STREAM = "key_centroids"  # the warm tier's side stream (cold file sessions/<id>/key_centroids)
+STREAM = KEY_CENTROIDS  # the warm tier's side stream (a file of the session, kvfs.session)
 _HEAD = struct.Struct("<8sIIIIII8s20x")  # magic, version, block, origin, layers, heads, dim, dtype
 _HEAD_CRC = struct.Struct("<I")
 HEADER_BYTES = _HEAD.size + _HEAD_CRC.size

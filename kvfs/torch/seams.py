@@ -3,8 +3,9 @@
 Owns no state and names no implementation: :class:`WarmStore` is the part of
 :class:`kvfs.warm.WarmTier`'s public surface the torch layer calls (a type checker checks
 that the warm tier provides it wherever the router builds or is given one),
-:class:`ColdFiles` the few calls on the mount the hot tier makes itself (the acknowledged
-record, the token ids), :class:`CacheRouter` the router surface a cache calls around
+:attr:`WarmStore.cold` the mount below it as a :class:`kvfs.session.backend.ColdBackend` (the
+hot tier's own files there, the acknowledged record and the token ids, go through
+:mod:`kvfs.session`), :class:`CacheRouter` the router surface a cache calls around
 its steps, and :class:`LayerHost` what a cache's layers (:mod:`kvfs.torch.layer`) read and
 call of it. Every module of ``kvfs.torch`` types its store/warm/cold/router parameters with
 these; none of them imports the module that implements one.
@@ -20,23 +21,9 @@ import numpy as np
 if TYPE_CHECKING:  # types only: no torch, no warm tier for the modules that need the seams
     import torch
 
+    from kvfs.session.backend import ColdBackend
     from kvfs.torch.fingerprint import KVGeometry
     from kvfs.torch.rotation import SinkRotation
-    from kvfs.warm.cold import Changes, Written
-
-
-class ColdFiles(Protocol):
-    """The mount below the warm tier, for the files the hot tier writes there itself (the
-    acknowledged record, :mod:`kvfs.torch.meta`; the token ids, :mod:`kvfs.torch.tokens`)."""
-
-    def read_small(self, sid: str, name: str) -> bytes | None: ...
-    def ensure_dir(self, sid: str) -> bool: ...
-    def write(self, sid: str, changes: Changes) -> Written: ...
-    def sync(self, written: list[Written]) -> None: ...
-    def forget(self, written: Written) -> None: ...
-    def truncate(self, sid: str, name: str, length: int) -> None: ...
-    def write_meta(self, sid: str, raw: bytes, sync: bool = True, old: bytes | None = None,
-                   name: str = ...) -> bool: ...
 
 
 Bytes = bytes | memoryview | np.ndarray
@@ -45,10 +32,10 @@ ReadJob = tuple[int, int, int, np.ndarray]  # layer, start byte, end byte, desti
 
 class WarmStore(Protocol):
     """The warm tier as the hot tier uses it: a session's layer files, side streams,
-    summaries and meta.json, read and written by byte range (:mod:`kvfs.warm.tier`)."""
+    summaries and meta.json, read and written by byte range (:mod:`kvfs.warm.warm_tier`)."""
 
     @property
-    def cold(self) -> ColdFiles | None: ...  # the mount, when there is one
+    def cold(self) -> ColdBackend | None: ...  # the mount, when there is one
 
     stats_extra: Callable[[], dict] | None
 

@@ -1,13 +1,12 @@
 """Sessions on the kvfs mount as the vLLM connector reads and writes them.
 
-The files are kvfs.torch's (docs/format.md): ``sessions/<id>/layer_<n>`` (token-major K/V
-in the model's dtype), ``meta.json`` (fingerprint, geometry, ``tokens``, ``rounds``),
-``summaries.f32`` (one vector per round, for recall) and ``tokens`` (the token ids,
-:mod:`kvfs.torch.tokens`). One request's turn is one round. Writes keep the mount's rules
-and the order that keeps a session readable after a crash at any point: layer bytes, then
-ids and summaries, then ``meta.json``, which claims the bytes; an edited history is cut
-(``meta.json`` first, then the new ids, then the layers) before its new tail is appended,
-so a reader that checks the ids before and after reading layer bytes sees any rewrite.
+The files are a session's as :mod:`kvfs.session` keeps them (docs/format.md): per layer
+the token-major K/V in the model's dtype, the claim (fingerprint, geometry, ``tokens``,
+``rounds``), one summary vector per round (for recall) and the token ids. One request's
+turn is one round, written through the cold tier's ``ColdBackend`` in the session's commit
+order (:mod:`kvfs.session.commit`: layers, ids, summaries, then the claim; an edited
+history is cut first), so a reader that checks the ids before and after reading layer
+bytes sees any rewrite, and a crash at any point leaves the last complete turn.
 
 Sessions a ``KVRouter`` process has open are left alone: the connector takes the warm
 tier's per-session lock (:class:`kvfs.warm.owners.SessionLocks`) around each write.
@@ -39,14 +38,19 @@ import secrets
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from kvfs.session import RoundWrite, SessionError, commit, cut_history, files
+from kvfs.session.backend import ColdBackend
+from kvfs.session.formats import dump_meta, put_summary_row
+from kvfs.session.names import layer_name
+from kvfs.session.tokens import common_prefix
 from kvfs.torch.fingerprint import KVCorrupt, KVGeometry, KVMismatch, build_meta, check_meta
-from kvfs.torch.tokens import TOKENS, common_prefix, read_ids, record_ids
 from kvfs.warm import WarmError, summarize_keys
-from kvfs.warm.cold import META, Changes
-from kvfs.warm.coldfiles import ColdStore
+from kvfs.warm.coldopen import open_cold
+from kvfs.warm.owners import SessionLocks
 
 log = logging.getLogger("kvfs.vllm.store")
 
@@ -63,15 +67,15 @@ class Stored:
     sid: str
     tokens: int  # tokens whose KV and ids are stored
     ids: np.ndarray  # uint32 [tokens]
-    meta: dict
+    meta: dict[str, Any]
 
 
 class SessionStore:
     """Reads and writes sessions of one model (fingerprint + geometry) on one mount."""
 
     def __init__(self, mount: str, fp: str, geo: KVGeometry, summary_dim: int = 128,
-                 locks: object | None = None, key: bytes | None = None) -> None:
-        self.cold = ColdStore(mount)
+                 locks: SessionLocks | None = None, key: bytes | None = None) -> None:
+        self.cold: ColdBackend = open_cold(mount)
         self.mount, self.fp, self.geo, self.dim = mount, fp, geo, summary_dim
         self.locks = locks  # a SessionLocks, or None (a plain directory)
         self.key = key if key is not None else server_key()
@@ -94,17 +98,17 @@ class SessionStore:
         (one stat per layer, in the engine's loop): meta.json is written after the layers,
         and a layer cut behind its back fails the load, which vLLM then recomputes."""
         try:
-            meta = self.cold.read_meta(sid)
+            meta = files.load_meta_doc(self.cold, sid)[1]
             if meta is None:
                 return None
             check_meta(meta, self.fp, self.geo, sid)
-            ids = read_ids(self.cold, sid)
-            n = min(int(meta["tokens"]), ids.size)
+            ids = files.read_ids(self.cold, sid)
+            n = min(int(meta["tokens"]), ids.size)  # ids are optional (a KVRouter's session)
             if sizes:
-                have = self.cold.layer_sizes(sid) or {}
+                have = files.layer_sizes(self.cold, sid) or {}
                 n = min(n, min(have.get(i, 0) for i in range(self.geo.num_layers))
                         // self.geo.token_bytes)
-        except (KVMismatch, KVCorrupt, WarmError) as e:
+        except (KVMismatch, KVCorrupt, SessionError) as e:
             log.warning("session %r is not reusable here: %s", sid, e)
             return None
         return Stored(sid, n, ids[:n], meta) if n > 0 else None
@@ -122,7 +126,7 @@ class SessionStore:
         """Token-major bytes of tokens ``[start, end)`` of one layer."""
         tb = self.geo.token_bytes
         out = np.empty((end - start) * tb, dtype=np.uint8)
-        self.cold.read_into(sid, layer, start * tb, out)
+        files.read_layer(self.cold, sid, layer, start * tb, out)
         return out
 
     # --- writes -------------------------------------------------------------------------
@@ -152,8 +156,11 @@ class SessionStore:
         there first. ``summary_keys``: the last layer's keys of the new tokens ``[T, H, D]``
         for the round's summary. Returns the session's token count."""
         n = int(ids.size)
-        raw = self.cold.read_small(sid, META) or b""
-        meta = _parse(raw, sid)
+        try:
+            raw, meta = files.load_meta_doc(self.cold, sid)
+        except SessionError as e:  # a claim that does not parse: none (nothing reused)
+            log.warning("%s; treated as empty", e)
+            raw, meta = files.read_meta_bytes(self.cold, sid) or b"", None
         if meta is not None:
             check_meta(meta, self.fp, self.geo, sid)
         have = int(meta["tokens"]) if meta else 0
@@ -162,89 +169,45 @@ class SessionStore:
             raise KVCorrupt(f"session {sid!r}: a turn from token {start} after {have} stored")
         if n <= start:
             return have
-        self.cold.ensure_dir(sid)
-        tb = self.geo.token_bytes
+        files.ensure_dir(self.cold, sid)
+        tb, layers, row = self.geo.token_bytes, self.geo.num_layers, 4 * self.dim
         if start < have:  # an edited history: cut at the first differing token
             rounds = [r for r in rounds if r[1] <= start]
-            cut = _dump(build_meta(self.fp, self.geo, start, rounds))
-            self.cold.write_meta(sid, cut, old=raw)
+            cut = dump_meta(build_meta(self.fp, self.geo, start, rounds))
+            cut_history(self.cold, sid, cut, raw, ids, range(layers), start * tb, len(rounds) * row)
             raw = cut
-            # the new ids before the layers change: a reader that checks the ids around its
-            # read of the layers sees the rewrite (kvfs.vllm.worker)
-            record_ids(self.cold, sid, ids)
-            for layer in range(self.geo.num_layers):
-                self.cold.truncate(sid, layer_name(layer), start * tb)
-            self._cut_summaries(sid, len(rounds))
             log.info("session %r: history differs from token %d; %d stored tokens replaced",
                      sid, start, have - start)
-        sizes = self.cold.layer_sizes(sid) or {}
-        fds: list[int] = []  # left open by the appends, fsynced and closed together
-        closed = 0
-        try:
-            for layer in range(self.geo.num_layers):
-                data = kv[layer]
-                if data.size != (n - start) * tb:
-                    raise ValueError(f"layer {layer}: {data.size} bytes for {n - start} tokens")
-                have_b = sizes.get(layer, 0)
-                if have_b < start * tb:
-                    raise KVCorrupt(f"session {sid!r} layer_{layer}: {have_b} bytes, shorter "
-                                    f"than the {start} tokens the turn continues")
-                if have_b > start * tb:  # bytes past meta.json's claim (a crash): drop them
-                    self.cold.truncate(sid, layer_name(layer), start * tb)
-                    have_b = start * tb
-                self.cold.append(sid, layer_name(layer), have_b, [data], sync=False, keep=fds)
-            record_ids(self.cold, sid, ids, sync=False)
-            rounds.append([rounds[-1][1] if rounds else 0, n])  # the turn (and an open round)
-            if summary_keys is not None and summary_keys.size:
-                self._put_summary(sid, len(rounds) - 1, summarize_keys(summary_keys, self.dim))
-            for layer, fd in enumerate(fds):
-                closed += 1  # fsync_close closes it whatever happens
-                self.cold.fsync_close(sid, layer_name(layer), fd)
-        finally:
-            for fd in fds[closed:]:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        self.cold.fsync_file(sid, TOKENS)
-        self.cold.write_meta(sid, _dump(build_meta(self.fp, self.geo, n, rounds)), old=raw)
+        sizes = files.layer_sizes(self.cold, sid) or {}
+        plan = RoundWrite(sid)
+        for layer in range(layers):
+            data = kv[layer]
+            if data.size != (n - start) * tb:
+                raise ValueError(f"layer {layer}: {data.size} bytes for {n - start} tokens")
+            have_b = sizes.get(layer, 0)
+            if have_b < start * tb:
+                raise KVCorrupt(f"session {sid!r} {layer_name(layer)}: {have_b} bytes, shorter "
+                                f"than the {start} tokens the turn continues")
+            if have_b > start * tb:  # bytes past the claim (a crash): drop them
+                files.truncate_stream(self.cold, sid, layer, start * tb)
+                have_b = start * tb
+            plan.stream(layer, have_b, [data])
+        plan.set_ids(self.cold, ids)
+        rounds.append([rounds[-1][1] if rounds else 0, n])  # the turn (and an open round)
+        if summary_keys is not None and summary_keys.size:
+            old = files.read_summaries(self.cold, sid)
+            vec = summarize_keys(summary_keys, self.dim).astype("<f4").tobytes()
+            plan.summaries = (put_summary_row(old, len(rounds) - 1, vec), old)
+        plan.meta = dump_meta(build_meta(self.fp, self.geo, n, rounds))
+        if plan.meta == raw:
+            plan.meta = None
+        for w in commit(self.cold, [plan], claim_last=True):
+            if w.error is not None:
+                raise WarmError(f"session {sid!r}: the turn is not durable: {w.error}") from w.error
         return n
 
-    def _put_summary(self, sid: str, idx: int, vec: np.ndarray) -> None:
-        row = 4 * self.dim
-        old = self.cold.read_small(sid, "summaries.f32") or b""
-        keep = old[: min(len(old) // row, idx) * row]
-        pad = b"\0" * (idx * row - len(keep))  # rounds without a vector: zeros rank last
-        changes = Changes()
-        if changes.rewrite("summaries.f32", keep + pad + vec.astype("<f4").tobytes(), old):
-            self.cold.sync([self.cold.write(sid, changes)])
-
-    def _cut_summaries(self, sid: str, rounds: int) -> None:
-        old = self.cold.read_small(sid, "summaries.f32")
-        if old and len(old) > rounds * 4 * self.dim:
-            self.cold.truncate(sid, "summaries.f32", rounds * 4 * self.dim)
-
     def delete(self, sid: str) -> None:
-        self.cold.delete(sid)
-
-
-def layer_name(layer: int) -> str:
-    return f"layer_{layer}"
-
-
-def _parse(raw: bytes, sid: str) -> dict | None:
-    """meta.json's document; None when there is none (an empty or unparsable file is a
-    session without a claim: nothing of it is reused)."""
-    if not raw:
-        return None
-    try:
-        meta = json.loads(raw)
-    except ValueError:
-        log.warning("session %r: meta.json does not parse; treated as empty", sid)
-        return None
-    return meta if isinstance(meta, dict) else None
-
-
-def _dump(meta: dict) -> bytes:
-    return json.dumps(meta, separators=(",", ":")).encode()
+        files.delete(self.cold, sid)
 
 
 def agreed(stored: Stored | None, prompt: list[int] | np.ndarray) -> int:
@@ -338,11 +301,10 @@ def _check_private(path: str, st: os.stat_result, want_dir: bool) -> None:
             "(names made with a key others can read or replace could be pre-created)")
 
 
-def session_locks(mount: str) -> object | None:
+def session_locks(mount: str) -> SessionLocks | None:
     """The warm tier's per-session locks of the volume mounted at ``mount`` (the ones a
     KVRouter over that mount takes), or None when ``mount`` is a plain directory."""
     from kvfs.torch.router import mount_info, mount_profile  # noqa: PLC0415
-    from kvfs.warm.owners import SessionLocks  # noqa: PLC0415
     from kvfs.warm.rootdir import open_root  # noqa: PLC0415
 
     info = mount_info(mount)

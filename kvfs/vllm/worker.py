@@ -26,8 +26,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from kvfs.session.files import read_ids
 from kvfs.torch.fingerprint import KVUnsupported
-from kvfs.torch.tokens import read_ids
 from kvfs.vllm.paged import BlockLayout, CacheWriter, probe_layout
 from kvfs.vllm.scheduler import LoadJob, SaveJob, StepPlan
 from kvfs.vllm.store import SessionStore, agreed

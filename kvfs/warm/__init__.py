@@ -12,18 +12,21 @@ from RAM when usage passes the threshold, bringing them back on demand. A sessio
 or replaced through the mount is never brought back from RAM (its incarnation id). One
 process at a time has a session open (a flock per session).
 
-Modules, lowest first: ``format`` (the .kvmap byte format, one page), ``ids`` (session
-ids, shard numbers, errors), ``extent``, ``space`` (allocation inside a shard, reservations
-on tmpfs), ``rootdir`` (checked, private directories), ``records`` (in-memory index of a
-shard), ``owners`` (volume / process / session-lock layout, agents' figures), ``shard``,
-``shardload`` (one shard file), ``shards`` (``ShardStore``: the files and their locks);
-``cold`` (the ``ColdBackend`` seam), ``checked`` (checked opens), ``coldfiles`` (plain files), ``coldnative`` (the
-mount's native channel); ``policy`` (``EvictionPolicy``, LRU groups), ``health`` (the
+Modules, lowest first: ``kvmap_format`` (the .kvmap byte format, one page), ``ids``
+(session ids, shard numbers, errors), ``extent``, ``space`` (allocation inside a shard,
+reservations on tmpfs), ``rootdir`` (checked, private directories), ``shard_index``
+(in-memory index of a shard), ``owners`` (volume / process / session-lock layout, agents'
+figures), ``shard``, ``shardload`` (one shard file), ``shards`` (``ShardStore``: the files
+and their locks); ``cold`` (what the cold backends share), ``checked`` (checked opens),
+``coldfiles`` (plain files), ``coldnative`` (the mount's native channel), ``coldopen``
+(which one serves a root); ``policy`` (``EvictionPolicy``, LRU groups), ``health`` (the
 back-off), ``budget`` (bytes and cap), ``dirty``, ``held`` (sessions held, lost);
-``resident`` (``Resident``: the RAM copies, composed of the above); ``validate``, ``reads``,
-``migrate`` (``Mover``, ``Evictor``), ``writeback`` (``WriteBehind``); ``tier``
-(``WarmTier``: builds the parts, the API); ``summary`` (round summaries). No module
-imports one above it or touches a private name another file defines.
+``resident`` (``Resident``: the RAM copies, composed of the above); ``validate``,
+``reader``, ``migrate`` (``Mover``, ``Evictor``), ``writeback`` (``WriteBehind``);
+``warm_tier`` (``WarmTier``: builds the parts, the API); ``summary`` (round summaries). No
+module imports one above it or touches a private name another file defines. The cold
+tier's seam (``ColdBackend``) and which files a session has, in which order a round writes
+them, are :mod:`kvfs.session`'s.
 
 Safety: the root is 0700 and ours, files 0600, nothing is followed through a symlink;
 every byte read back is checked against CRC32C checksums (a mismatch is served from the
@@ -40,7 +43,7 @@ from kvfs.ops.agents import read as read_agent_stats
 from .cold import mount_info
 from .ids import WarmBusy, WarmCorrupt, WarmError, WarmFull, WarmLost, device_id, shard_of
 from .summary import summarize_keys
-from .tier import WarmTier
+from .warm_tier import WarmTier
 
 __all__ = ["WarmBusy", "WarmCorrupt", "WarmError", "WarmFull", "WarmLost", "WarmTier",
            "device_id", "mount_info", "read_agent_stats", "shard_of", "summarize_keys"]

@@ -26,35 +26,35 @@ never written into. Files are created 0600 and opened with ``O_NOFOLLOW``.
 
 from __future__ import annotations
 
+import builtins
 import errno
 import logging
 import os
 import stat
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from .checked import CheckedSessions
-from .cold import (
+from kvfs.session.backend import (
     APPEND,
     HOLD_WAIT_S,
-    INCARNATION,
-    MAX_SMALL,
-    META,
     REPLACE,
-    SUMMARIES,
+    TRUNCATE,
     Changes,
+    ColdState,
+    Piece,
+    Range,
     Written,
-    cold_errors,
-    layer_name,
-    mount_info,
-    parse_incarnation,
-    parse_meta,
-    stream_number,
+    byte_view,
 )
+from kvfs.session.formats import parse_incarnation
+from kvfs.session.names import INCARNATION, META, layer_name, small_limit, stream_number
+
+from .checked import CheckedSessions
+from .cold import cold_errors, mount_info
 from .ids import WarmBusy, WarmCorrupt, WarmError
 
 log = logging.getLogger("kvfs.warm")
@@ -83,6 +83,21 @@ def _fsync_fd(fd: int) -> None:
             raise
 
 
+class FdHold:
+    """A session's hold: a descriptor of meta.json opened for writing (module doc)."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def release(self) -> None:
+        try:
+            os.close(self.fd)
+        except OSError as e:  # the mount went away: its lease ends with it
+            log.warning("closing a session hold: %s", e)
+
+
 class ColdStore:
     """File-level access to ``cold_root/sessions`` (module doc); a ``ColdBackend``."""
 
@@ -103,9 +118,9 @@ class ColdStore:
         self._pool: ThreadPoolExecutor | None = None
 
     # ---- the session's lease (a mount with a shared tier) ---------------------------
-    def hold(self, sid: str, wait_s: float = HOLD_WAIT_S) -> int | None:
-        """Keep the session's lease for this process (see the module docstring): a
-        descriptor to give to ``unhold``. None without a shared tier, or when the session
+    def hold(self, sid: str, wait_s: float = HOLD_WAIT_S) -> FdHold | None:
+        """Keep the session's lease for this process (see the module docstring) until
+        its ``release``. None without a shared tier, or when the session
         has no directory yet (then ``hold`` once it is made). ``WarmBusy`` when another
         node holds the lease after ``wait_s`` (a node that just let it go hands it over
         within moments)."""
@@ -114,7 +129,7 @@ class ColdStore:
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                return self.checked.open(sid, META, os.O_WRONLY, create=True)
+                return FdHold(self.checked.open(sid, META, os.O_WRONLY, create=True))
             except (FileNotFoundError, NotADirectoryError):
                 return None
             except OSError as e:
@@ -124,14 +139,6 @@ class ColdStore:
                 if time.monotonic() >= deadline:
                     raise WarmBusy(sid, self.lease_owner(sid)) from None
                 time.sleep(0.05)
-
-    @staticmethod
-    def unhold(fd: int | None) -> None:
-        if fd is not None:
-            try:
-                os.close(fd)
-            except OSError as e:  # the mount went away: its lease ends with it
-                log.warning("closing a session hold: %s", e)
 
     def lease_owner(self, sid: str) -> str | None:
         """The node the mount says holds the session's lease (None: it cannot say)."""
@@ -192,32 +199,34 @@ class ColdStore:
             os.close(dfd)
 
     @_errors
-    def state(self, sid: str) -> tuple[dict[int, int], int | None] | None:
-        """(layer sizes, incarnation id or None) of the cold copy; None when there is none."""
-        sizes = self.layer_sizes(sid)
+    def state(self, sid: str, incarnation: bool = True,
+              streams: Sequence[int] | None = None) -> ColdState | None:
+        """(layer sizes, incarnation id or None) of the cold copy; None when there is none.
+        ``streams``: only those (a stat each, no listing; absent ones are left out)."""
+        sizes = self.layer_sizes(sid) if streams is None else self._sizes_of(sid, streams)
         if sizes is None:
             self.reachable()  # an unmounted volume is an error, never "the session was removed"
             return None
-        return sizes, self.read_incarnation(sid)
-
-    def read_incarnation(self, sid: str) -> int | None:
-        """The cold copy's incarnation id; None when it has none (or not one we can read)."""
-        return parse_incarnation(self.read_small(sid, INCARNATION))
+        return sizes, parse_incarnation(self.read_small(sid, INCARNATION)) if incarnation else None
 
     @_errors
-    def size(self, sid: str, layer: int) -> int:
+    def _sizes_of(self, sid: str, streams: Sequence[int]) -> dict[int, int] | None:
         try:
             dfd = self.checked.sdir(sid)
         except (FileNotFoundError, NotADirectoryError):
-            return 0
+            return None
+        out = {}
         try:
-            st = os.stat(layer_name(layer), dir_fd=dfd, follow_symlinks=False)
-        except FileNotFoundError:
-            return 0
+            for stream in streams:
+                try:
+                    st = os.stat(layer_name(stream), dir_fd=dfd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                self.checked.refuse(self.path(sid, layer_name(stream)), st, False)
+                out[stream] = st.st_size
         finally:
             os.close(dfd)
-        self.checked.refuse(self.path(sid, layer_name(layer)), st, False)
-        return st.st_size
+        return out
 
     @_errors
     def read_into(self, sid: str, layer: int, off: int, out: np.ndarray,
@@ -236,7 +245,7 @@ class ColdStore:
             if off + len(out) > st.st_size:
                 raise ValueError(f"read [{off}, {off + len(out)}) past the end ({st.st_size}) "
                                  f"of {sid}/{layer_name(layer)}")
-            view = memoryview(out).cast("B")
+            view = out.data.cast("B")
             done = 0
             while done < len(view):
                 n = os.preadv(fd, [view[done:]], off + done)
@@ -255,7 +264,7 @@ class ColdStore:
             fd = self.checked.open(sid, name, os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError):
             return None
-        limit = None if name == SUMMARIES else MAX_SMALL
+        limit = small_limit(name)
         try:
             parts, n = [], 0
             while chunk := os.read(fd, 1 << 20):
@@ -268,10 +277,7 @@ class ColdStore:
         finally:
             os.close(fd)
 
-    def read_meta(self, sid: str) -> dict | None:
-        return parse_meta(self.read_small(sid, META), sid)
-
-    def read_ranges(self, sid: str, ranges: list[tuple[int, int, np.ndarray]],
+    def read_ranges(self, sid: str, ranges: Sequence[Range],
                     missing_is_empty: bool = False) -> None:
         """``read_into`` of each (layer, offset, out), one file at a time."""
         for layer, off, out in ranges:
@@ -339,8 +345,8 @@ class ColdStore:
             os.close(fd)
 
     @_errors
-    def append(self, sid: str, name: str, expect: int, pieces: Iterable[np.ndarray],
-               sync: bool = True, keep: list[int] | None = None) -> int:
+    def append(self, sid: str, name: str, expect: int, pieces: Iterable[Piece],
+               sync: bool = True, keep: builtins.list[int] | None = None) -> int:
         """Append ``pieces`` to file ``name`` whose size must be ``expect`` (fsync unless
         ``sync`` is False: the caller then calls ``fsync_file``, or ``fsync_close`` on the
         descriptor left open in ``keep``). Writes go at the current end (the mount's
@@ -354,7 +360,7 @@ class ColdStore:
                 raise WarmError(f"cold {sid}/{name}: size {pos}, expected {expect} (written "
                                 "meanwhile by another process or node)")
             for piece in pieces:
-                view = memoryview(piece).cast("B")
+                view = byte_view(piece)
                 done = 0
                 while done < len(view):
                     done += os.write(fd, view[done:done + _CHUNK])
@@ -410,16 +416,24 @@ class ColdStore:
             os.close(fd)
 
     # ---- the protocol's batched writes ---------------------------------------------
-    def write(self, sid: str, changes: Changes, w: Written | None = None) -> Written:
-        """Apply ``changes`` in order (no fsync but a truncate's) into ``w`` (each name as
-        it is tried, its size once done: a failure leaves what was done recorded); the
-        descriptors of files appended to stay open for ``sync`` while fewer than
-        ``KEEP_FDS`` are."""
+    def write(self, sid: str, changes: Changes, w: Written | None = None,
+              durable: bool = False) -> Written:
+        """Apply ``changes`` in order (no fsync but a truncate's, unless ``durable``) into
+        ``w`` (each name as it is tried, its size once done: a failure leaves what was
+        done recorded); the descriptors of files appended to stay open for ``sync`` while
+        fewer than ``KEEP_FDS`` are. A truncate is durable at once: its name is not one
+        ``sync`` needs."""
         w = w if w is not None else Written(sid)
+        w.release = self.forget
+        if changes.make_dir:
+            w.made_dir = self.ensure_dir(sid) or w.made_dir
         try:
             for c in changes.items:
-                w.names.add(c.name)
-                if c.kind == APPEND:
+                if c.kind != TRUNCATE and not durable:
+                    w.names.add(c.name)
+                if c.kind == APPEND and durable:
+                    w.sizes[c.name] = self.append(sid, c.name, c.arg, c.pieces)
+                elif c.kind == APPEND:
                     with self._kept_lock:
                         keep: list[int] | None = [] if self._kept < KEEP_FDS and c.name not in w.fds else None
                         if keep is not None:
@@ -433,7 +447,7 @@ class ColdStore:
                             with self._kept_lock:
                                 self._kept -= 1
                 elif c.kind == REPLACE:
-                    self.replace(sid, c.name, b"".join(bytes(p) for p in c.pieces), sync=False)
+                    self.replace(sid, c.name, b"".join(bytes(p) for p in c.pieces), sync=durable)
                     w.sizes[c.name] = sum(len(p) for p in c.pieces)
                 else:
                     self.truncate(sid, c.name, c.arg)
@@ -456,7 +470,7 @@ class ColdStore:
             self._pool = ThreadPoolExecutor(FSYNC_THREADS, thread_name_prefix="kvfs-warm-fsync")
         return self._pool
 
-    def sync(self, written: list[Written]) -> None:
+    def sync(self, written: Sequence[Written]) -> None:
         """Make what these writes touched durable: every file (layer files on the
         descriptor that wrote them), the session directories when names were added, and
         ``sessions/`` when a session was made, on a few threads at once. A session whose

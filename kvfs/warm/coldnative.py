@@ -16,36 +16,27 @@ the kernel's view of names stays the one every other program has.
 
 from __future__ import annotations
 
-import errno
 import logging
 import stat
-from collections.abc import Iterable
-from typing import Any
-
-import numpy as np
+from collections.abc import Iterable, Sequence
 
 from kvfs.channel import Channel, FileExtents
 from kvfs.channel import protocol as P
-
-from .cold import (
+from kvfs.session.backend import (
     APPEND,
     HOLD_WAIT_S,
-    INCARNATION,
-    MAX_SMALL,
-    META,
-    SUMMARIES,
     TRUNCATE,
     Changes,
+    ColdState,
+    Range,
     Written,
-    cold_errors,
-    layer_name,
-    mount_info,
-    parse_incarnation,
-    parse_meta,
-    refusal,
-    stream_number,
+    byte_view,
 )
-from .coldfiles import ColdStore
+from kvfs.session.formats import parse_incarnation
+from kvfs.session.names import INCARNATION, MAX_SMALL, layer_name, small_limit, stream_number
+
+from .cold import cold_errors, mount_info, refusal
+from .coldfiles import ColdStore, FdHold
 from .ids import WarmCorrupt, WarmError
 
 log = logging.getLogger("kvfs.warm")
@@ -81,11 +72,8 @@ class NativeCold:
         self.files.close()
 
     # ---- through the files: names and the lease --------------------------------------
-    def hold(self, sid: str, wait_s: float = HOLD_WAIT_S) -> Any:
+    def hold(self, sid: str, wait_s: float = HOLD_WAIT_S) -> FdHold | None:
         return self.files.hold(sid, wait_s)
-
-    def unhold(self, h: Any) -> None:
-        self.files.unhold(h)
 
     def lease_owner(self, sid: str) -> str | None:
         return self.files.lease_owner(sid)
@@ -102,14 +90,11 @@ class NativeCold:
     def list(self) -> list[str]:
         return self.files.list()
 
-    def ensure_dir(self, sid: str) -> bool:
-        return self.files.ensure_dir(sid)
-
     def delete(self, sid: str) -> bool:
         self.ch.cache.drop(sid)
         return self.files.delete(sid)
 
-    def prefetch(self, sid: str, layers: Iterable[int], start: int, end: int) -> int:
+    def prefetch(self, sid: str, streams: Iterable[int], start: int, end: int) -> int:
         return 0  # reads of several layers are one batch already (``read_ranges``)
 
     # ---- ownership --------------------------------------------------------------------
@@ -120,14 +105,14 @@ class NativeCold:
             raise WarmError(why)
 
     def _check_extents(self, sid: str, attrs: tuple[int, int, int],
-                       files: list[tuple[str, FileExtents | None]]) -> None:
+                       files: Sequence[tuple[str, FileExtents | None]]) -> None:
         self._refuse(self.path(sid), attrs[0], attrs[1], True)
         for name, fe in files:
             if fe is not None:
                 self._refuse(self.path(sid, name), fe.mode, fe.uid, False)
 
-    def _stat(self, sid: str, small: list[str]) -> P.SessionInfo | None:
-        info = self.ch.stat(sid, small)
+    def _stat(self, sid: str, small: Sequence[str]) -> P.SessionInfo | None:
+        info = self.ch.stat(sid, tuple(small))
         if info is None:
             return None
         self._refuse(self.path(sid), info.mode, info.uid, True)
@@ -138,35 +123,22 @@ class NativeCold:
 
     # ---- sizes and reads --------------------------------------------------------------
     @cold_errors
-    def state(self, sid: str) -> tuple[dict[int, int], int | None] | None:
-        info = self._stat(sid, [INCARNATION])
+    def state(self, sid: str, incarnation: bool = True,
+              streams: Sequence[int] | None = None) -> ColdState | None:
+        info = self._stat(sid, [INCARNATION] if incarnation else [])
         if info is None:
             self.files.reachable()  # an unmounted volume is an error, not a removed session
             return None
         sizes = {num: f[0] for n, f in info.files.items() if (num := stream_number(n)) is not None}
-        return sizes, parse_incarnation(info.small.get(INCARNATION))
-
-    def layer_sizes(self, sid: str) -> dict[int, int] | None:
-        cs = self.state(sid)
-        return None if cs is None else cs[0]
-
-    def size(self, sid: str, layer: int) -> int:
-        cs = self.state(sid)
-        return 0 if cs is None else cs[0].get(layer, 0)
+        return sizes, parse_incarnation(info.small.get(INCARNATION)) if incarnation else None
 
     @cold_errors
-    def read_into(self, sid: str, layer: int, off: int, out: np.ndarray,
-                  missing_is_empty: bool = False) -> None:
-        self._read(sid, [(layer, off, out)], missing_is_empty)
-
-    @cold_errors
-    def read_ranges(self, sid: str, ranges: list[tuple[int, int, np.ndarray]],
-                    missing_is_empty: bool = False) -> None:
+    def read_ranges(self, sid: str, ranges: Sequence[Range], missing_is_empty: bool = False) -> None:
         """Several layers' ranges: one request for their extents, reads run together."""
         self._read(sid, ranges, missing_is_empty)
 
-    def _read(self, sid: str, ranges: list[tuple[int, int, np.ndarray]], missing_is_empty: bool) -> None:
-        jobs = [(layer_name(layer), off, memoryview(out).cast("B")) for layer, off, out in ranges]
+    def _read(self, sid: str, ranges: Sequence[Range], missing_is_empty: bool) -> None:
+        jobs = [(layer_name(layer), off, out.data.cast("B")) for layer, off, out in ranges]
         try:
             self.ch.read(sid, jobs)
         except FileNotFoundError as e:
@@ -188,30 +160,29 @@ class NativeCold:
         if raw is not None:
             return raw
         size = info.files[name][0]
-        if name != SUMMARIES:
+        if small_limit(name) is not None:
             raise WarmCorrupt(f"cold {sid}/{name} is over {MAX_SMALL} bytes: not one kvfs "
                               "writes; refused")
         out = bytearray(size)
         self.ch.read(sid, [(name, 0, memoryview(out))])
         return bytes(out)
 
-    def read_meta(self, sid: str) -> dict | None:
-        return parse_meta(self.read_small(sid, META), sid)
-
-    def read_incarnation(self, sid: str) -> int | None:
-        return parse_incarnation(self.read_small(sid, INCARNATION))
-
     # ---- writes -----------------------------------------------------------------------
     @cold_errors
-    def write(self, sid: str, changes: Changes, w: Written | None = None) -> Written:
-        """One request for all of ``changes`` (not durable until ``sync``), recorded into
-        ``w`` (names tried, sizes of what was done, also when a change fails)."""
+    def write(self, sid: str, changes: Changes, w: Written | None = None,
+              durable: bool = False) -> Written:
+        """One request for all of ``changes`` (durable with ``durable``, else not until
+        ``sync``), recorded into ``w`` (names tried, sizes of what was done, also when a
+        change fails). Truncates alone make no file."""
+        w = w if w is not None else Written(sid)
+        if changes.make_dir:
+            w.made_dir = self.files.ensure_dir(sid) or w.made_dir
         items: list[P.Item] = []
         for c in changes.items:
             if c.kind == APPEND:
                 at = c.arg
                 for piece in c.pieces:
-                    mv = memoryview(piece).cast("B")
+                    mv = byte_view(piece)
                     items.append(P.Item(P.APPEND, c.name, at, mv))
                     at += len(mv)
                 if not c.pieces:  # an empty file made
@@ -220,11 +191,12 @@ class NativeCold:
                 items.append(P.Item(P.TRUNCATE, c.name, c.arg))
             else:
                 items.append(P.Item(P.REPLACE, c.name, 0, b"".join(bytes(p) for p in c.pieces)))
-        w = w if w is not None else Written(sid)
-        w.names |= {c.name for c in changes.items}
+        if not durable:
+            w.names |= {c.name for c in changes.items}
         if items:
             try:
-                sizes = self.ch.write(sid, items)
+                sizes = self.ch.write(sid, items, sync=durable,
+                                      create=any(it.kind != P.TRUNCATE for it in items))
             except OSError as e:
                 sizes = getattr(e, "done", [])
                 for it, size in zip(items, sizes, strict=False):
@@ -234,10 +206,7 @@ class NativeCold:
                 w.sizes[it.name] = size
         return w
 
-    def forget(self, written: Written) -> None:
-        pass  # nothing held between a write and its sync
-
-    def sync(self, written: list[Written]) -> None:
+    def sync(self, written: Sequence[Written]) -> None:
         """One durability point for every session written (the mount's fsync covers all)."""
         if not any(w.names or w.made_dir for w in written):
             return
@@ -247,25 +216,3 @@ class NativeCold:
             err = WarmError(f"cold {self.dir!r}: sync: {e.strerror or e}")
             for w in written:
                 w.error = w.error or err
-
-    @cold_errors
-    def write_meta(self, sid: str, raw: bytes, sync: bool = True, old: bytes | None = None,
-                   name: str = META) -> bool:
-        """Replace a small file unless it holds ``raw`` already (one request; durable with
-        ``sync``). True if it changed."""
-        if (old if old is not None else self.read_small(sid, name)) == raw:
-            return False
-        self.ch.write(sid, [P.Item(P.REPLACE, name, 0, raw)], sync=sync)
-        return True
-
-    @cold_errors
-    def truncate(self, sid: str, name: str, length: int) -> None:
-        """Cut a file shorter, durable when this returns."""
-        try:
-            self.ch.write(sid, [P.Item(P.TRUNCATE, name, length)], sync=True, create=False)
-        except FileNotFoundError:
-            raise
-        except OSError as e:
-            if e.errno == errno.EINVAL:
-                raise WarmError(f"cold {self.path(sid, name)!r}: cannot cut to {length}") from e
-            raise

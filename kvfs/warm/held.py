@@ -13,9 +13,9 @@ knows nothing of shards.
 from __future__ import annotations
 
 import threading
-from typing import Any
 
-from .cold import ColdBackend
+from kvfs.session.backend import ColdBackend, Hold
+
 from .ids import WarmLost
 from .owners import SessionLocks
 
@@ -30,7 +30,7 @@ class Held:
 
     def __init__(self, fd: int, temp: bool = False) -> None:
         self.fd, self.temp, self.seen = fd, temp, False
-        self.hold: Any = None
+        self.hold: Hold | None = None
 
 
 class HeldSessions:
@@ -102,8 +102,8 @@ class HeldSessions:
             return self._held.pop(sid, None)
 
     def let_go(self, sid: str, h: Held) -> None:
-        if self.cold is not None:
-            self.cold.unhold(h.hold)  # the mount hands the lease back once it pushed all
+        if h.hold is not None:
+            h.hold.release()  # the mount hands the lease back once it pushed all
         self.locks.drop(sid, h.fd)
 
     def release_all(self) -> None:

@@ -7,10 +7,12 @@ import re
 
 import numpy as np
 
-from .format import KEY_DEVICE, KEY_SESSION
+from kvfs.session.errors import SessionError
+
+from .kvmap_format import KEY_DEVICE, KEY_SESSION
 
 
-class WarmError(Exception):
+class WarmError(SessionError):
     """A refused warm-tier request: bad session id, no cold tier, incompatible or unsafe
     root, a cold tier that refuses writes, a full tier... The message names the path and
     the reason."""

@@ -37,25 +37,22 @@ import time
 from collections.abc import Callable, Container
 from typing import TypeVar
 
-from kvfs.ops import metrics
+import numpy as np
 
-from .cold import (
-    INCARNATION,
-    META,
-    SUMMARIES,
-    Changes,
-    ColdBackend,
-    Written,
-    incarnation_bytes,
-    layer_name,
-)
-from .format import FLAG_CLEAN, FLAG_MIGRATING, K_LAYER
+from kvfs.ops import metrics
+from kvfs.session import files
+from kvfs.session.backend import ColdBackend, Written
+from kvfs.session.commit import RoundWrite
+from kvfs.session.names import layer_name
+
 from .health import ColdHealth
 from .held import HeldSessions
 from .ids import WarmCorrupt, WarmError, WarmFull
-from .records import Slot, WarmSession
+from .kvmap_format import FLAG_CLEAN, FLAG_MIGRATING, K_LAYER
 from .resident import Resident
 from .shard import ShardFile
+from .shard_index import Seg, WarmSession
+from .shards import Slot
 
 log = logging.getLogger("kvfs.warm")
 T = TypeVar("T")
@@ -106,6 +103,13 @@ class Mover:
         self.root = root
         self.after_promote: Callable[[str], None] = lambda sid: None  # the evictor's, set later
 
+    @property
+    def _cold(self) -> ColdBackend:
+        """The cold tier, where a caller runs only with one."""
+        assert self.cold is not None
+        return self.cold
+
+
     def scan(self, writebehind: bool) -> None:
         """Load every shard file; reconcile sessions caught mid-migration (no write-behind)
         or leave the unclean ones dirty for the first pass; the LRU order from the
@@ -115,7 +119,7 @@ class Mover:
         for slot, f in res.shards.load():
             for s in list(f.sessions.values()):
                 try:
-                    s.cold = self.cold.layer_sizes(s.name) if self.cold else None
+                    s.cold = files.layer_sizes(self._cold, s.name) if self.cold else None
                     if not writebehind:
                         self._reconcile(f, s)
                     elif not s.flags & FLAG_CLEAN:  # checked and written by the first pass
@@ -152,7 +156,7 @@ class Mover:
                 f.truncate(s, K_LAYER, layer, 0)
             elif c > st.end:  # never written by us; restore "cold is a prefix"
                 log.warning("warm session %r layer %d: cold copy longer than warm; cut", s.name, layer)
-                self.cold.truncate(s.name, layer_name(layer), st.end)
+                files.truncate_stream(self._cold, s.name, layer, st.end)
                 s.cold[layer] = st.end
         if s.flags & FLAG_MIGRATING:
             if self._cold_complete(f, s):
@@ -165,10 +169,10 @@ class Mover:
     def _cold_complete(self, f: ShardFile, s: WarmSession) -> bool:
         if any((s.cold or {}).get(layer, 0) != st.end for layer, st in s.layers.items()):
             return False
-        if (self.cold.read_small(s.name, SUMMARIES) or b"") != self.res.summary_bytes(f, s):
+        if files.read_summaries(self._cold, s.name) != self.res.summary_bytes(f, s):
             return False
         meta = f.meta_bytes(s)
-        return meta is None or self.cold.read_small(s.name, META) == meta
+        return meta is None or files.read_meta_bytes(self._cold, s.name) == meta
 
     def drop_damaged(self, sid: str, err: WarmCorrupt) -> None:
         """A warm copy that fails its checksums cannot be migrated: drop it (the cold copy,
@@ -177,6 +181,7 @@ class Mover:
         with self.res.io_lock(sid), self.res.locked(sid) as slot:
             f, s = self.res.warm(slot, sid)
             if s is not None:
+                assert f is not None  # a warm record lives in a shard file
                 self.res.drop(slot, f, s)
 
     def migrate_group(self, n: int, exclude: Container[str], explicit: bool = False) -> list[str]:
@@ -205,7 +210,7 @@ class Mover:
         # the durability point only once every session is written: an fsync that runs
         # while others are still being written finds new bytes each time, and on the
         # mount each such fsync is a device flush (one flush covers all files of a volume)
-        self.cold.sync([w for st in staged for w in st.written])
+        self._cold.sync([w for st in staged for w in st.written])
         done, moved = [], 0
         for st in staged:
             freed = self._commit(st)
@@ -215,9 +220,9 @@ class Mover:
             elif st.error is not None:
                 errors.append(f"{st.sid!r}: {st.error}")
         if errors:
-            self.health.failed(errors, self.cold.root, self.res.budget.ratio)
+            self.health.failed(errors, self._cold.root, self.res.budget.ratio)
         else:
-            self.health.ok("migration to", self.cold.root)
+            self.health.ok("migration to", self._cold.root)
         ms = (time.perf_counter() - t0) * 1000
         metrics.warm_evict_latency.observe(ms)
         metrics.warm_migrations.inc(len(done))
@@ -235,17 +240,18 @@ class Mover:
             f, s = self.res.warm(slot, sid)
             if s is None:
                 return None
+            assert f is not None  # a warm record lives in a shard file
             f.set_flags(s, s.flags | FLAG_MIGRATING)  # for a restart: see _reconcile
             st = _Staged(sid, s)
             try:
-                made = self.cold.ensure_dir(sid)
+                made = files.ensure_dir(self._cold, sid)
                 self.held.hold_made(sid)
-                ch = Changes()
-                if self.cold.read_incarnation(sid) is None:  # deletion wins: writeback.py
-                    ch.replace(INCARNATION, incarnation_bytes(s.inc or 1))
+                plan = RoundWrite(sid)
+                if files.read_incarnation(self._cold, sid) is None:  # deletion wins: writeback.py
+                    plan.incarnation = s.inc or 1
                 s.cold = s.cold if s.cold is not None else {}
                 # the files, not the cache: a failed try may have grown them (one listing)
-                sizes = self.cold.layer_sizes(sid) or {}
+                sizes = files.layer_sizes(self._cold, sid) or {}
                 done: dict[int, int] = {}  # layer sizes once ``ch`` is written
                 for k, (layer, stream) in enumerate(sorted(s.layers.items())):
                     name = layer_name(layer)
@@ -253,23 +259,22 @@ class Mover:
                     if c < stream.base:
                         raise WarmError(f"cold {name} has {c} bytes, warm starts at {stream.base}")
                     if c > stream.end:
-                        self.cold.truncate(sid, name, stream.end)
+                        files.truncate_stream(self._cold, sid, layer, stream.end)
                         s.cold[layer] = c = stream.end
                     if c < stream.end or layer not in s.cold:
-                        ch.append(name, c, f.segments(s, stream, c, stream.end, f"layer {layer}"))
+                        plan.stream(layer, c, f.segments(s, stream, c, stream.end, f"layer {layer}"))
                     done[layer] = stream.end
-                    if k == 0 and ch:
-                        st.written.append(self.cold.write(sid, ch))
+                    if k == 0 and (ch := plan.changes()):
+                        st.written.append(self._cold.write(sid, ch))
                         s.cold.update(done)
-                        ch, done = Changes(), {}
+                        plan, done = RoundWrite(sid), {}
                         _pause("cold_partial")
-                ch.rewrite(SUMMARIES, self.res.summary_bytes(f, s),
-                           self.cold.read_small(sid, SUMMARIES) or b"")
+                plan.summaries = (self.res.summary_bytes(f, s), files.read_summaries(self._cold, sid))
                 meta = f.meta_bytes(s)
-                if meta is not None and self.cold.read_small(sid, META) != meta:
-                    ch.replace(META, meta)
-                if ch:
-                    st.written.append(self.cold.write(sid, ch))
+                if meta is not None and files.read_meta_bytes(self._cold, sid) != meta:
+                    plan.meta = meta
+                if ch := plan.changes():
+                    st.written.append(self._cold.write(sid, ch))
                 s.cold.update(done)
                 if not st.written:
                     st.written.append(Written(sid))
@@ -277,7 +282,7 @@ class Mover:
             except BaseException:
                 f.set_flags(s, s.flags & ~FLAG_MIGRATING)
                 for w in st.written:  # descriptors kept for a sync that will not run
-                    self.cold.forget(w)
+                    w.forget()
                 raise
             return st
 
@@ -288,6 +293,7 @@ class Mover:
             f, s = self.res.warm(slot, st.sid)
             if s is not st.session:
                 return None  # deleted (and maybe re-created) meanwhile
+            assert f is not None  # a warm record lives in a shard file
             if st.error is not None or s.gen != st.gen:
                 f.set_flags(s, s.flags & ~FLAG_MIGRATING)
                 return None
@@ -310,12 +316,13 @@ class Mover:
         res = self.res
         f, s = res.warm(slot, sid)
         if s is None:
-            if self.cold is None or not self.cold.exists(sid):
+            if self.cold is None or not self._cold.exists(sid):
                 raise WarmError(f"no session {sid!r}")
             f, s = res.warm(slot, sid, create=True)
+        assert f is not None  # a warm record lives in a shard file
         if s.cold is None:
             return False
-        s.cold = self.cold.layer_sizes(sid) or {}
+        s.cold = files.layer_sizes(self._cold, sid) or {}
         need = sum(res.span(s, layer)[0] for layer in s.cold)
         if self.health.error is not None and res.budget.bytes + need > res.budget.cap:
             if soft:
@@ -323,7 +330,7 @@ class Mover:
             raise WarmError(f"warm tier {self.root!r} is full and migration to cold fails "
                             f"({self.health.error}): {sid!r} not promoted")
         changed = False
-        reads = []  # every layer's cold part in one batch
+        reads: list[tuple[int, list[tuple[Seg, np.ndarray]]]] = []  # every layer's cold part in one batch
         for layer, c in sorted(s.cold.items()):
             base = res.span(s, layer)[0]
             if base == 0:
@@ -340,7 +347,7 @@ class Mover:
                 break  # no room: the rest is served from cold
             reads.append((layer, pieces))
         try:
-            self.cold.read_ranges(sid, [(layer, g.start, view) for layer, pc in reads for g, view in pc])
+            self._cold.read_ranges(sid, [(layer, g.start, view) for layer, pc in reads for g, view in pc])
         except BaseException:
             for _, pc in reads:
                 f.abandon(pc)
@@ -366,6 +373,13 @@ class Evictor:
         self.move: Callable[[int, Container[str], bool], list[str]] = lambda n, ex, explicit: []
         self.lock = threading.Lock()  # one migration at a time
 
+    @property
+    def _cold(self) -> ColdBackend:
+        """The cold tier, where a caller runs only with one."""
+        assert self.cold is not None
+        return self.cold
+
+
     def migrate(self, n: int | None = None) -> list[str]:
         """Move the ``n`` (default: group) least recently used sessions to cold now (also
         while backing off); WarmError when the cold tier refused and nothing moved."""
@@ -374,7 +388,7 @@ class Evictor:
         with self.lock:
             done = self.move(n or self.group, set(), True)
         if not done and self.health.error is not None:
-            raise WarmError(f"migration to cold tier {self.cold.root!r} failed: {self.health.error}")
+            raise WarmError(f"migration to cold tier {self._cold.root!r} failed: {self.health.error}")
         return done
 
     def maybe_migrate(self, exclude: Container[str] = frozenset()) -> None:
@@ -411,7 +425,7 @@ class Evictor:
         if self.health.error is not None and b.bytes + n > b.cap:
             raise WarmError(
                 f"warm tier {self.root!r} is full ({b.bytes} of {b.cap} bytes) and "
-                f"migration to cold tier {self.cold.root!r} fails ({self.health.error}); "
+                f"migration to cold tier {self._cold.root!r} fails ({self.health.error}); "
                 f"next try in {self.health.wait_s():.0f} s")
 
     def with_room(self, sid: str, fn: Callable[[], T]) -> T:

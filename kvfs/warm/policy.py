@@ -43,7 +43,7 @@ class LRUGroups:
 
     def victims(self, n: int, exclude: Container[str] = ()) -> list[str]:
         with self._lock:
-            out = []
+            out: list[str] = []
             for sid in self._order:
                 if len(out) >= n:
                     break

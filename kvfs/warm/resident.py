@@ -27,20 +27,23 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
+from typing import Literal, overload
 
 import numpy as np
 
 from kvfs.ops import metrics
+from kvfs.session import files
+from kvfs.session.backend import ColdBackend
+from kvfs.session.formats import parse_meta
 
 from .budget import Budget
-from .cold import META, SUMMARIES, ColdBackend
 from .dirty import DirtySet
-from .format import FLAG_CLEAN, FLAG_ON_COLD, K_SUMMARY
 from .held import HeldSessions
+from .kvmap_format import FLAG_CLEAN, FLAG_ON_COLD, K_SUMMARY
 from .policy import EvictionPolicy
-from .records import Slot, WarmSession
 from .shard import ShardFile
-from .shards import ShardStore
+from .shard_index import WarmSession
+from .shards import ShardStore, Slot
 
 IO_STRIPES = 64
 POOL_THREADS = 8
@@ -62,6 +65,13 @@ class Resident:
         self._io = [threading.RLock() for _ in range(IO_STRIPES)]
         self._pool: ThreadPoolExecutor | None = None
 
+    @property
+    def _cold(self) -> ColdBackend:
+        """The cold tier, where a caller runs only with one."""
+        assert self.cold is not None
+        return self.cold
+
+
     # ---- locks ------------------------------------------------------------------------
     def io_lock(self, sid: str) -> threading.RLock:
         return self._io[hash(sid) % IO_STRIPES]
@@ -80,6 +90,12 @@ class Resident:
             self._pool.shutdown()
 
     # ---- a session's record ------------------------------------------------------------
+    @overload
+    def warm(self, slot: Slot, sid: str, create: Literal[True]) -> tuple[ShardFile, WarmSession]: ...
+    @overload
+    def warm(self, slot: Slot, sid: str, create: bool = False
+             ) -> tuple[ShardFile | None, WarmSession | None]: ...
+
     def warm(self, slot: Slot, sid: str, create: bool = False
              ) -> tuple[ShardFile | None, WarmSession | None]:
         """The shard file and warm record of ``sid`` (shard lock held); with ``create``,
@@ -90,16 +106,17 @@ class Resident:
             return f, s
         if f is None:
             f = self.shards.new_file(slot)
-        cs = self.cold.state(sid) if self.cold else None
+        cs = self._cold.state(sid) if self.cold else None
         cold, inc = cs if cs is not None else (None, None)
+        assert cold is None or self.cold is not None
         s = f.new_session(sid, self.clock(), live=cold is None, inc=inc or new_incarnation())
         s.cold, held = cold, 0
         if cold is not None:  # the warm record must be whole before it is published
             try:
-                raw = self.cold.read_small(sid, META)
-                if raw and self.cold.read_meta(sid) is not None:
+                raw = files.read_meta_bytes(self._cold, sid)
+                if raw and parse_meta(raw, sid) is not None:
                     held += f.put_meta(s, raw)
-                summ = self.cold.read_small(sid, SUMMARIES) or b""
+                summ = files.read_summaries(self._cold, sid)
                 n = len(summ) // self.row * self.row
                 if n:
                     held += f.write(s, K_SUMMARY, 0, 0, np.frombuffer(summ, np.uint8, n))

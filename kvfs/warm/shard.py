@@ -1,6 +1,6 @@
 """One ``.kvmap`` shard file: its sessions, their byte streams, extents and index table.
 
-Owns the file format of ``format.py``: allocating extents, appending to and truncating
+Owns the file format of ``kvmap_format.py``: allocating extents, appending to and truncating
 streams, sealing and checking extents, and persisting the index in place. Data is written
 and read through one shared mapping of the whole file (numpy slices, never a Python
 object per token). Appends fill the last segment of a stream, then add a segment of
@@ -24,8 +24,12 @@ import os
 import crc32c
 import numpy as np
 
+from kvfs.session.formats import tokens_claimed
+from kvfs.session.names import META
+
 from .extent import fill_blocks, name_seal, seal_of
-from .format import (
+from .ids import WarmCorrupt, WarmError
+from .kvmap_format import (
     BLOCK,
     DEAD,
     EMPTY,
@@ -49,9 +53,8 @@ from .format import (
     VERSION,
     footprint,
 )
-from .ids import WarmCorrupt, WarmError
-from .records import Seg, Stream, WarmSession, tokens_of
 from .rootdir import RootDir
+from .shard_index import Seg, Stream, WarmSession
 from .space import PAGE, Space, reserve_fd, round_up
 
 log = logging.getLogger("kvfs.warm")
@@ -255,7 +258,7 @@ class ShardFile(Space):
             bc = mm[at + 4 * k0:at + 4 * k1].view("<u4").tolist()
             at = g.off + k0 * BLOCK
             for want in bc:
-                if crc32c.crc32c(mm[at:at + BLOCK]) != want:
+                if crc32c.crc32c(mm[at:at + BLOCK].data) != want:
                     bad = True
                     break
                 at += BLOCK
@@ -469,7 +472,7 @@ class ShardFile(Space):
         if old is not None:
             self._release([old])
         delta = len(raw) - (old.used if old else 0)
-        tokens = tokens_of(raw)
+        tokens = tokens_claimed(raw)
         self.total_tokens += tokens - s.tokens
         s.tokens = tokens
         self.total_bytes += delta
@@ -480,5 +483,5 @@ class ShardFile(Space):
     def meta_bytes(self, s: WarmSession) -> bytes | None:
         if s.meta is None:
             return None
-        self.check(s, s.meta, 0, s.meta.used, "meta.json")
+        self.check(s, s.meta, 0, s.meta.used, META)
         return self.map()[s.meta.off:s.meta.off + s.meta.used].tobytes()

@@ -23,8 +23,12 @@ import os
 import crc32c
 import numpy as np
 
+from kvfs.session.formats import tokens_claimed
+from kvfs.session.names import META
+
 from .extent import name_seal, seal_of
-from .format import (
+from .ids import WarmCorrupt, WarmError, check_sid
+from .kvmap_format import (
     ALIGN,
     DEAD,
     ENTRY_SIZE,
@@ -41,10 +45,9 @@ from .format import (
     VERSION,
     footprint,
 )
-from .ids import WarmCorrupt, WarmError, check_sid
-from .records import Seg, ShardCorrupt, Stream, WarmSession, tokens_of
 from .rootdir import RootDir
 from .shard import DATA_START, ShardFile
+from .shard_index import Seg, ShardCorrupt, Stream, WarmSession
 
 log = logging.getLogger("kvfs.warm")
 
@@ -142,13 +145,14 @@ def _load_index(sh: ShardFile) -> dict[str, str]:
         if not sealed[i]:
             damaged[name] = "session flags fail their checksum"
     for i in others:
-        s = sh.by_uid.get(int(t["uid"][i]))
-        if s is None:  # the session was dropped and the process died before its segments
+        owner = sh.by_uid.get(int(t["uid"][i]))
+        if owner is None:  # the session was dropped and the process died before its segments
             sh.kill_entry(i)
             continue
+        s = owner
         kind = int(t["kind"][i])
         if not sealed[i]:
-            what = "meta.json" if kind == K_META else f"kind {kind} layer {int(t['layer'][i])}"
+            what = META if kind == K_META else f"kind {kind} layer {int(t['layer'][i])}"
             damaged.setdefault(s.name, f"{what} extent fails its checksum")
         seg = Seg(i, int(t["start"][i]), int(t["off"][i]), int(t["cap"][i]),
                   int(t["seal"][i]) & 0xFFFFFFFF)
@@ -176,7 +180,7 @@ def _load_index(sh: ShardFile) -> dict[str, str]:
         s.layers = {k: v for k, v in s.layers.items() if v.segs}
         if s.meta is not None:
             with contextlib.suppress(WarmCorrupt):  # then reading meta.json says so
-                s.tokens = tokens_of(sh.meta_bytes(s))
+                s.tokens = tokens_claimed(sh.meta_bytes(s) or b"")
     _rebuild_free(sh, t)
     sh.total_bytes = sum(s.held for s in sh.sessions.values())
     sh.total_tokens = sum(s.tokens for s in sh.sessions.values())

@@ -21,12 +21,23 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 
 from .ids import WarmError, check_sid, shard_file_name, shard_of
-from .records import ShardCorrupt, Slot
 from .rootdir import RootDir
 from .shard import ShardFile
+from .shard_index import ShardCorrupt
 from .shardload import ShardOutdated, load_shard
 
 log = logging.getLogger("kvfs.warm")
+
+
+class Slot:
+    """One shard number in a WarmTier: its lock and its open file (None: no file)."""
+
+    __slots__ = ("shard", "lock", "file")
+
+    def __init__(self, shard: int) -> None:
+        self.shard = shard
+        self.lock = threading.RLock()
+        self.file: ShardFile | None = None
 
 
 class ShardStore:

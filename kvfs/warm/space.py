@@ -22,8 +22,8 @@ import os
 
 import numpy as np
 
-from .format import ALIGN, MAX_GROW
 from .ids import WarmError, WarmFull
+from .kvmap_format import ALIGN, MAX_GROW
 
 log = logging.getLogger("kvfs.warm")
 PAGE = mmap.PAGESIZE
@@ -64,8 +64,11 @@ class Space:
     _tbl: np.ndarray | None
     can_reserve: bool = True
 
-    def open_fd(self) -> int: ...  # shard.py
-    def map(self) -> np.ndarray: ...  # shard.py
+    def open_fd(self) -> int:  # shard.py
+        raise NotImplementedError
+
+    def map(self) -> np.ndarray:  # shard.py
+        raise NotImplementedError
 
     def reserve(self, off: int, n: int) -> None:
         """Reserve [off, off + n) before writing it through the mapping (module doc)."""
@@ -120,6 +123,7 @@ class Space:
             if b > a:
                 self.map()
                 with contextlib.suppress(AttributeError, OSError, ValueError):
+                    assert self._mm is not None
                     self._mm.madvise(mmap.MADV_REMOVE, a, b - a)
         k = bisect.bisect_left(self.free, (off, n))
         if k < len(self.free) and self.free[k][0] == off + n:  # merge with the next gap

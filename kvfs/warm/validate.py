@@ -21,13 +21,17 @@ from __future__ import annotations
 
 import logging
 
-from .cold import META, ColdBackend
-from .format import FLAG_CLEAN, FLAG_ON_COLD
+from kvfs.session import files
+from kvfs.session.backend import ColdBackend
+from kvfs.session.names import META, layer_name
+
 from .held import HeldSessions
 from .ids import WarmError, check_sid
-from .records import Slot, WarmSession
+from .kvmap_format import FLAG_CLEAN, FLAG_ON_COLD
 from .resident import Resident
 from .shard import ShardFile
+from .shard_index import WarmSession
+from .shards import Slot
 
 log = logging.getLogger("kvfs.warm")
 
@@ -36,6 +40,13 @@ class Validator:
     def __init__(self, res: Resident, held: HeldSessions, cold: ColdBackend | None) -> None:
         self.res, self.held, self.cold = res, held, cold
 
+    @property
+    def _cold(self) -> ColdBackend:
+        """The cold tier, where a caller runs only with one."""
+        assert self.cold is not None
+        return self.cold
+
+
     def own(self, sid: str) -> None:
         """Take the session on its first use here (WarmError naming the holder), and check
         a RAM copy made earlier against the mount before it is used."""
@@ -43,7 +54,7 @@ class Validator:
         if h is not None and not h.temp:
             if h.seen and self.cold is not None:
                 try:
-                    gone = not self.cold.exists(sid)
+                    gone = not self._cold.exists(sid)
                 except WarmError:  # the mount is away: the RAM copy serves; checked later
                     gone = False
                 if gone:
@@ -62,16 +73,17 @@ class Validator:
     def mount_meta(self, sid: str, cs: object) -> bytes | None:
         """The mount's meta.json of ``sid`` (None when it has no copy): the session's
         content version, compared with the one this copy last wrote or read."""
-        return self.cold.read_small(sid, META) if cs is not None and self.cold else None
+        return files.read_meta_bytes(self._cold, sid) if cs is not None and self.cold else None
 
     def validate(self, sid: str) -> None:
         with self.res.io_lock(sid):
-            cs = self.cold.state(sid)
+            cs = self._cold.state(sid)
             meta = self.mount_meta(sid, cs)
             with self.res.locked(sid) as slot:
                 f, s = self.res.warm(slot, sid)
                 if s is None:
                     return
+                assert f is not None  # a warm record lives in a shard file
                 stale = self.stale_reason(s, cs, meta)
                 if stale is not None:
                     self.forget_locked(slot, f, s, *stale)
@@ -99,17 +111,18 @@ class Validator:
             floor = max(known.get(layer, 0), end if s.flags & FLAG_CLEAN else 0,
                         st.base if st is not None and st.segs else 0)
             if c < floor:
-                return f"layer_{layer} was cut to {c} bytes through the mount (we wrote {floor})", False
+                return f"{layer_name(layer)} was cut to {c} bytes through the mount (we wrote {floor})", False
             if c > end:
-                return f"layer_{layer} grew to {c} bytes on the mount (ours has {end})", True
+                return f"{layer_name(layer)} grew to {c} bytes on the mount (ours has {end})", True
         if meta is not None and s.cmeta is not None and meta != s.cmeta:
-            return "its meta.json on the mount is not the one this copy wrote or read", True
+            return f"its {META} on the mount is not the one this copy wrote or read", True
         return None
 
     def forget(self, sid: str, reason: str) -> None:
         with self.res.io_lock(sid), self.res.locked(sid) as slot:
             f, s = self.res.warm(slot, sid)
             if s is not None:
+                assert f is not None  # a warm record lives in a shard file
                 self.forget_locked(slot, f, s, reason)
 
     def forget_locked(self, slot: Slot, f: ShardFile, s: WarmSession, reason: str,

@@ -33,24 +33,18 @@ import time
 from collections.abc import Callable, Container
 
 from kvfs.ops import metrics
+from kvfs.session import files
+from kvfs.session.backend import ColdBackend, Written
+from kvfs.session.commit import RoundWrite
+from kvfs.session.names import INCARNATION, META, SUMMARIES, layer_name
 
-from .cold import (
-    INCARNATION,
-    META,
-    SUMMARIES,
-    Changes,
-    ColdBackend,
-    Written,
-    incarnation_bytes,
-    layer_name,
-)
-from .format import FLAG_CLEAN, FLAG_MIGRATING, FLAG_ON_COLD
 from .health import ColdHealth
 from .ids import WarmCorrupt, WarmError
+from .kvmap_format import FLAG_CLEAN, FLAG_MIGRATING, FLAG_ON_COLD
 from .owners import write_stats
-from .records import WarmSession
 from .resident import Resident, new_incarnation
 from .rootdir import RootDir
+from .shard_index import WarmSession
 from .validate import Validator
 
 log = logging.getLogger("kvfs.warm")
@@ -88,6 +82,13 @@ class WriteBehind:
         self._pass_lock = threading.Lock()
         self._stop = False
         self._thread: threading.Thread | None = None
+
+    @property
+    def _cold(self) -> ColdBackend:
+        """The cold tier, where a caller runs only with one."""
+        assert self.cold is not None
+        return self.cold
+
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._writer, name="kvfs-warm-writer", daemon=True)
@@ -134,10 +135,10 @@ class WriteBehind:
                     for st in staged:  # written, not durable: no longer towards the threshold
                         res.dirty.written(st.sid, st.bytes)
                     for st in staged:
-                        self.cold.forget(st.written)
+                        st.written.forget()
                     staged = []
                 if staged:  # one durability point for every session written
-                    self.cold.sync([st.written for st in staged])
+                    self._cold.sync([st.written for st in staged])
                 lag = 0.0
                 for st in staged:
                     done = self._commit_tail(st)
@@ -147,28 +148,29 @@ class WriteBehind:
                         lag = max(lag, done)
             finally:
                 for st in staged:
-                    self.cold.forget(st.written)  # none left unless something failed midway
+                    st.written.forget()  # none left unless something failed midway
                 for sid in temps:
                     res.held.release_temp(sid)
             if staged and not errors:
                 self.lag = lag
             if errors:
-                self.health.failed(errors, self.cold.root, res.budget.ratio)
+                self.health.failed(errors, self._cold.root, res.budget.ratio)
             elif staged:
-                self.health.ok("writing to", self.cold.root)
+                self.health.ok("writing to", self._cold.root)
             return errors
 
     def _stage_tail(self, sid: str) -> _Pass | None:
         """Check one session against the mount and append what cold lacks (no fsync)."""
         res = self.res
         with res.io_lock(sid):
-            cs = self.cold.state(sid)
+            cs = self._cold.state(sid)
             mount_meta = self.valid.mount_meta(sid, cs)
             with res.locked(sid) as slot:
                 f, s = res.warm(slot, sid)
                 if s is None:
                     res.dirty.drop(sid)
                     return None
+                assert f is not None  # a warm record lives in a shard file
                 stale = self.valid.stale_reason(s, cs, mount_meta)
                 if stale is not None:
                     self.valid.forget_locked(slot, f, s, *stale)
@@ -187,26 +189,27 @@ class WriteBehind:
                 old_summ, old_meta = s.csumm, s.cmeta
                 st = _Pass(sid, s, s.gen, res.dirty.since(sid))
             # the tail's extents stay (io lock): write them without blocking the agent
-            ch = Changes()
+            plan = RoundWrite(sid)
             w = st.written  # names as they are tried (synced later even if this fails)
             summ_changed = meta_changed = True  # until known: then what cold holds is known
             try:
                 if cs is None:
-                    w.made_dir = self.cold.ensure_dir(sid)
+                    w.made_dir = files.ensure_dir(self._cold, sid)
                     res.held.hold_made(sid)
                 if cs is None or cs[1] is None:
-                    ch.replace(INCARNATION, incarnation_bytes(s.inc))
+                    plan.incarnation = s.inc
                 for layer, c, pieces in tails:
-                    ch.append(layer_name(layer), c, pieces)
+                    plan.stream(layer, c, pieces)
                 if old_summ is None:
-                    old_summ = self.cold.read_small(sid, SUMMARIES) or b""
-                summ_changed = ch.rewrite(SUMMARIES, summ, old_summ)
+                    old_summ = files.read_summaries(self._cold, sid)
+                summ_changed = summ != old_summ
+                plan.summaries = (summ, old_summ)
                 meta_changed = meta is not None and meta != old_meta and (
-                    old_meta is not None or self.cold.read_small(sid, META) != meta)
+                    old_meta is not None or files.read_meta_bytes(self._cold, sid) != meta)
                 if meta_changed:
-                    ch.replace(META, meta)
-                if ch:
-                    self.cold.write(sid, ch, w)
+                    plan.meta = meta
+                if ch := plan.changes():
+                    self._cold.write(sid, ch, w)
             finally:
                 for layer, _, _ in tails:
                     if layer_name(layer) in w.sizes:
@@ -223,6 +226,7 @@ class WriteBehind:
                         s.unsynced |= written
                         st.written.names = set(s.unsynced)
                         if INCARNATION in written and not s.flags & FLAG_ON_COLD:
+                            assert f2 is not None  # a warm record lives in a shard file
                             f2.set_flags(s, s.flags | FLAG_ON_COLD)  # a removal from now on is one
         return st
 
@@ -232,10 +236,11 @@ class WriteBehind:
         with res.locked(st.sid) as slot:
             f, s = res.warm(slot, st.sid)
             if s is not st.session:
-                st.error = None  # deleted or dropped meanwhile: nothing to report
+                st.written.error = None  # deleted or dropped meanwhile: nothing to report
                 return None
             if st.error is not None:
                 return None
+            assert f is not None  # a warm record lives in a shard file
             s.unsynced -= st.written.names
             flags = s.flags | FLAG_ON_COLD
             res.held.see(st.sid)
@@ -307,6 +312,7 @@ class WriteBehind:
                 f, s = res.warm(slot, sid)
                 if s is None or sid in res.dirty:
                     continue
+                assert f is not None  # a warm record lives in a shard file
                 freed += res.drop(slot, f, s)
                 done.append(sid)
         ms = (time.perf_counter() - t0) * 1000

@@ -2,14 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import threading
-from typing import TYPE_CHECKING
-
-from .format import K_SUMMARY
-
-if TYPE_CHECKING:
-    from .shard import ShardFile
+from .kvmap_format import K_SUMMARY
 
 
 class ShardCorrupt(Exception):
@@ -83,22 +76,3 @@ class WarmSession:
     def held(self) -> int:
         n = sum(st.held for st in self.layers.values()) + self.summary.held
         return n + (self.meta.used if self.meta else 0)
-
-
-def tokens_of(raw: bytes) -> int:
-    try:
-        t = json.loads(raw).get("tokens", 0)
-    except (ValueError, AttributeError, RecursionError):
-        return 0
-    return t if isinstance(t, int) and t >= 0 else 0
-
-
-class Slot:
-    """One shard number in a WarmTier: its lock and its open file (None: no file)."""
-
-    __slots__ = ("shard", "lock", "file")
-
-    def __init__(self, shard: int) -> None:
-        self.shard = shard
-        self.lock = threading.RLock()
-        self.file: ShardFile | None = None

@@ -17,11 +17,15 @@ from contextlib import AbstractContextManager
 
 import numpy as np
 
-from .cold import SIDE_BASE, ColdBackend, layer_name, side_stream
+from kvfs.session import files
+from kvfs.session.backend import ColdBackend
+from kvfs.session.names import SIDE_BASE, layer_name, side_stream
+
 from .ids import WarmCorrupt, WarmError, check_layer
-from .records import Slot, WarmSession
 from .resident import Resident
 from .shard import ShardFile
+from .shard_index import WarmSession
+from .shards import Slot
 
 log = logging.getLogger("kvfs.warm")
 
@@ -37,6 +41,13 @@ class Reader:
                  after_promote: Callable[[str], None]) -> None:
         self.res, self.cold, self.own = res, cold, own
         self.promote, self.after_promote = promote, after_promote
+
+    @property
+    def _cold(self) -> ColdBackend:
+        """The cold tier, where a caller runs only with one."""
+        assert self.cold is not None
+        return self.cold
+
 
     def _locked(self, sid: str) -> AbstractContextManager[Slot]:
         self.own(sid)
@@ -73,7 +84,7 @@ class Reader:
             _, s = self.res.warm(slot, sid)
             if s is not None:
                 return self.res.span(s, layer)[1]
-            return self.cold.size(sid, layer) if self.cold else 0
+            return files.stream_size(self._cold, sid, layer) if self.cold else 0
 
     def layer_sizes(self, sid: str) -> dict[int, int]:
         """{layer: size} of every layer the session has, in warm or cold (addition to the
@@ -83,7 +94,7 @@ class Reader:
             if s is not None:
                 return {n: self.res.span(s, n)[1] for n in sorted(set(s.layers) | set(s.cold or ()))
                         if n < SIDE_BASE}
-            sizes = (self.cold.layer_sizes(sid) or {}) if self.cold else {}
+            sizes = (files.layer_sizes(self._cold, sid) or {}) if self.cold else {}
             return {n: b for n, b in sorted(sizes.items()) if n < SIDE_BASE}
 
     def layers(self, sid: str) -> list[int]:
@@ -92,13 +103,13 @@ class Reader:
             _, s = self.res.warm(slot, sid)
             if s is not None:
                 return sorted(n for n in set(s.layers) | set(s.cold or ()) if n < SIDE_BASE)
-            return sorted(n for n in ((self.cold.layer_sizes(sid) or {}) if self.cold else ())
+            return sorted(n for n in ((files.layer_sizes(self._cold, sid) or {}) if self.cold else ())
                           if n < SIDE_BASE)
 
     def prefetch(self, sid: str, layers: list[int] | range, start: int, end: int) -> int:
         """Ask the cold tier to read bytes [start, end) of these layers ahead (advisory: a
         resume about to read them one layer at a time); returns the files advised."""
-        return self.cold.prefetch(sid, layers, start, end) if self.cold is not None else 0
+        return self._cold.prefetch(sid, layers, start, end) if self.cold is not None else 0
 
     def read(self, sid: str, layer: int, start: int, end: int, *,
              promote: bool | None = None) -> np.ndarray:
@@ -129,13 +140,14 @@ class Reader:
         with self._locked(sid) as slot:
             f, s = self.res.warm(slot, sid)
             if self.cold is not None and promote is not False:
-                base, size = self.res.span(s, layer) if s is not None else (self.cold.size(sid, layer),) * 2
+                base, size = self.res.span(s, layer) if s is not None else (files.stream_size(self._cold, sid, layer),) * 2
                 whole = start == 0 and end == size and start < base  # a whole layer, partly cold
                 if promote or whole:
                     promoted = self.promote(slot, sid, True)
                     f, s = self.res.warm(slot, sid)
             hit = self._fill(f, s, sid, layer, start, end, out)
             if s is not None:
+                assert f is not None  # a warm record lives in a shard file
                 self.res.touch(f, s)
         self.res.count(hit)
         if promoted:
@@ -158,6 +170,7 @@ class Reader:
                 f, s = self.res.warm(slot, sid)
             hit = self._fill_many(f, s, sid, [(layer, start, end, out[k]) for k, layer in enumerate(layers)])
             if s is not None:
+                assert f is not None  # a warm record lives in a shard file
                 self.res.touch(f, s)
         self.res.count(hit)
         if promoted:
@@ -189,6 +202,7 @@ class Reader:
                 f, s = self.res.warm(slot, sid)
             hit = self._fill_many(f, s, sid, jobs)
             if s is not None:
+                assert f is not None  # a warm record lives in a shard file
                 self.res.touch(f, s)
         self.res.count(hit)
         if promoted:
@@ -210,7 +224,7 @@ class Reader:
                 if s is not None:
                     base, size = self.res.span(s, layer)
                 else:
-                    base = size = self.cold.size(sid, layer) if self.cold else 0
+                    base = size = files.stream_size(self._cold, sid, layer) if self.cold else 0
                 if end > size:
                     raise ValueError(f"read [{start}, {end}) past the end ({size}) of {sid}/{layer_name(layer)}")
             else:  # all of it is on cold, whose read checks the end (one lookup less)
@@ -223,17 +237,18 @@ class Reader:
             if end > split:
                 warm.append((layer, split, end, out[split - start:]))
         if len(cold) == 1:
-            self.cold.read_into(sid, *cold[0], missing_is_empty=s is None)
+            files.read_layer(self._cold, sid, *cold[0], missing_is_empty=s is None)
         elif cold:
-            self.cold.read_ranges(sid, cold, missing_is_empty=s is None)
+            self._cold.read_ranges(sid, cold, missing_is_empty=s is None)
         hit = not cold
         for layer, split, end, out in warm:
+            assert f is not None and s is not None  # warm parts: of a warm record
             try:
                 f.read_into(s, s.layers[layer], split, end, out, f"layer {layer}")
             except WarmCorrupt as e:  # the cold copy is a prefix of the content: use it
-                if self.cold is None or self.cold.size(sid, layer) < end:
+                if self.cold is None or files.stream_size(self._cold, sid, layer) < end:
                     raise
                 log.error("%s; served from the cold copy", e)
-                self.cold.read_into(sid, layer, split, out)
+                files.read_layer(self._cold, sid, layer, split, out)
                 hit = False
         return hit

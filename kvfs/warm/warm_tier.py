@@ -31,21 +31,24 @@ from typing import Any
 
 import numpy as np
 
+from kvfs.session import files
+from kvfs.session.backend import ColdBackend
+from kvfs.session.names import side_stream
+
 from .budget import Budget
-from .cold import SUMMARIES, ColdBackend, layer_name, open_cold, side_stream
+from .coldopen import open_cold
 from .dirty import DirtySet
-from .format import K_LAYER, K_SUMMARY, KEY_DEVICE, KEY_SESSION
 from .health import ColdHealth
 from .held import HeldSessions
 from .ids import WarmError, as_u8, check_layer, check_shards, check_sid
+from .kvmap_format import K_LAYER, K_SUMMARY, KEY_DEVICE, KEY_SESSION
 from .migrate import Evictor, Mover
 from .owners import SessionLocks, adopt_dead, check_volume_id, claim_dir
 from .policy import EvictionPolicy, LRUGroups
-from .reads import Reader
-from .records import Slot
+from .reader import Reader
 from .resident import Resident
 from .rootdir import DEFAULT_ROOT, RootDir, open_root
-from .shards import ShardStore
+from .shards import ShardStore, Slot
 from .validate import Validator
 from .writeback import WriteBehind
 
@@ -108,12 +111,19 @@ class WarmTier:
             self.mover.scan(self.wb.on)
         except BaseException:
             if self.cold is not None:
-                self.cold.close()
+                self._cold.close()
             self._close_dirs()
             raise
         self.budget.refresh()
         res.gauges()
         self.wb.start()
+
+    @property
+    def _cold(self) -> ColdBackend:
+        """The cold tier, where a caller runs only with one."""
+        assert self.cold is not None
+        return self.cold
+
 
     def _keep(self, d: RootDir) -> RootDir:
         self._dirs.append(d)
@@ -197,18 +207,20 @@ class WarmTier:
         with res.io_lock(sid), res.locked(sid) as slot:
             f, s = res.warm(slot, sid)
             if s is not None:
+                assert f is not None  # a warm record lives in a shard file
                 size, cold_size = res.span(s, layer)[1], (s.cold or {}).get(layer, 0)
             else:
-                size = cold_size = self.cold.size(sid, layer) if self.cold else 0
+                size = cold_size = files.stream_size(self._cold, sid, layer) if self.cold else 0
             if not 0 <= length <= size:
                 raise ValueError(f"truncate to {length}: only shortening (size {size})")
             if length == size:
                 return
             if cold_size > length:
-                self.cold.truncate(sid, layer_name(layer), length)
-                if s is not None:
+                files.truncate_stream(self._cold, sid, layer, length)
+                if s is not None and s.cold is not None:
                     s.cold[layer] = length
             if s is not None:
+                assert f is not None  # a warm record lives in a shard file
                 res.account(-f.truncate(s, K_LAYER, layer, length))
                 res.touch(f, s)
 
@@ -235,7 +247,8 @@ class WarmTier:
         with self._locked(sid) as slot:
             f, s = self.res.warm(slot, sid)
             if s is None:
-                return self.cold.read_meta(sid) if self.cold else None
+                return files.read_meta(self._cold, sid) if self.cold else None
+            assert f is not None  # a warm record lives in a shard file
             raw = f.meta_bytes(s)
             self.res.touch(f, s)
             return json.loads(raw) if raw is not None else None
@@ -273,10 +286,11 @@ class WarmTier:
         with self._locked(sid) as slot:
             f, s = self.res.warm(slot, sid)
             if s is not None:
+                assert f is not None  # a warm record lives in a shard file
                 raw = self.res.summary_bytes(f, s)
                 self.res.touch(f, s)
             else:
-                raw = (self.cold.read_small(sid, SUMMARIES) if self.cold else None) or b""
+                raw = files.read_summaries(self._cold, sid) if self.cold else b""
         n = len(raw) // self.res.row
         return np.frombuffer(raw, np.float32, n * self.dim).reshape(n, self.dim).copy()
 
@@ -285,13 +299,14 @@ class WarmTier:
         res = self.res
         with self._locked(sid) as slot:
             f, s = res.warm(slot, sid)
-            if s is None and self.cold is not None and self.cold.exists(sid):
+            if s is None and self.cold is not None and self._cold.exists(sid):
                 f, s = res.warm(slot, sid, create=True)  # the cold file is cut at migration
             if s is not None and rounds * res.row < s.summary.end:
+                assert f is not None  # a warm record lives in a shard file
                 res.mark_dirty(f, s, 0)
                 res.account(-f.truncate(s, K_SUMMARY, 0, rounds * res.row))
 
-    # ---- reads (reads.py) ------------------------------------------------------------------
+    # ---- reads (reader.py) ------------------------------------------------------------------
     def size(self, sid: str, layer: int) -> int:
         return self.reader.size(sid, layer)
 
@@ -343,7 +358,7 @@ class WarmTier:
     def sessions(self) -> list[str]:
         names = set(self.res.policy.names())
         if self.cold is not None:
-            for n in self.cold.list():
+            for n in self._cold.list():
                 with contextlib.suppress(WarmError):
                     names.add(check_sid(n))
         return sorted(names)
@@ -351,7 +366,7 @@ class WarmTier:
     def where(self, sid: str) -> str | None:
         with self._locked(sid) as slot:
             _, s = self.res.warm(slot, sid)
-            on_cold = (s.cold is not None) if s is not None else bool(self.cold and self.cold.exists(sid))
+            on_cold = (s.cold is not None) if s is not None else bool(self.cold and self._cold.exists(sid))
         if s is not None:
             return "both" if on_cold else "warm"
         return "cold" if on_cold else None
@@ -364,9 +379,10 @@ class WarmTier:
         with res.io_lock(sid), res.locked(sid) as slot:
             f, s = res.warm(slot, sid)
             if s is not None:
+                assert f is not None  # a warm record lives in a shard file
                 res.drop(slot, f, s)
             if self.cold is not None:
-                self.cold.delete(sid)
+                self._cold.delete(sid)
         self.held.clear_lost(sid)
 
     def sync(self, sid: str | None = None) -> None:
@@ -379,11 +395,11 @@ class WarmTier:
         if sid is not None:
             self.valid.own(sid)
         self._raise_lost(sid)
-        self.cold.reachable()
+        self._cold.reachable()
         errors = self.wb.run([sid] if sid is not None else None, explicit=True)
         self._raise_lost(sid)  # the pass found the mount's copy changed under ours
         if errors:
-            raise WarmError(f"sync to cold tier {self.cold.root!r} failed: {errors[0]}"
+            raise WarmError(f"sync to cold tier {self._cold.root!r} failed: {errors[0]}"
                             + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""))
 
     def _raise_lost(self, sid: str | None) -> None:
@@ -448,7 +464,7 @@ class WarmTier:
                 "dirty_bytes": d.bytes, "dirty_sessions": len(d), "writebehind": self.wb.on,
                 "writebehind_lag_s": round(self.wb.lag, 3), "owned": self.held.count(),
                 "volume_id": self.volume_id, "dir": self.rootdir.path,
-                "cold": self.cold.kind if self.cold is not None else None, **self.res.stats}
+                "cold": self._cold.kind if self.cold is not None else None, **self.res.stats}
 
     def close(self) -> None:
         if self.res.shards.closed:
@@ -466,11 +482,11 @@ class WarmTier:
             self.res.shards.close()
             self.res.close_pool()
             if self.cold is not None:
-                self.cold.close()
+                self._cold.close()
         self.held.release_all()
         self._close_dirs()
         if failed is not None:
-            raise WarmError(f"closed, but the last write-behind to cold tier {self.cold.root!r} "
+            raise WarmError(f"closed, but the last write-behind to cold tier {self._cold.root!r} "
                             f"failed: {failed}; the RAM copies stay for the next start-up")
 
     def __enter__(self) -> WarmTier:

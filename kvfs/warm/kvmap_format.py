@@ -79,6 +79,7 @@ ENTRY = np.dtype(
 assert ENTRY.itemsize == 64
 ENTRY_SIZE = 64
 IMMUTABLE = struct.Struct("<QIIQQQ")  # uid, kind, layer, start, off, cap == bytes 8..48
+assert ENTRY.fields is not None
 assert IMMUTABLE.size == 40 and ENTRY.fields["uid"][1] == 8 and ENTRY.fields["seal"][1] == 48
 USED = struct.Struct("<Q")  # the first bytes a seal checksum covers
 
