@@ -431,8 +431,8 @@ def test_bad_input_changes_nothing(cluster: Cluster, tier: SharedTier) -> None:
     assert tier.read("bi", "layer_0", 0, 10) == b"abc"
     r = _master(cluster, "bi")
     assert sorted(r.keys("kvfs:{bi}:*")) == sorted(
-        k.encode() for k in ("kvfs:{bi}:files", "kvfs:{bi}:lease", "kvfs:{bi}:holder",
-                             "kvfs:{bi}:layer_0:0"))
+        k.encode() for k in ("kvfs:{bi}:files", "kvfs:{bi}:vers", "kvfs:{bi}:lease",
+                             "kvfs:{bi}:holder", "kvfs:{bi}:layer_0:0"))
 
 
 def test_threads_share_one_tier(tier: SharedTier) -> None:

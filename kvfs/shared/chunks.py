@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import BadName
 from .seal import Sealer, SealError
@@ -40,6 +40,8 @@ HEADER_SIZE = HEADER.size
 assert HEADER_SIZE == 16
 META_FILE = "meta.json"
 OWNER_FILE = "\0owner"  # the owner record's place: no file name holds a NUL
+VERSION_PLACE = "\0version/"  # + file name: where a version token is sealed
+VERSION_TOKEN = 16  # bytes of a version token (random)
 MAX_NAME = 255
 # names may not contain these: "/" and NUL (path components), "{" "}" (the hash tag)
 FORBIDDEN = frozenset("/\0{}")
@@ -73,12 +75,13 @@ def check_name(name: object, what: str = "name") -> str:
 class SessionKeys:
     """The key names of one session (all in the session's hash slot)."""
 
-    __slots__ = ("session", "prefix", "files", "meta", "owner", "lease", "holder", "sync")
+    __slots__ = ("session", "prefix", "files", "vers", "meta", "owner", "lease", "holder", "sync")
 
     def __init__(self, session: str) -> None:
         self.session = session
         self.prefix = f"kvfs:{{{session}}}:"
         self.files = self.prefix + "files"
+        self.vers = self.prefix + "vers"
         self.meta = self.prefix + "meta"
         self.owner = self.prefix + "owner"
         self.lease = self.prefix + "lease"
@@ -105,6 +108,7 @@ class SessionInfo:
     files: dict[str, int]          # file -> size (meta.json aside)
     meta: bytes | None             # meta.json, checked; None: the session is not visible
     owner: Owner | None            # uid, gid and mode of the writing node's copy; None: not recorded
+    versions: dict[str, str | None] = field(default_factory=dict)  # file -> content version
 
 
 @dataclass(frozen=True)
@@ -175,6 +179,17 @@ class Codec:
 
     def decode_meta(self, session: str, value: bytes) -> bytes:
         return self.decode_pieces(session, META_FILE, value, 0)[0]
+
+    def encode_version(self, session: str, file: str, token: bytes) -> bytes:
+        """A file's content version as stored (sealed: bound to the session and file)."""
+        return self.encode_piece(session, VERSION_PLACE + file, 0, token)
+
+    def decode_version(self, session: str, file: str, value: bytes) -> str:
+        """The version token of ``file`` as text; ``ChunkError`` if it does not verify."""
+        token = self.decode_pieces(session, VERSION_PLACE + file, value, 0)[0]
+        if len(token) != VERSION_TOKEN:
+            raise ChunkError(f"version token of {len(token)} bytes")
+        return token.hex()
 
     def encode_owner(self, session: str, owner: Owner) -> bytes:
         body = json.dumps({"uid": owner.uid, "gid": owner.gid, "mode": owner.mode}).encode()
