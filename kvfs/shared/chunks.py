@@ -17,7 +17,8 @@ piece, a piece from another session, file or place, a gap, or a piece made up by
 without the cluster's secret is caught. ``Codec.decode`` checks every piece and that they
 tile the chunk from its first byte with no gap; it returns the chunk's bytes or raises
 ``ChunkError``. The per-session keys besides the chunks: ``files`` (hash: file -> size),
-``meta`` (one piece holding meta.json), ``owner`` (one piece holding the session's uid, gid
+``vers`` (hash: file -> its content version, one piece holding a random token, new when the
+file is made or rewritten; docs/format.md), ``meta`` (one piece holding meta.json), ``owner`` (one piece holding the session's uid, gid
 and mode), ``lease`` (a sealed owner node id), ``holder`` (the last lease value, to tell a
 takeover from a first use), ``sync`` (a marker written by ``sync``) and ``tmp`` (the scratch
 key of a trim, see ``scripts``).
