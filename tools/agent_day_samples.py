@@ -6,14 +6,27 @@ from __future__ import annotations
 
 import math
 import time
+import tracemalloc
 from typing import Any
 
 import agentlib as lib
 
+RSS_MARKS_MIN = (2, 5, 10)  # real minutes at which the agent's RSS is reported
+
 
 class DaySamples:
     """The time series and the day's results, mixed into ``Day``: its router, volume, counters,
-    latencies and the marks of the previous sample."""
+    latencies and the marks of the previous sample. With ``--tracemalloc`` a snapshot of the
+    Python heap is taken at each of ``RSS_MARKS_MIN`` and at the end, and the lines that grew
+    most from the first to the last are reported (where a growing RSS comes from)."""
+
+    def _heap_mark(self, t: float) -> None:
+        if not getattr(self.args, "tracemalloc", False):
+            return
+        snaps = self.__dict__.setdefault("_snaps", {})
+        for m in RSS_MARKS_MIN:
+            if t >= m * 60 and m not in snaps:
+                snaps[m] = tracemalloc.take_snapshot()
 
     def _sample(self, now: float) -> None:
         from kvfs.ops import metrics
@@ -28,8 +41,10 @@ class DaySamples:
             cold_write = (mm["kv_cold_write_ms_sum"] - mk["w_sum"]) / (mm["kv_cold_write_ms_count"] - mk["w_n"])
         p50, p99 = self.cold_lat.quantiles(mk.get("reads", 0))
         steps = self.c["steps"] - mk.get("steps", 0)
+        t = time.perf_counter() - self.clock.t0
+        self._heap_mark(t)
         row = {
-            "h": now / 3600, "active": len(self.active), "interactions": self.c["interactions"],
+            "h": now / 3600, "t": t, "active": len(self.active), "interactions": self.c["interactions"],
             "hit_rate": (self.c["hits"] - mk.get("hits", 0)) / steps if steps else None,
             "hot_ratio": r.hot_total / r.budget, "warm_ratio": wu["ratio"],
             "cold_used": st["usage"]["used"] if st else None,
@@ -73,6 +88,19 @@ class DaySamples:
                "first": rows[0]["rss"], "at_h": base["h"]}
         rss["growth"] = rss["max"] - rss["start"]
         rss["flat"] = rss["growth"] <= max(0.05 * rss["start"], 16 * MiB)
+        # by real time: RSS at 2, 5 and 10 minutes (those the run reached) and at the end
+        at = {m: next((r["rss"] for r in rows if r.get("t", 0) >= m * 60 and r["rss"]), None)
+              for m in RSS_MARKS_MIN}
+        rss["at_min"] = {m: v for m, v in at.items() if v is not None}
+        rss["end_min"] = rows[-1].get("t", 0) / 60
+        first = next(iter(rss["at_min"].values()), None)
+        rss["growth_since_2min"] = rows[-1]["rss"] - first if first is not None else None
+        snaps = self.__dict__.get("_snaps", {})
+        if snaps:
+            end = tracemalloc.take_snapshot()
+            top = end.compare_to(snaps[min(snaps)], "lineno")[:12]
+            rss["heap_growth"] = [f"{st.size_diff / MiB:+.2f} MiB in {st.count_diff:+d} blocks: "
+                                  f"{st.traceback.format()[0].strip()}" for st in top]
         mrss = [r["mount_rss"] for r in rows if r["mount_rss"]]
         p50, p99 = self.cold_lat.quantiles()
         steps = c["steps"]
