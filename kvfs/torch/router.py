@@ -393,6 +393,7 @@ class KVRouter(BudgetMixin):
             self.warm.sync()  # a lost session is logged there and left out
         failed.update(self.spiller.failed())
         failed.update((sid, None) for sid in self.warm.lost() if sid not in failed)
+        failed.update((s, e) for s, e in self.warm.unsynced().items() if s not in failed)
         for sid, e in failed.items():
             log.warning("flush: session %r is not flushed (%s); its own calls say so, the "
                         "other sessions are flushed", sid, e or "its RAM copy was lost")
