@@ -112,6 +112,8 @@ def test_remounted_node_serves_the_other_nodes_rewrite(node: Callable[..., Mount
     a, b = node("a"), node("b")
     layer = os.urandom(200_000)
     s = make_session(a, "after-crash", OLD, layer)
+    mine = os.urandom(100_000)  # a file only A writes: its copy stays A's after the crash
+    rewrite(s / "layer_1", mine)
     settle(a)
     assert (s / ".acked").read_bytes() == OLD
     held = os.open(s / ".acked", os.O_WRONLY | os.O_APPEND)  # A holds the lease at the kill
@@ -130,6 +132,9 @@ def test_remounted_node_serves_the_other_nodes_rewrite(node: Callable[..., Mount
     assert (s / ".acked").read_bytes() == NEW
     assert os.stat(s / "layer_0").st_size == len(layer2)
     assert (s / "layer_0").read_bytes() == layer2
+    assert (s / "layer_1").read_bytes() == mine
+    # B's two files read through again; layer_1's version is A's own: served from A's volume
+    assert shared_stats(a)["fetched_bytes"] == len(NEW) + len(layer2)
     log = a.log_text()
     assert "of another content version" in log, log[-3000:]
 

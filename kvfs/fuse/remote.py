@@ -18,10 +18,13 @@ mount without ``--shared``. The pushing itself is the ``replica.Replicator``'s.
   ``versions`` holds the version each local copy is of (learned when it is read through,
   or when this node's own write is pushed); a refresh empties and reads through again a
   local copy whose version is not the cluster's -- a file rewritten elsewhere at the same
-  size, or any copy this mount did not see made (after a remount, a crash included: the
-  volume does not keep versions). A cluster file without a version (stored before they
-  were kept) or with one that does not verify is read through once and then compared by
-  size. ``fill`` checks every fetch's version, so bytes of two versions never mix.
+  size, or, after a remount (a crash included: the volume does not keep versions), any
+  copy whose version another node made. A version names the node that made it: one made
+  by this node's own writes is its volume's, trusted by size as before (bytes a lost
+  queue did not push stay, and are re-pushed at the next write). A cluster file without
+  a version (stored before they were kept) or with one that does not verify is read
+  through once and then compared by size. ``fill`` checks every fetch's version, so bytes
+  of two versions never mix.
 - **Leases.** A file opened for writing (or created, cut, removed) takes the session's
   lease first; another node's live lease answers EBUSY with a log line naming it. The
   local copy is then completed from the cluster before the first write (appends go at the
@@ -241,7 +244,7 @@ class Remote(Local):
                 return []
             local = await self.call(self._local_sizes, session, changes=False)
             stale = {f: n for f, (n, v) in files.items()
-                     if local.get(f, 0) > 0 and self.versions.get((session, f), _UNKNOWN) != v}
+                     if local.get(f, 0) > 0 and not self._trusted((session, f), v)}
             ahead = {f: n for f, (n, _) in files.items() if n > local.get(f, -1) or f in stale}
             meta = None
             if ahead or session not in self.written:
@@ -258,7 +261,7 @@ class Remote(Local):
                 elif f in stale:
                     self.store.truncate(session, f, 0)
             for f, (_, v) in files.items():  # every local copy is of the cluster's version
-                if local.get(f, 0) == 0 or f in stale:
+                if local.get(f, 0) == 0 or f in stale or (session, f) not in self.versions:
                     self.versions[(session, f)] = v
             if meta is None:
                 return False
@@ -286,6 +289,15 @@ class Remote(Local):
             log.info("session %s: newer bytes in the shared tier (%d files)", shown(session),
                      len(ahead))
         return [(session, f) for f in ahead] + ([(session, META)] if replaced else [])
+
+    def _trusted(self, key: Key, version: str | None) -> bool:
+        """Whether the local copy of ``key`` is of the cluster's ``version``: recorded so,
+        or, with nothing recorded (a remount), a version this node's own writes made (the
+        volume holds what they pushed, and what a lost queue did not push yet)."""
+        have = self.versions.get(key, _UNKNOWN)
+        if have is _UNKNOWN:
+            return bool(self.tier.made_here(version))
+        return have == version
 
     def _local_sizes(self, session: str) -> dict[str, int]:
         return {f: self.store.file_stat(session, f).size for f in self.store.list_files(session)}

@@ -42,7 +42,7 @@ assert HEADER_SIZE == 16
 META_FILE = "meta.json"
 OWNER_FILE = "\0owner"  # the owner record's place: no file name holds a NUL
 VERSION_PLACE = "\0version/"  # + file name: where a version token is sealed
-VERSION_TOKEN = 16  # bytes of a version token (random)
+VERSION_TOKEN = 16  # random bytes of a version token; the writing node's id follows
 MAX_NAME = 255
 # names may not contain these: "/" and NUL (path components), "{" "}" (the hash tag)
 FORBIDDEN = frozenset("/\0{}")
@@ -186,11 +186,16 @@ class Codec:
         return self.encode_piece(session, VERSION_PLACE + file, 0, token)
 
     def decode_version(self, session: str, file: str, value: bytes) -> str:
-        """The version token of ``file`` as text; ``ChunkError`` if it does not verify."""
+        """The version of ``file`` as text, ``<32 hex digits>@<node id>`` (the node that
+        made this version); ``ChunkError`` if it does not verify."""
         token = self.decode_pieces(session, VERSION_PLACE + file, value, 0)[0]
-        if len(token) != VERSION_TOKEN:
+        if len(token) <= VERSION_TOKEN:
             raise ChunkError(f"version token of {len(token)} bytes")
-        return token.hex()
+        try:
+            node = token[VERSION_TOKEN:].decode()
+        except UnicodeDecodeError:
+            raise ChunkError("version token's node id is not UTF-8") from None
+        return f"{token[:VERSION_TOKEN].hex()}@{node}"
 
     def encode_owner(self, session: str, owner: Owner) -> bytes:
         body = json.dumps({"uid": owner.uid, "gid": owner.gid, "mode": owner.mode}).encode()

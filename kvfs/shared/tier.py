@@ -119,7 +119,12 @@ class SharedTier:
     # -- content versions ---------------------------------------------------------
     def _new_version(self, session: str, file: str) -> bytes:
         """A fresh sealed version token for a write that may make or rewrite ``file``."""
-        return self.codec.encode_version(session, file, os.urandom(VERSION_TOKEN))
+        return self.codec.encode_version(session, file,
+                                         os.urandom(VERSION_TOKEN) + self.node_id.encode())
+
+    def made_here(self, version: str | None) -> bool:
+        """Whether ``version`` was made by this node (its id is stable across remounts)."""
+        return version is not None and version[2 * VERSION_TOKEN + 1:] == self.node_id
 
     def _version(self, session: str, file: str, raw: Any) -> str | None:
         """A stored version as text; None when there is none (a file stored before versions
