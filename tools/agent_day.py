@@ -93,6 +93,10 @@ def run_profile(name: str, args: argparse.Namespace, argv: list[str]) -> dict[st
     grew = rss["growth_since_2min"]
     print(f"  agent RSS by real time: {marks or 'no mark reached'}; {rss['end'] / MiB:.1f} MiB at the "
           f"end ({rss['end_min']:.1f} min)" + (f"; {grew / MiB:+.1f} MiB since 2 min" if grew is not None else ""))
+    def split(p: dict | None) -> str:
+        return ", ".join(f"{k} {v / MiB:.1f}" for k, v in (p or {}).items())
+    for m, p in [*rss["parts_at_min"].items(), ("end", rss["parts_end"])]:
+        print(f"    at {m}{' min' if m != 'end' else ''}: {split(p)} MiB")
     for line in rss.get("heap_growth", []):
         print(f"    heap {line}")
     for note in res["notes"]:

@@ -14,6 +14,21 @@ import agentlib as lib
 RSS_MARKS_MIN = (2, 5, 10)  # real minutes at which the agent's RSS is reported
 
 
+def rss_parts() -> dict[str, int]:
+    """This process's RSS split (``/proc/self/status``): ``anon`` (heap, torch, numpy),
+    ``shmem`` (the RAM tier's mapped shard pages on tmpfs: bounded by its cap) and ``file``."""
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                for key, name in (("RssAnon:", "anon"), ("RssFile:", "file"), ("RssShmem:", "shmem")):
+                    if line.startswith(key):
+                        out[name] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return out
+
+
 class DaySamples:
     """The time series and the day's results, mixed into ``Day``: its router, volume, counters,
     latencies and the marks of the previous sample. With ``--tracemalloc`` a snapshot of the
@@ -54,7 +69,7 @@ class DaySamples:
             "migrations": wu["migrations"] + self.offs["migrations"],
             "promotions": wu["promotions"] + self.offs["promotions"],
             "alerts": self.c["alerts_in_drill"] + self.c["alerts_outside"],
-            "rss": lib.rss_bytes(), "mount_rss": lib.rss_bytes(self.vol.pid) if self.vol.pid else None,
+            "rss": lib.rss_bytes(), "rss_parts": rss_parts(), "mount_rss": lib.rss_bytes(self.vol.pid) if self.vol.pid else None,
         }
         self.rows.append(row)
         mk.update(steps=self.c["steps"], hits=self.c["hits"], reads=len(self.cold_lat), ev_sum=ev_sum, ev_n=ev_n)
@@ -92,6 +107,9 @@ class DaySamples:
         at = {m: next((r["rss"] for r in rows if r.get("t", 0) >= m * 60 and r["rss"]), None)
               for m in RSS_MARKS_MIN}
         rss["at_min"] = {m: v for m, v in at.items() if v is not None}
+        rss["parts_at_min"] = {m: next((r.get("rss_parts") for r in rows if r.get("t", 0) >= m * 60), None)
+                               for m in rss["at_min"]}
+        rss["parts_end"] = rows[-1].get("rss_parts")
         rss["end_min"] = rows[-1].get("t", 0) / 60
         first = next(iter(rss["at_min"].values()), None)
         rss["growth_since_2min"] = rows[-1]["rss"] - first if first is not None else None
