@@ -457,37 +457,6 @@ def test_threads_share_one_tier(tier: SharedTier) -> None:
     assert not errors, errors
 
 
-def test_cluster_lost(cluster: Cluster, tier: SharedTier) -> None:
-    """Last: every node killed -9; calls fail fast and clearly (the fixture then cleans up)."""
-    tier.acquire("gone")
-    tier.append("gone", "layer_0", 0, b"x")
-    for p in list(cluster.procs):
-        if cluster.procs[p].poll() is None:
-            cluster.kill(p)
-    for call in (lambda: tier.read("gone", "layer_0", 0, 1), lambda: tier.size("gone", "layer_0"),
-                 lambda: tier.append("gone", "layer_0", 1, b"y"), lambda: tier.sync("gone")):
-        t0 = time.monotonic()
-        with pytest.raises(SharedUnavailable):
-            call()
-        assert time.monotonic() - t0 < 2.5
-    assert tier.healthy() is False
-
-
-def _fill_from(t: SharedTier, session: str, data: bytes, start: int, end: int) -> None:
-    pos = start
-    while pos < end:
-        pos = t.append(session, "layer_0", pos, data[pos:min(end, pos + 3 * C + 7)])
-
-
-def _eventually(cond, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_content_versions(cluster: Cluster, tier: SharedTier) -> None:
     """A version is made with a file and by every cut, kept by appends and compactions,
     names its node, and a long read never mixes two versions."""
@@ -533,3 +502,35 @@ def test_content_versions(cluster: Cluster, tier: SharedTier) -> None:
     finally:
         tier._c.on_master = real
     assert done and data == new and version == tier.file_versions("cv")["g"][1]
+
+
+def test_cluster_lost(cluster: Cluster, tier: SharedTier) -> None:
+    """Last: every node killed -9; calls fail fast and clearly (the fixture then cleans up)."""
+    tier.acquire("gone")
+    tier.append("gone", "layer_0", 0, b"x")
+    for p in list(cluster.procs):
+        if cluster.procs[p].poll() is None:
+            cluster.kill(p)
+    for call in (lambda: tier.read("gone", "layer_0", 0, 1), lambda: tier.size("gone", "layer_0"),
+                 lambda: tier.append("gone", "layer_0", 1, b"y"), lambda: tier.sync("gone")):
+        t0 = time.monotonic()
+        with pytest.raises(SharedUnavailable):
+            call()
+        assert time.monotonic() - t0 < 2.5
+    assert tier.healthy() is False
+
+
+def _fill_from(t: SharedTier, session: str, data: bytes, start: int, end: int) -> None:
+    pos = start
+    while pos < end:
+        pos = t.append(session, "layer_0", pos, data[pos:min(end, pos + 3 * C + 7)])
+
+
+def _eventually(cond, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+

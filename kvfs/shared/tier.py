@@ -12,23 +12,13 @@ docs/scale-out.md.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from .capacity import Capacity
-from .chunks import (
-    VERSION_TOKEN,
-    ChunkError,
-    Codec,
-    Owner,
-    SessionInfo,
-    SessionKeys,
-    check_name,
-    chunks_of,
-)
+from .chunks import ChunkError, Codec, Owner, SessionInfo, SessionKeys, check_name, chunks_of
 from .client import ClusterClient, ClusterURL, TLSFiles, parse_urls
 from .errors import (
     BadRange,
@@ -44,6 +34,7 @@ from .lease import Leases
 from .scripts import APPEND, DELETE, PUT_META, REWRITE, SYNC, status, text
 from .seal import Sealer
 from .stats import Stats
+from .versions import Stamps
 
 log = logging.getLogger(__name__)
 
@@ -87,14 +78,14 @@ class SharedTier:
         if chunk_bytes < 4096 or lease_ms < 100 or timeout_s <= 0 or replicas_ack < 0:
             raise ValueError("chunk_bytes >= 4096, lease_ms >= 100, timeout_s > 0, replicas_ack >= 0")
         self.codec = Codec(Sealer.from_secret(secret, encrypt))
+        self.stats_ = Stats()
+        self.stamps = Stamps(self.codec, self.node_id, self.stats_)
         self.chunk_bytes, self.lease_ms = chunk_bytes, lease_ms
         self.retention_ms = int(retention_s * 1000) if retention_s else 0
         self.max_bytes, self.replicas_ack, self.timeout_s = max_bytes, replicas_ack, timeout_s
-        self.stats_ = Stats()
         self._lock = threading.Lock()
         self._written: dict[str, dict[str, int]] = {}          # session -> file -> size
         self._meta_head: dict[str, bytes] = {}                 # session -> head of our meta
-        self._stamped: dict[tuple[str, str], str | None] = {}  # versions our writes left
         url = urls if isinstance(urls, ClusterURL) else parse_urls(urls, password)
         if password is not None and url.password != password:
             url = ClusterURL(url.addresses, url.tls, url.username, password)
@@ -116,35 +107,15 @@ class SharedTier:
     def _keys(self, session: str) -> SessionKeys:
         return SessionKeys(check_name(session, "session"))
 
-    # -- content versions ---------------------------------------------------------
-    def _new_version(self, session: str, file: str) -> bytes:
-        """A fresh sealed version token for a write that may make or rewrite ``file``."""
-        return self.codec.encode_version(session, file,
-                                         os.urandom(VERSION_TOKEN) + self.node_id.encode())
-
+    # -- content versions (versions.Stamps) -------------------------------------
     def made_here(self, version: str | None) -> bool:
         """Whether ``version`` was made by this node (its id is stable across remounts)."""
-        return version is not None and version[2 * VERSION_TOKEN + 1:] == self.node_id
-
-    def _version(self, session: str, file: str, raw: Any) -> str | None:
-        """A stored version as text; None when there is none (a file stored before versions
-        were kept) or it does not verify (counted, logged): either way the reader cannot
-        trust its own copy by it and fetches the file again."""
-        if raw is None:
-            return None
-        try:
-            return self.codec.decode_version(session, file, bytes(raw))
-        except ChunkError as e:
-            self.stats_.add("corrupt")
-            log.error("%s/%s: content version does not verify (%s): the file is fetched again",
-                      session, file, e)
-            return None
+        return self.stamps.made_here(version)
 
     def take_version(self, session: str, file: str) -> str | None:
         """The version this node's last append or cut of ``file`` left in the cluster
         (None: removed, or not written here since the last call)."""
-        with self._lock:
-            return self._stamped.pop((session, file), None)
+        return self.stamps.take(session, file)
 
     def file_versions(self, session: str) -> dict[str, tuple[int, str | None]]:
         """file -> (size, content version) of every file the cluster holds of the session
@@ -156,7 +127,7 @@ class SharedTier:
                                         [("HGETALL", k.files), ("HGETALL", k.vers)],
                                         transaction=True)
         sizes, tokens = _pairs(index), _pairs(vers)
-        return {f: (int(n), self._version(session, f, tokens.get(f))) for f, n in sizes.items()}
+        return {f: (int(n), self.stamps.decode(session, f, tokens.get(f))) for f, n in sizes.items()}
 
     # -- leases (lease.Leases) ---------------------------------------------------
     def _lease(self, session: str) -> str:
@@ -222,7 +193,7 @@ class SharedTier:
             keys = [k.files, k.lease, k.vers, *(k.chunk(file, n) for n, _ in batch)]
             args = [self._lease(session), file, pos, end, self.retention_ms, self.chunk_bytes,
                     k.prefix, self.lease_ms, "A" if pos % self.chunk_bytes else "S",
-                    self._new_version(session, file), *(p for _, p in batch)]
+                    self.stamps.new(session, file), *(p for _, p in batch)]
             res = self._scripted(k, "append", APPEND, keys, args)
             st = status(res)
             if st == "SIZE":
@@ -230,10 +201,9 @@ class SharedTier:
             last_len = int(res[1])
             added += sum(len(p) for _, p in batch)
             pos = end
-            version = self._version(session, file, res[2])
+            self.stamps.left(session, file, self.stamps.decode(session, file, res[2]))
             with self._lock:
                 self._written.setdefault(session, {})[file] = pos
-                self._stamped[(session, file)] = version
         self.stats_.add("appends")
         self.stats_.add("bytes_in", len(data))
         self.stats_.time("append", (time.perf_counter() - t0) * 1000)
@@ -282,7 +252,7 @@ class SharedTier:
                                             self._chunk(k, file, n, cur, None)[:cut])
         keys = [k.files, k.lease, k.vers,
                 *(k.chunk(file, c) for c in range(n, max(n + 1, chunks_of(cur, self.chunk_bytes))))]
-        token = self._new_version(session, file)  # a cut is a rewrite: a new version
+        token = self.stamps.new(session, file)  # a cut is a rewrite: a new version
         res = self._scripted(k, "truncate", REWRITE, keys,
                              [self._lease(session), file, cur, size, value, self.retention_ms,
                               self.chunk_bytes, k.prefix, token])
@@ -293,10 +263,9 @@ class SharedTier:
             files = self._written.setdefault(session, {})
             if size < 0:
                 files.pop(file, None)
-                self._stamped[(session, file)] = None
             else:
                 files[file] = size
-                self._stamped[(session, file)] = self._version(session, file, token)
+        self.stamps.left(session, file, None if size < 0 else self.stamps.decode(session, file, token))
         self._capacity.wrote(session, -int(res[1]))
 
     def put_meta(self, session: str, data: bytes, owner: Owner | None = None) -> None:
@@ -333,8 +302,7 @@ class SharedTier:
         with self._lock:
             self._written.pop(session, None)
             self._meta_head.pop(session, None)
-            for key in [key for key in self._stamped if key[0] == session]:
-                del self._stamped[key]
+        self.stamps.forget(session)
         self._capacity.forget(session)
         return int(res[1]) > 0
 
@@ -374,7 +342,7 @@ class SharedTier:
             files = {f: int(n) for f, n in _pairs(index).items()}
             tokens = _pairs(vers)
             return SessionInfo(files, data, who,
-                               {f: self._version(session, f, tokens.get(f)) for f in files})
+                               {f: self.stamps.decode(session, f, tokens.get(f)) for f in files})
         raise AssertionError("unreachable")
 
     def list_files(self, session: str) -> dict[str, int]:
@@ -445,7 +413,7 @@ class SharedTier:
         self.stats_.add("reads")
         self.stats_.add("bytes_out", len(data))
         self.stats_.time("read", (time.perf_counter() - t0) * 1000)
-        return data, self._version(session, file, version)
+        return data, self.stamps.decode(session, file, version)
 
     def _chunk(self, k: SessionKeys, file: str, n: int, size: int, value: bytes | None) -> bytes:
         """The checked bytes of chunk ``n`` of a file of ``size`` bytes (``value`` as read,
