@@ -5,8 +5,8 @@ around this object's own state); every call is bounded (``client``: ``timeout_s`
 attempt, a failed shard not retried for ``retry_after_s``), so a caller gets
 ``SharedUnavailable`` quickly and keeps serving from its local tiers. Never imports pyfuse3,
 trio or torch. The format is in ``chunks``, the seals (MACs, encryption, lease values) in
-``seal``, the scripts in ``scripts``, the leases in ``lease``; the guarantees are in
-docs/scale-out.md.
+``seal``, the scripts in ``scripts``, the leases in ``lease``, the content versions in
+``versions``; the guarantees are in docs/scale-out.md.
 """
 
 from __future__ import annotations
