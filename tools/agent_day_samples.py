@@ -14,6 +14,25 @@ import agentlib as lib
 RSS_MARKS_MIN = (2, 5, 10)  # real minutes at which the agent's RSS is reported
 
 
+def tensor_bytes() -> int:
+    """Bytes of the distinct storages of every live CPU torch tensor (a gc walk)."""
+    import gc
+
+    import torch
+
+    seen, total = set(), 0
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor) and o.device.type == "cpu":
+            try:
+                st = o.untyped_storage()
+            except RuntimeError:
+                continue
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+    return total
+
+
 def rss_parts() -> dict[str, int]:
     """This process's RSS split (``/proc/self/status``): ``anon`` (heap, torch, numpy),
     ``shmem`` (the RAM tier's mapped shard pages on tmpfs: bounded by its cap) and ``file``."""
@@ -36,12 +55,14 @@ class DaySamples:
     most from the first to the last are reported (where a growing RSS comes from)."""
 
     def _heap_mark(self, t: float) -> None:
-        if not getattr(self.args, "tracemalloc", False):
-            return
-        snaps = self.__dict__.setdefault("_snaps", {})
+        """At each mark: the bytes of live torch tensor storages (native memory tracemalloc
+        does not see) and, with ``--tracemalloc``, a heap snapshot."""
+        seen = self.__dict__.setdefault("_marks", {})
         for m in RSS_MARKS_MIN:
-            if t >= m * 60 and m not in snaps:
-                snaps[m] = tracemalloc.take_snapshot()
+            if t >= m * 60 and m not in seen:
+                seen[m] = tensor_bytes()
+                if getattr(self.args, "tracemalloc", False):
+                    self.__dict__.setdefault("_snaps", {})[m] = tracemalloc.take_snapshot()
 
     def _sample(self, now: float) -> None:
         from kvfs.ops import metrics
@@ -110,6 +131,9 @@ class DaySamples:
         rss["parts_at_min"] = {m: next((r.get("rss_parts") for r in rows if r.get("t", 0) >= m * 60), None)
                                for m in rss["at_min"]}
         rss["parts_end"] = rows[-1].get("rss_parts")
+        for m, n in self.__dict__.get("_marks", {}).items():
+            if rss["parts_at_min"].get(m) is not None:
+                rss["parts_at_min"][m]["tensors"] = n
         rss["end_min"] = rows[-1].get("t", 0) / 60
         first = next(iter(rss["at_min"].values()), None)
         rss["growth_since_2min"] = rows[-1]["rss"] - first if first is not None else None
