@@ -433,8 +433,8 @@ def test_bad_input_changes_nothing(cluster: Cluster, tier: SharedTier) -> None:
     assert tier.read("bi", "layer_0", 0, 10) == b"abc"
     r = _master(cluster, "bi")
     assert sorted(r.keys("kvfs:{bi}:*")) == sorted(
-        k.encode() for k in ("kvfs:{bi}:files", "kvfs:{bi}:lease", "kvfs:{bi}:holder",
-                             "kvfs:{bi}:layer_0:0"))
+        k.encode() for k in ("kvfs:{bi}:files", "kvfs:{bi}:vers", "kvfs:{bi}:lease",
+                             "kvfs:{bi}:holder", "kvfs:{bi}:layer_0:0"))
 
 
 def test_threads_share_one_tier(tier: SharedTier) -> None:
@@ -457,6 +457,53 @@ def test_threads_share_one_tier(tier: SharedTier) -> None:
     for th in ths:
         th.join(timeout=30)
     assert not errors, errors
+
+
+def test_content_versions(cluster: Cluster, tier: SharedTier) -> None:
+    """A version is made with a file and by every cut, kept by appends and compactions,
+    names its node, and a long read never mixes two versions."""
+    tier.acquire("cv")
+    tier.append("cv", "f", 0, b"a" * 100)
+    v1 = tier.file_versions("cv")["f"][1]
+    assert v1 is not None and tier.made_here(v1) and tier.take_version("cv", "f") == v1
+    tier.append("cv", "f", 100, b"b" * 100)
+    assert tier.file_versions("cv") == {"f": (200, v1)}  # appends keep it
+    tier.truncate("cv", "f", 0)
+    tier.append("cv", "f", 0, b"c" * 200)  # the same size again, another version
+    v2 = tier.file_versions("cv")["f"][1]
+    assert v2 not in (None, v1)
+    other = SharedTier(cluster.urls, node_id="node-b", secret=SECRET, chunk_bytes=C,
+                       timeout_s=0.5)
+    try:
+        assert not other.made_here(v2) and other.file_versions("cv")["f"][1] == v2
+        assert other.open_session("cv") is None  # no meta: not visible, versions aside
+    finally:
+        other.close()
+    tier.remove_file("cv", "f")
+    tier.append("cv", "f", 0, b"d")
+    assert tier.file_versions("cv")["f"][1] not in (None, v1, v2)  # made again: new
+
+    big, new = os.urandom(20 * C), os.urandom(20 * C)  # more than one read batch
+    tier.append("cv", "g", 0, big)
+    real = tier._c.on_master
+    done = []
+
+    def rewrite_midway(key, what, commands, transaction):
+        out = real(key, what, commands, transaction)
+        if what.startswith("read") and not done:
+            done.append(True)  # between the first and the second batch: rewritten
+            tier._c.on_master = real
+            tier.truncate("cv", "g", 0)
+            tier.append("cv", "g", 0, new)
+            tier._c.on_master = rewrite_midway
+        return out
+
+    tier._c.on_master = rewrite_midway
+    try:
+        data, version = tier.read_versioned("cv", "g", 0, 20 * C)
+    finally:
+        tier._c.on_master = real
+    assert done and data == new and version == tier.file_versions("cv")["g"][1]
 
 
 def test_cluster_lost(cluster: Cluster, tier: SharedTier) -> None:
@@ -488,3 +535,4 @@ def _eventually(cond, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+

@@ -88,6 +88,17 @@ def run_profile(name: str, args: argparse.Namespace, argv: list[str]) -> dict[st
                        default_head=DEFAULT_HEAD)
     for fig, value, goal, ok in report.day_figures(res, prof):
         print(f"  {fig}: {value}" + {"": "", "yes": "  [met]", "**NO**": f"  [MISSED: {goal}]"}.get(ok, f"  [{ok}]"))
+    rss, MiB = res["rss"], 1 << 20
+    marks = ", ".join(f"{m} min {v / MiB:.1f} MiB" for m, v in rss["at_min"].items())
+    grew = rss["growth_since_2min"]
+    print(f"  agent RSS by real time: {marks or 'no mark reached'}; {rss['end'] / MiB:.1f} MiB at the "
+          f"end ({rss['end_min']:.1f} min)" + (f"; {grew / MiB:+.1f} MiB since 2 min" if grew is not None else ""))
+    def split(p: dict | None) -> str:
+        return ", ".join(f"{k} {v / MiB:.1f}" for k, v in (p or {}).items())
+    for m, p in [*rss["parts_at_min"].items(), ("end", rss["parts_end"])]:
+        print(f"    at {m}{' min' if m != 'end' else ''}: {split(p)} MiB")
+    for line in rss.get("heap_growth", []):
+        print(f"    heap {line}")
     for note in res["notes"]:
         print(f"  NOTE: {note}")
     print(f"[{name}] {'every goal met' if res['ok'] else 'GOALS MISSED'}; wrote {page} and {img}", flush=True)
@@ -106,7 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the figures (without the time series) here")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--verbose", action="store_true")
+    p.add_argument("--tracemalloc", action="store_true",
+                   help="trace the Python heap: the lines that grew most from 2 minutes to the end")
     args = p.parse_args(argv)
+    if args.tracemalloc:
+        import tracemalloc
+        tracemalloc.start(1)
     if args.minutes <= 0 or (args.sessions is not None and args.sessions < 1):
         p.error("--minutes and --sessions must be > 0")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,

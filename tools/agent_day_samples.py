@@ -6,14 +6,63 @@ from __future__ import annotations
 
 import math
 import time
+import tracemalloc
 from typing import Any
 
 import agentlib as lib
 
+RSS_MARKS_MIN = (2, 5, 10)  # real minutes at which the agent's RSS is reported
+
+
+def tensor_bytes() -> int:
+    """Bytes of the distinct storages of every live CPU torch tensor (a gc walk)."""
+    import gc
+
+    import torch
+
+    seen, total = set(), 0
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor) and o.device.type == "cpu":
+            try:
+                st = o.untyped_storage()
+            except RuntimeError:
+                continue
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+    return total
+
+
+def rss_parts() -> dict[str, int]:
+    """This process's RSS split (``/proc/self/status``): ``anon`` (heap, torch, numpy),
+    ``shmem`` (the RAM tier's mapped shard pages on tmpfs: bounded by its cap) and ``file``."""
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                for key, name in (("RssAnon:", "anon"), ("RssFile:", "file"), ("RssShmem:", "shmem")):
+                    if line.startswith(key):
+                        out[name] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return out
+
 
 class DaySamples:
     """The time series and the day's results, mixed into ``Day``: its router, volume, counters,
-    latencies and the marks of the previous sample."""
+    latencies and the marks of the previous sample. With ``--tracemalloc`` a snapshot of the
+    Python heap is taken at each of ``RSS_MARKS_MIN`` and at the end, and the lines that grew
+    most from the first to the last are reported (where a growing RSS comes from)."""
+
+    def _heap_mark(self, t: float) -> None:
+        """At each mark: the bytes of live torch tensor storages (native memory tracemalloc
+        does not see) and, with ``--tracemalloc``, a heap snapshot."""
+        seen = self.__dict__.setdefault("_marks", {})
+        for m in RSS_MARKS_MIN:
+            if t >= m * 60 and m not in seen:
+                seen[m] = tensor_bytes()
+                if getattr(self.args, "tracemalloc", False):
+                    self.__dict__.setdefault("_snaps", {})[m] = tracemalloc.take_snapshot()
 
     def _sample(self, now: float) -> None:
         from kvfs.ops import metrics
@@ -28,8 +77,10 @@ class DaySamples:
             cold_write = (mm["kv_cold_write_ms_sum"] - mk["w_sum"]) / (mm["kv_cold_write_ms_count"] - mk["w_n"])
         p50, p99 = self.cold_lat.quantiles(mk.get("reads", 0))
         steps = self.c["steps"] - mk.get("steps", 0)
+        t = time.perf_counter() - self.clock.t0
+        self._heap_mark(t)
         row = {
-            "h": now / 3600, "active": len(self.active), "interactions": self.c["interactions"],
+            "h": now / 3600, "t": t, "active": len(self.active), "interactions": self.c["interactions"],
             "hit_rate": (self.c["hits"] - mk.get("hits", 0)) / steps if steps else None,
             "hot_ratio": r.hot_total / r.budget, "warm_ratio": wu["ratio"],
             "cold_used": st["usage"]["used"] if st else None,
@@ -39,7 +90,7 @@ class DaySamples:
             "migrations": wu["migrations"] + self.offs["migrations"],
             "promotions": wu["promotions"] + self.offs["promotions"],
             "alerts": self.c["alerts_in_drill"] + self.c["alerts_outside"],
-            "rss": lib.rss_bytes(), "mount_rss": lib.rss_bytes(self.vol.pid) if self.vol.pid else None,
+            "rss": lib.rss_bytes(), "rss_parts": rss_parts(), "mount_rss": lib.rss_bytes(self.vol.pid) if self.vol.pid else None,
         }
         self.rows.append(row)
         mk.update(steps=self.c["steps"], hits=self.c["hits"], reads=len(self.cold_lat), ev_sum=ev_sum, ev_n=ev_n)
@@ -73,6 +124,25 @@ class DaySamples:
                "first": rows[0]["rss"], "at_h": base["h"]}
         rss["growth"] = rss["max"] - rss["start"]
         rss["flat"] = rss["growth"] <= max(0.05 * rss["start"], 16 * MiB)
+        # by real time: RSS at 2, 5 and 10 minutes (those the run reached) and at the end
+        at = {m: next((r["rss"] for r in rows if r.get("t", 0) >= m * 60 and r["rss"]), None)
+              for m in RSS_MARKS_MIN}
+        rss["at_min"] = {m: v for m, v in at.items() if v is not None}
+        rss["parts_at_min"] = {m: next((r.get("rss_parts") for r in rows if r.get("t", 0) >= m * 60), None)
+                               for m in rss["at_min"]}
+        rss["parts_end"] = rows[-1].get("rss_parts")
+        for m, n in self.__dict__.get("_marks", {}).items():
+            if rss["parts_at_min"].get(m) is not None:
+                rss["parts_at_min"][m]["tensors"] = n
+        rss["end_min"] = rows[-1].get("t", 0) / 60
+        first = next(iter(rss["at_min"].values()), None)
+        rss["growth_since_2min"] = rows[-1]["rss"] - first if first is not None else None
+        snaps = self.__dict__.get("_snaps", {})
+        if snaps:
+            end = tracemalloc.take_snapshot()
+            top = end.compare_to(snaps[min(snaps)], "lineno")[:12]
+            rss["heap_growth"] = [f"{st.size_diff / MiB:+.2f} MiB in {st.count_diff:+d} blocks: "
+                                  f"{st.traceback.format()[0].strip()}" for st in top]
         mrss = [r["mount_rss"] for r in rows if r["mount_rss"]]
         p50, p99 = self.cold_lat.quantiles()
         steps = c["steps"]

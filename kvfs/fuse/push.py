@@ -6,6 +6,10 @@ removals in order, pushes meta.json with the session's owner, and reconciles a s
 from the volume (bytes past the cluster's size appended, longer files cut, files gone
 removed). Local bytes are read with the engine worker's lock held: the ``Store`` is not
 thread-safe, and this thread is the only one besides the worker that calls it.
+
+After each append or cut it records the content version the cluster's file has now in
+``versions`` (shared with ``remote.Remote``): the local copy, which the pushed bytes came
+from, is of that version.
 """
 
 from __future__ import annotations
@@ -48,8 +52,10 @@ class Remove:
 class Pusher:
     """Pushes one session's changes at a time from the replicator thread."""
 
-    def __init__(self, tier: Any, store: Any, engine_lock: threading.Lock) -> None:
+    def __init__(self, tier: Any, store: Any, engine_lock: threading.Lock,
+                 versions: dict[tuple[str, ...], str | None] | None = None) -> None:
         self.tier, self.store, self._engine_lock = tier, store, engine_lock
+        self.versions = {} if versions is None else versions
         self.progress = 0  # jobs of the current batch applied
         self.pushed_bytes = 0
 
@@ -73,11 +79,13 @@ class Pusher:
                 continue
             if isinstance(j, Truncate):
                 self.tier.truncate(session, j.file, j.size)
+                self._noted(session, j.file)
             else:
                 try:
                     self.tier.remove_file(session, j.file)
                 except NotFoundShared:
                     pass
+                self.versions.pop((session, j.file), None)
             i = self.progress = i + 1
 
     def push(self, session: str, file: str, offset: int, data: bytes) -> None:
@@ -89,8 +97,15 @@ class Pusher:
             if e.size < offset:
                 raise  # a gap: the caller reconciles
             self.tier.append(session, file, e.size, data[e.size - offset:])
+        self._noted(session, file)
         self.pushed_bytes += len(data)
         metrics.shared_pushed.inc(len(data))
+
+    def _noted(self, session: str, file: str) -> None:
+        """The cluster's file is of the version this node's write left: so is the local copy."""
+        version = self.tier.take_version(session, file)
+        if version is not None:
+            self.versions[(session, file)] = version
 
     def _local(self, fn: Callable[..., Any], *args: Any) -> Any:
         with self._engine_lock:
@@ -114,6 +129,7 @@ class Pusher:
             have = remote.get(name, 0)
             if have > size:
                 self.tier.truncate(session, name, size)
+                self._noted(session, name)
                 have = size
             while have < size:
                 data = self._local(self.store.read, session, name, have, min(READ_STEP, size - have))
@@ -123,6 +139,7 @@ class Pusher:
                 have += len(data)
         for name in set(remote) - set(names):
             self.tier.remove_file(session, name)
+            self.versions.pop((session, name), None)
         log.info("session %r reconciled with the shared tier", session)
 
     def push_meta(self, session: str) -> None:

@@ -13,6 +13,18 @@ mount without ``--shared``. The pushing itself is the ``replica.Replicator``'s.
   appends them to the local file, so later reads are local. A session not being written
   here is re-checked on open (at most every ``REFRESH_S``): files the cluster holds longer
   than the local copy are fetched on, and a changed meta.json replaces the local one.
+- **Freshness by content version.** The cluster keeps a version per file, new whenever the
+  file is made or rewritten (cut, or removed and made again), kept while it is appended to.
+  ``versions`` holds the version each local copy is of (learned when it is read through,
+  or when this node's own write is pushed); a refresh empties and reads through again a
+  local copy whose version is not the cluster's -- a file rewritten elsewhere at the same
+  size, or, after a remount (a crash included: the volume does not keep versions), any
+  copy whose version another node made. A version names the node that made it: one made
+  by this node's own writes is its volume's, trusted by size as before (bytes a lost
+  queue did not push stay, and are re-pushed at the next write). A cluster file without
+  a version (stored before they were kept) or with one that does not verify is read
+  through once and then compared by size. ``fill`` checks every fetch's version, so bytes
+  of two versions never mix.
 - **Leases.** A file opened for writing (or created, cut, removed) takes the session's
   lease first; another node's live lease answers EBUSY with a log line naming it. The
   local copy is then completed from the cluster before the first write (appends go at the
@@ -57,6 +69,7 @@ from .replica import META, Replicator
 log = logging.getLogger("kvfs.shared.mount")
 
 REFRESH_S = 1.0  # a session read here but written elsewhere is re-checked this often
+_UNKNOWN = object()  # no version recorded for a local copy: it is not trusted
 FETCH_CHUNKS = 16  # a read-through fetch takes at most this many cluster chunks at once
 SYNC_WAIT_S = 120.0  # fsync gives up on a replicator that does not answer (EIO)
 
@@ -70,7 +83,10 @@ class Remote(Local):
                  queue_max: int, fsync_wait_s: float, entry_max: int) -> None:
         self.tier, self.store, self.call = tier, store, call
         self.fsync_wait_s, self.entry_max = fsync_wait_s, entry_max
-        self.repl = Replicator(tier, store, engine_lock, queue_max)
+        # (session, file) -> the cluster's content version the local copy is of (None: the
+        # cluster's file has none); a key missing: unknown, the copy is not trusted
+        self.versions: dict[Key, str | None] = {}
+        self.repl = Replicator(tier, store, engine_lock, queue_max, self.versions)
         self.remote: dict[Key, int] = {}  # files the cluster holds longer than the volume
         self.writers: dict[str, int] = {}  # session -> writing handles here (lease held)
         self.written: set[str] = set()  # sessions written through this mount
@@ -161,6 +177,7 @@ class Remote(Local):
             for f in files:
                 if f not in have:
                     self.store.create_file(name, f, 0o600, owner.uid, owner.gid)
+                    self.versions[(name, f)] = info.versions.get(f)  # empty: of any version
             if meta and META not in have:
                 self.store.create_file(name, META, 0o600, owner.uid, owner.gid)
                 self._append_local(name, META, 0, meta)
@@ -211,9 +228,10 @@ class Remote(Local):
         return True
 
     async def refresh(self, session: str, force: bool = False) -> list[Key]:
-        """Bring a session written elsewhere up to the cluster's sizes (files longer there
-        are fetched on read; new files made; a changed meta.json replaced). Returns the
-        keys that grew or were replaced (the kernel's size and pages of them are stale)."""
+        """Bring a session written elsewhere up to the cluster's copy (files longer there
+        are fetched on read; new files made; a copy of another content version emptied and
+        read through again; a changed meta.json replaced). Returns the keys that grew or
+        were replaced (the kernel's size and pages of them are stale)."""
         now = time.monotonic()
         if (not force and (self.writers.get(session) or now - self._checked.get(session, -1e9)
                            < REFRESH_S)) or not self._reachable(session) \
@@ -221,11 +239,13 @@ class Remote(Local):
             return []
         self._checked[session] = now
         try:
-            files = await self._t(self.tier.list_files, session)
+            files = await self._t(self.tier.file_versions, session)
             if not files:
                 return []
             local = await self.call(self._local_sizes, session, changes=False)
-            ahead = {f: n for f, n in files.items() if n > local.get(f, -1)}
+            stale = {f: n for f, (n, v) in files.items()
+                     if local.get(f, 0) > 0 and not self._trusted((session, f), v)}
+            ahead = {f: n for f, (n, _) in files.items() if n > local.get(f, -1) or f in stale}
             meta = None
             if ahead or session not in self.written:
                 meta = await self._t(self.tier.get_meta, session)
@@ -238,6 +258,11 @@ class Remote(Local):
             for f in ahead:
                 if f not in local:
                     self.store.create_file(session, f, 0o600, st.uid, st.gid)
+                elif f in stale:
+                    self.store.truncate(session, f, 0)
+            for f, (_, v) in files.items():  # every local copy is of the cluster's version
+                if local.get(f, 0) == 0 or f in stale or (session, f) not in self.versions:
+                    self.versions[(session, f)] = v
             if meta is None:
                 return False
             old = self.store.read(session, META, 0, local[META]) if META in local else None
@@ -253,11 +278,27 @@ class Remote(Local):
         replaced = await self.call(apply)
         for f, n in ahead.items():
             self.remote[(session, f)] = n
+        if stale:
+            log.warning("session %s: %s of another content version than the shared tier's "
+                        "(rewritten elsewhere, or not seen made by this mount): read through "
+                        "again (%d local bytes dropped)", shown(session),
+                        ", ".join(shown((session, f)) for f in sorted(stale)),
+                        sum(local[f] for f in stale))
         if ahead or replaced:
             self._hit()
             log.info("session %s: newer bytes in the shared tier (%d files)", shown(session),
                      len(ahead))
-        return [(session, f) for f in ahead] + ([(session, META)] if replaced else [])
+        keys: list[Key] = [(session, f) for f in ahead]
+        return keys + ([(session, META)] if replaced else [])
+
+    def _trusted(self, key: Key, version: str | None) -> bool:
+        """Whether the local copy of ``key`` is of the cluster's ``version``: recorded so,
+        or, with nothing recorded (a remount), a version this node's own writes made (the
+        volume holds what they pushed, and what a lost queue did not push yet)."""
+        have = self.versions.get(key, _UNKNOWN)
+        if have is _UNKNOWN:
+            return bool(self.tier.made_here(version))
+        return have == version
 
     def _local_sizes(self, session: str) -> dict[str, int]:
         return {f: self.store.file_stat(session, f).size for f in self.store.list_files(session)}
@@ -279,16 +320,31 @@ class Remote(Local):
             st = await self.call(on_live, node, self.store.file_stat, *key, changes=False)
             have, stop = st.size, want if end is None else min(want, end)
             c = self.tier.chunk_bytes
+            restarts = 0
             while have < stop:
                 n = min(want, -(-stop // c) * c, have - have % c + FETCH_CHUNKS * c) - have
                 try:
-                    data = await self._t(self.tier.read, key[0], key[1], have, n)
+                    data, version = await self._t(self.tier.read_versioned, key[0], key[1],
+                                                  have, n)
+                    if have and self.versions.get(key, _UNKNOWN) != version:
+                        # rewritten in the cluster since the local bytes came: start over
+                        restarts += 1
+                        if restarts > 3:
+                            raise SharedUnavailable("rewritten during every fetch")
+                        log.warning("%s was rewritten in the shared tier while it was read "
+                                    "through: fetched again from its start", shown(key))
+                        want = await self._t(self.tier.size, *key)
+                        self.remote[key] = want
+                        await self.call(on_live, node, self.store.truncate, *key, 0)
+                        have, stop = 0, want if end is None else min(want, end)
+                        continue
                 except SharedCorrupt:
                     raise  # an engine Corrupt: EIO, counted, never served
                 except SharedError as e:
                     log.error("read of %s at %d needs bytes only the shared tier holds: %s",
                               shown(key), have, e)
                     raise FUSEError(errno.EIO) from None
+                self.versions[key] = version
                 if not data:  # the cluster holds less than it said: serve what is here
                     want = have
                     break
@@ -371,6 +427,7 @@ class Remote(Local):
         self.written.discard(session)  # so ``refresh`` takes the cluster's meta.json too
         for f in emptied:
             self.remote[(session, f)] = files[f]
+            self.versions.pop((session, f), None)  # recorded again by ``refresh``
         log.warning("session %s was written by another node: local copy replaced by the "
                     "shared tier's (%d files)", shown(session), len(emptied))
         return [(session, f) for f in emptied]
@@ -385,6 +442,7 @@ class Remote(Local):
 
     def removed(self, key: Key) -> None:
         self.remote.pop(key, None)
+        self.versions.pop(key, None)
         self.repl.remove(key[0], key[1])
 
     async def removed_session(self, session: str) -> None:
@@ -393,6 +451,8 @@ class Remote(Local):
         self.repl.forget(session)
         for key in [k for k in self.remote if k[0] == session]:
             del self.remote[key]
+        for key in [k for k in self.versions if k[0] == session]:
+            del self.versions[key]
         try:
             await self._t(self.tier.delete_session, session)
         except SessionBusy as e:

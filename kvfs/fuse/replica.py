@@ -76,9 +76,10 @@ class Replicator:
     """Pushes queued session changes to a ``SharedTier`` from one thread."""
 
     def __init__(self, tier: Any, store: Any, engine_lock: threading.Lock | None,
-                 queue_max: int) -> None:
+                 queue_max: int, versions: dict[tuple[str, ...], str | None] | None = None
+                 ) -> None:
         self.tier, self.store, self.queue_max = tier, store, queue_max
-        self.pusher = Pusher(tier, store, engine_lock or threading.Lock())
+        self.pusher = Pusher(tier, store, engine_lock or threading.Lock(), versions)
         self._next_probe = 0.0
         self._cv = threading.Condition()
         self._q: dict[str, SessionQueue] = {}

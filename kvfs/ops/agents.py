@@ -31,31 +31,45 @@ def _alive(pid: int) -> bool:
     return True
 
 
+# kvfs.warm.rootdir.FALLBACK_TAG: a root squatted by another user in a shared directory
+# moves to a private fallback beside it, ``<root>.private-<random>`` (open_root)
+FALLBACK_TAG = ".private-"
+_SUFFIX = r"(?:" + re.escape(FALLBACK_TAG) + r"[A-Za-z0-9_]{1,64})?"
+
+
 def roots(warm_root: str) -> list[str]:
     """The RAM-tier roots ``warm_root`` names: itself, or with ``{uid}`` in its last
-    component, each directory of that shape owned by the uid in its name."""
-    if "{uid}" not in warm_root:
-        return [warm_root]
+    component, each directory of that shape owned by the uid in its name; and the private
+    fallbacks beside them (``open_root``'s, where another user squatted the name), each
+    a directory nobody else may write (with ``{uid}``: owned by that uid)."""
     parent, last = os.path.split(warm_root)
     if "{uid}" in parent:
         return []
-    shape = re.compile(re.escape(last).replace(re.escape("{uid}"), "([0-9]{1,10})"))
+    if "{uid}" not in warm_root:
+        shape, out = re.compile(re.escape(last) + _SUFFIX), [warm_root]
+    else:
+        shape = re.compile(re.escape(last).replace(re.escape("{uid}"), "([0-9]{1,10})") + _SUFFIX)
+        out = []
     try:
         names = sorted(os.listdir(parent or "."))
     except OSError:
-        return []
-    out = []
+        return out
     for n in names:
         m = shape.fullmatch(n)
-        if m is None:
+        if m is None or n == last:
             continue
         path = os.path.join(parent, n)
         try:
             st = os.lstat(path)
         except OSError:
             continue
-        if stat.S_ISDIR(st.st_mode) and st.st_uid == int(m.group(1)):  # not someone's fake
-            out.append(path)
+        if not stat.S_ISDIR(st.st_mode):  # a symlink or a file: not a root
+            continue
+        if m.groups() and st.st_uid != int(m.group(1)):  # not someone's fake
+            continue
+        if FALLBACK_TAG in n and st.st_mode & 0o022:  # open_root never makes it so
+            continue
+        out.append(path)
     return out
 
 

@@ -61,7 +61,7 @@ class Capacity:
                 continue
             k = SessionKeys(s)
             res = self._c.eval(f"evict {s}", DELETE,
-                               [k.files, k.lease, k.meta, k.holder, k.sync, k.owner],
+                               [k.files, k.lease, k.meta, k.holder, k.sync, k.owner, k.vers],
                                [self._leases.value(s), self.chunk_bytes, k.prefix, "evict"])
             if status(res) != "OK":
                 continue

@@ -17,7 +17,8 @@ piece, a piece from another session, file or place, a gap, or a piece made up by
 without the cluster's secret is caught. ``Codec.decode`` checks every piece and that they
 tile the chunk from its first byte with no gap; it returns the chunk's bytes or raises
 ``ChunkError``. The per-session keys besides the chunks: ``files`` (hash: file -> size),
-``meta`` (one piece holding meta.json), ``owner`` (one piece holding the session's uid, gid
+``vers`` (hash: file -> its content version, one piece holding a random token, new when the
+file is made or rewritten; docs/format.md), ``meta`` (one piece holding meta.json), ``owner`` (one piece holding the session's uid, gid
 and mode), ``lease`` (a sealed owner node id), ``holder`` (the last lease value, to tell a
 takeover from a first use), ``sync`` (a marker written by ``sync``) and ``tmp`` (the scratch
 key of a trim, see ``scripts``).
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvfs.session.names import META
 
@@ -42,6 +43,8 @@ HEADER_SIZE = HEADER.size
 assert HEADER_SIZE == 16
 META_FILE = META  # the claim's place: the ``meta`` key, not a chunk (kvfs.session.names)
 OWNER_FILE = "\0owner"  # the owner record's place: no file name holds a NUL
+VERSION_PLACE = "\0version/"  # + file name: where a version token is sealed
+VERSION_TOKEN = 16  # random bytes of a version token; the writing node's id follows
 MAX_NAME = 255
 # names may not contain these: "/" and NUL (path components), "{" "}" (the hash tag)
 FORBIDDEN = frozenset("/\0{}")
@@ -75,12 +78,13 @@ def check_name(name: object, what: str = "name") -> str:
 class SessionKeys:
     """The key names of one session (all in the session's hash slot)."""
 
-    __slots__ = ("session", "prefix", "files", "meta", "owner", "lease", "holder", "sync")
+    __slots__ = ("session", "prefix", "files", "vers", "meta", "owner", "lease", "holder", "sync")
 
     def __init__(self, session: str) -> None:
         self.session = session
         self.prefix = f"kvfs:{{{session}}}:"
         self.files = self.prefix + "files"
+        self.vers = self.prefix + "vers"
         self.meta = self.prefix + "meta"
         self.owner = self.prefix + "owner"
         self.lease = self.prefix + "lease"
@@ -107,6 +111,7 @@ class SessionInfo:
     files: dict[str, int]          # file -> size (meta.json aside)
     meta: bytes | None             # meta.json, checked; None: the session is not visible
     owner: Owner | None            # uid, gid and mode of the writing node's copy; None: not recorded
+    versions: dict[str, str | None] = field(default_factory=dict)  # file -> content version
 
 
 @dataclass(frozen=True)
@@ -177,6 +182,22 @@ class Codec:
 
     def decode_meta(self, session: str, value: bytes) -> bytes:
         return self.decode_pieces(session, META_FILE, value, 0)[0]
+
+    def encode_version(self, session: str, file: str, token: bytes) -> bytes:
+        """A file's content version as stored (sealed: bound to the session and file)."""
+        return self.encode_piece(session, VERSION_PLACE + file, 0, token)
+
+    def decode_version(self, session: str, file: str, value: bytes) -> str:
+        """The version of ``file`` as text, ``<32 hex digits>@<node id>`` (the node that
+        made this version); ``ChunkError`` if it does not verify."""
+        token = self.decode_pieces(session, VERSION_PLACE + file, value, 0)[0]
+        if len(token) <= VERSION_TOKEN:
+            raise ChunkError(f"version token of {len(token)} bytes")
+        try:
+            node = token[VERSION_TOKEN:].decode()
+        except UnicodeDecodeError:
+            raise ChunkError("version token's node id is not UTF-8") from None
+        return f"{token[:VERSION_TOKEN].hex()}@{node}"
 
     def encode_owner(self, session: str, owner: Owner) -> bytes:
         body = json.dumps({"uid": owner.uid, "gid": owner.gid, "mode": owner.mode}).encode()

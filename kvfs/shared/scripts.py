@@ -43,7 +43,7 @@ local function refresh(prefix, retention, chunk)
     local n = math.ceil(tonumber(all[i + 1]) / chunk)
     for c = 0, n - 1 do redis.call('PEXPIREAT', prefix .. all[i] .. ':' .. c, deadline) end
   end
-  for _, k in ipairs({'files', 'meta', 'owner', 'holder', 'sync'}) do
+  for _, k in ipairs({'files', 'vers', 'meta', 'owner', 'holder', 'sync'}) do
     redis.call('PEXPIREAT', prefix .. k, deadline)
   end
 end
@@ -53,6 +53,15 @@ end
 local function trim(prefix, key)
   redis.call('COPY', key, prefix .. 'tmp', 'REPLACE')
   redis.call('RENAME', prefix .. 'tmp', key)
+end
+-- a file's content version (a sealed token the writing node made): set when the file is
+-- made or rewritten, kept by appends; the hash expires with the file index
+local function stamp(vers, files, file, token, retention)
+  redis.call('HSET', vers, file, token)
+  if retention > 0 and redis.call('PTTL', vers) < 0 then
+    local ttl = redis.call('PTTL', files)
+    redis.call('PEXPIRE', vers, ttl > 0 and ttl or retention)
+  end
 end
 local function put(key, value, mode, retention)
   if mode == 'A' and redis.call('EXISTS', key) == 1 then
@@ -64,30 +73,39 @@ local function put(key, value, mode, retention)
 end
 """
 
-# KEYS: files, lease, chunk keys...   ARGV: node, file, offset, new size, retention ms,
-# chunk bytes, prefix, lease ms, first mode ('A' append to the chunk, 'S' start it), pieces...
-# -> {'OK', length of the last chunk value} | {'LEASE', owner} | {'SIZE', size}
+# KEYS: files, lease, vers, chunk keys...   ARGV: node, file, offset, new size, retention ms,
+# chunk bytes, prefix, lease ms, first mode ('A' append to the chunk, 'S' start it), version
+# token (set if the file is new or has none), pieces...
+# -> {'OK', length of the last chunk value, the file's version} | {'LEASE', owner}
+#    | {'SIZE', size}
 APPEND = _COMMON + """
 local owner = redis.call('GET', KEYS[2])
 if owner ~= ARGV[1] then return {'LEASE', owner or ''} end
-local size = tonumber(redis.call('HGET', KEYS[1], ARGV[2]) or '0')
+local had = redis.call('HGET', KEYS[1], ARGV[2])
+local size = tonumber(had or '0')
 if size ~= tonumber(ARGV[3]) then return {'SIZE', tostring(size)} end
 local retention = tonumber(ARGV[5])
 local last = 0
-for i = 3, #KEYS do
-  last = put(KEYS[i], ARGV[i + 7], i == 3 and ARGV[9] or 'S', retention)
+for i = 4, #KEYS do
+  last = put(KEYS[i], ARGV[i + 7], i == 4 and ARGV[9] or 'S', retention)
 end
-if ARGV[9] == 'A' and (#KEYS > 3 or tonumber(ARGV[4]) % tonumber(ARGV[6]) == 0) then
-  trim(ARGV[7], KEYS[3])        -- the appended chunk is full now
+if ARGV[9] == 'A' and (#KEYS > 4 or tonumber(ARGV[4]) % tonumber(ARGV[6]) == 0) then
+  trim(ARGV[7], KEYS[4])        -- the appended chunk is full now
 end
 redis.call('HSET', KEYS[1], ARGV[2], ARGV[4])
+local version = redis.call('HGET', KEYS[3], ARGV[2])
+if not had or not version then
+  version = ARGV[10]
+  stamp(KEYS[3], KEYS[1], ARGV[2], version, retention)
+end
 redis.call('PEXPIRE', KEYS[2], ARGV[8])
 refresh(ARGV[7], retention, tonumber(ARGV[6]))
-return {'OK', tostring(last)}
+return {'OK', tostring(last), version}
 """
 
-# KEYS: files, lease, chunk n, chunks n+1..   ARGV: node, file, expected size, new size
-# (-1: remove the file), value of chunk n ('' deletes it), retention, chunk bytes, prefix
+# KEYS: files, lease, vers, chunk n, chunks n+1..   ARGV: node, file, expected size, new
+# size (-1: remove the file), value of chunk n ('' deletes it), retention, chunk bytes,
+# prefix, version token ('' keeps the file's version: a compaction, same bytes)
 # -> {'OK', bytes freed} | {'LEASE', owner} | {'SIZE', size}
 REWRITE = _COMMON + """
 local owner = redis.call('GET', KEYS[2])
@@ -96,11 +114,16 @@ local size = tonumber(redis.call('HGET', KEYS[1], ARGV[2]) or '-1')
 if size ~= tonumber(ARGV[3]) then return {'SIZE', tostring(size)} end
 local retention = tonumber(ARGV[6])
 local freed = 0
-for i = 3, #KEYS do freed = freed + redis.call('STRLEN', KEYS[i]) end
-redis.call('DEL', unpack(KEYS, 3))
-if #ARGV[5] > 0 then freed = freed - put(KEYS[3], ARGV[5], 'S', retention) end
-if tonumber(ARGV[4]) < 0 then redis.call('HDEL', KEYS[1], ARGV[2])
-else redis.call('HSET', KEYS[1], ARGV[2], ARGV[4]) end
+for i = 4, #KEYS do freed = freed + redis.call('STRLEN', KEYS[i]) end
+redis.call('DEL', unpack(KEYS, 4))
+if #ARGV[5] > 0 then freed = freed - put(KEYS[4], ARGV[5], 'S', retention) end
+if tonumber(ARGV[4]) < 0 then
+  redis.call('HDEL', KEYS[1], ARGV[2])
+  redis.call('HDEL', KEYS[3], ARGV[2])
+else
+  redis.call('HSET', KEYS[1], ARGV[2], ARGV[4])
+  if #ARGV[9] > 0 then stamp(KEYS[3], KEYS[1], ARGV[2], ARGV[9], retention) end
+end
 refresh(ARGV[8], retention, tonumber(ARGV[7]))
 return {'OK', tostring(freed)}
 """
@@ -125,7 +148,7 @@ refresh(ARGV[5], retention, tonumber(ARGV[4]))
 return {'OK', tostring(redis.call('STRLEN', KEYS[3]) + redis.call('STRLEN', KEYS[4]) - old)}
 """
 
-# KEYS: files, lease, meta, holder, sync, owner   ARGV: node, chunk bytes, prefix, mode
+# KEYS: files, lease, meta, holder, sync, owner, vers   ARGV: node, chunk bytes, prefix, mode
 # mode 'delete': refused while another node holds the lease; 'evict': refused while anyone does
 # -> {'OK', bytes freed} | {'BUSY', owner, ms left}
 DELETE = """
@@ -143,7 +166,7 @@ for i = 1, #all, 2 do
     redis.call('DEL', k)
   end
 end
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7])
 return {'OK', tostring(freed)}
 """
 

@@ -5,8 +5,8 @@ around this object's own state); every call is bounded (``client``: ``timeout_s`
 attempt, a failed shard not retried for ``retry_after_s``), so a caller gets
 ``SharedUnavailable`` quickly and keeps serving from its local tiers. Never imports pyfuse3,
 trio or torch. The format is in ``chunks``, the seals (MACs, encryption, lease values) in
-``seal``, the scripts in ``scripts``, the leases in ``lease``; the guarantees are in
-docs/scale-out.md.
+``seal``, the scripts in ``scripts``, the leases in ``lease``, the content versions in
+``versions``; the guarantees are in docs/scale-out.md.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from .lease import Leases
 from .scripts import APPEND, DELETE, PUT_META, REWRITE, SYNC, status, text
 from .seal import Sealer
 from .stats import Stats
+from .versions import Stamps
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,13 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = (1 << 20) - (16 << 10)
 BATCH_CHUNKS = 16          # chunks per script call: one call moves at most ~16 MiB
 COMPACT_PIECES = 256       # a chunk of more pieces than this, each small, is rewritten as one
+
+
+def _pairs(reply: Any) -> dict[str, Any]:
+    """An HGETALL reply (a flat list inside MULTI, a dict outside) as str -> value."""
+    if isinstance(reply, dict):
+        return {text(f): v for f, v in reply.items()}
+    return {text(f): v for f, v in zip(reply[::2], reply[1::2], strict=True)}
 
 
 def _offset(v: object, what: str) -> int:
@@ -79,10 +87,11 @@ class SharedTier:
         if chunk_bytes < 4096 or lease_ms < 100 or timeout_s <= 0 or replicas_ack < 0:
             raise ValueError("chunk_bytes >= 4096, lease_ms >= 100, timeout_s > 0, replicas_ack >= 0")
         self.codec = Codec(Sealer.from_secret(secret, encrypt))
+        self.stats_ = Stats()
+        self.stamps = Stamps(self.codec, self.node_id, self.stats_)
         self.chunk_bytes, self.lease_ms = chunk_bytes, lease_ms
         self.retention_ms = int(retention_s * 1000) if retention_s else 0
         self.max_bytes, self.replicas_ack, self.timeout_s = max_bytes, replicas_ack, timeout_s
-        self.stats_ = Stats()
         self._lock = threading.Lock()
         self._written: dict[str, dict[str, int]] = {}          # session -> file -> size
         self._meta_head: dict[str, bytes] = {}                 # session -> head of our meta
@@ -106,6 +115,28 @@ class SharedTier:
 
     def _keys(self, session: str) -> SessionKeys:
         return SessionKeys(check_name(session, "session"))
+
+    # -- content versions (versions.Stamps) -------------------------------------
+    def made_here(self, version: str | None) -> bool:
+        """Whether ``version`` was made by this node (its id is stable across remounts)."""
+        return self.stamps.made_here(version)
+
+    def take_version(self, session: str, file: str) -> str | None:
+        """The version this node's last append or cut of ``file`` left in the cluster
+        (None: removed, or not written here since the last call)."""
+        return self.stamps.take(session, file)
+
+    def file_versions(self, session: str) -> dict[str, tuple[int, str | None]]:
+        """file -> (size, content version) of every file the cluster holds of the session
+        (meta.json aside), as of one instant. A version changes whenever a file is made or
+        rewritten (cut, removed and made again) and stays while it is only appended to, so
+        a node whose copy has the same version holds a prefix of the cluster's bytes."""
+        k = self._keys(session)
+        index, vers = self._c.on_master(k.files, f"file_versions {session}",
+                                        [("HGETALL", k.files), ("HGETALL", k.vers)],
+                                        transaction=True)
+        sizes, tokens = _pairs(index), _pairs(vers)
+        return {f: (int(n), self.stamps.decode(session, f, tokens.get(f))) for f, n in sizes.items()}
 
     # -- leases (lease.Leases) ---------------------------------------------------
     def _lease(self, session: str) -> str:
@@ -168,10 +199,10 @@ class SharedTier:
         for i in range(0, len(pieces), BATCH_CHUNKS):
             batch = pieces[i:i + BATCH_CHUNKS]
             end = pos + sum(len(p) - over for _, p in batch)
-            keys = [k.files, k.lease, *(k.chunk(file, n) for n, _ in batch)]
+            keys = [k.files, k.lease, k.vers, *(k.chunk(file, n) for n, _ in batch)]
             args = [self._lease(session), file, pos, end, self.retention_ms, self.chunk_bytes,
                     k.prefix, self.lease_ms, "A" if pos % self.chunk_bytes else "S",
-                    *(p for _, p in batch)]
+                    self.stamps.new(session, file), *(p for _, p in batch)]
             res = self._scripted(k, "append", APPEND, keys, args)
             st = status(res)
             if st == "SIZE":
@@ -179,6 +210,7 @@ class SharedTier:
             last_len = int(res[1])
             added += sum(len(p) for _, p in batch)
             pos = end
+            self.stamps.left(session, file, self.stamps.decode(session, file, res[2]))
             with self._lock:
                 self._written.setdefault(session, {})[file] = pos
         self.stats_.add("appends")
@@ -197,10 +229,10 @@ class SharedTier:
         start = n * self.chunk_bytes
         data = self._chunk(k, file, n, size, None)
         value = self.codec.encode_piece(k.session, file, start, data)
-        keys = [k.files, k.lease, k.chunk(file, n)]
+        keys = [k.files, k.lease, k.vers, k.chunk(file, n)]
         res = self._eval(k, "compact", REWRITE, keys,
                          [self._lease(k.session), file, size, size, value, self.retention_ms,
-                          self.chunk_bytes, k.prefix])
+                          self.chunk_bytes, k.prefix, ""])  # same bytes: same version
         if status(res) == "OK":
             self.stats_.add("compactions")
             self._capacity.wrote(k.session, -int(res[1]))
@@ -227,10 +259,12 @@ class SharedTier:
         if cut:
             value = self.codec.encode_piece(session, file, n * self.chunk_bytes,
                                             self._chunk(k, file, n, cur, None)[:cut])
-        keys = [k.files, k.lease, *(k.chunk(file, c) for c in range(n, max(n + 1, chunks_of(cur, self.chunk_bytes))))]
+        keys = [k.files, k.lease, k.vers,
+                *(k.chunk(file, c) for c in range(n, max(n + 1, chunks_of(cur, self.chunk_bytes))))]
+        token = self.stamps.new(session, file)  # a cut is a rewrite: a new version
         res = self._scripted(k, "truncate", REWRITE, keys,
                              [self._lease(session), file, cur, size, value, self.retention_ms,
-                              self.chunk_bytes, k.prefix])
+                              self.chunk_bytes, k.prefix, token])
         st = status(res)
         if st == "SIZE":
             raise NotAppend(session, file, cur, int(res[1]))
@@ -240,6 +274,7 @@ class SharedTier:
                 files.pop(file, None)
             else:
                 files[file] = size
+        self.stamps.left(session, file, None if size < 0 else self.stamps.decode(session, file, token))
         self._capacity.wrote(session, -int(res[1]))
 
     def put_meta(self, session: str, data: bytes, owner: Owner | None = None) -> None:
@@ -265,7 +300,7 @@ class SharedTier:
         k = self._keys(session)
         for attempt in (0, 1, 2):
             res = self._eval(k, "delete", DELETE,
-                             [k.files, k.lease, k.meta, k.holder, k.sync, k.owner],
+                             [k.files, k.lease, k.meta, k.holder, k.sync, k.owner, k.vers],
                              [self._lease(session), self.chunk_bytes, k.prefix, "delete"])
             if status(res) != "BUSY":
                 break
@@ -276,6 +311,7 @@ class SharedTier:
         with self._lock:
             self._written.pop(session, None)
             self._meta_head.pop(session, None)
+        self.stamps.forget(session)
         self._capacity.forget(session)
         return int(res[1]) > 0
 
@@ -295,9 +331,10 @@ class SharedTier:
         record that does not verify is fetched once more, then ``SharedCorrupt``."""
         k = self._keys(session)
         for attempt in (0, 1):
-            index, meta, owner = self._c.on_master(
+            index, meta, owner, vers = self._c.on_master(
                 k.files, f"open_session {session}",
-                [("HGETALL", k.files), ("GET", k.meta), ("GET", k.owner)], transaction=True)
+                [("HGETALL", k.files), ("GET", k.meta), ("GET", k.owner), ("HGETALL", k.vers)],
+                transaction=True)
             if meta is None:
                 self.stats_.add("misses")
                 return None
@@ -311,9 +348,10 @@ class SharedTier:
                 continue
             self.stats_.add("hits")
             self.stats_.add("bytes_out", len(data))
-            files = {text(f): int(n) for f, n in zip(index[::2], index[1::2], strict=True)} \
-                if isinstance(index, list) else {text(f): int(n) for f, n in index.items()}
-            return SessionInfo(files, data, who)
+            files = {f: int(n) for f, n in _pairs(index).items()}
+            tokens = _pairs(vers)
+            return SessionInfo(files, data, who,
+                               {f: self.stamps.decode(session, f, tokens.get(f)) for f in files})
         raise AssertionError("unreachable")
 
     def list_files(self, session: str) -> dict[str, int]:
@@ -334,6 +372,12 @@ class SharedTier:
         """Up to ``length`` bytes at ``offset`` (short at the end of the file, like pread).
         Every chunk is checked; a bad one is fetched again once, then ``SharedCorrupt``.
         ``NotFoundShared`` (a miss) if the cluster does not hold the file."""
+        return self.read_versioned(session, file, offset, length)[0]
+
+    def read_versioned(self, session: str, file: str, offset: int,
+                       length: int) -> tuple[bytes, str | None]:
+        """``read``, and the content version the bytes are of: all of one version (a file
+        rewritten between two batches of a long read is read again)."""
         k = self._keys(session)
         check_name(file, "file")
         off, length = _offset(offset, "offset"), _offset(length, "length")
@@ -342,25 +386,35 @@ class SharedTier:
         end = off + length
         if length and (end - 1) // c - off // c >= BATCH_CHUNKS:
             end = min(end, self.size(session, file))          # clamp a long read first
-        first, out = off // c, []
+        first = off // c
         last = (end - 1) // c if end > off else first - 1
-        n, size = first, None
-        while True:
-            batch = list(range(n, min(last + 1, n + BATCH_CHUNKS)))
-            # one MULTI/EXEC: the size and the chunks as of one instant
-            cmds = [("HGET", k.files, file), *(("GET", k.chunk(file, i)) for i in batch)]
-            res = self._c.on_master(k.files, f"read {session}", cmds, transaction=True)
-            if res[0] is None:
-                self.stats_.add("misses")
-                raise NotFoundShared(f"{session}/{file}: not in the shared tier")
-            size = int(res[0])
-            for i, value in zip(batch, res[1:], strict=False):
-                if i * c >= size:
+        for _attempt in range(3):
+            out: list[bytes] = []
+            n, size, version, torn = first, 0, None, False
+            while True:
+                batch = list(range(n, min(last + 1, n + BATCH_CHUNKS)))
+                # one MULTI/EXEC: the size, the version and the chunks as of one instant
+                cmds = [("HGET", k.files, file), *(("GET", k.chunk(file, i)) for i in batch),
+                        ("HGET", k.vers, file)]
+                res = self._c.on_master(k.files, f"read {session}", cmds, transaction=True)
+                if res[0] is None:
+                    self.stats_.add("misses")
+                    raise NotFoundShared(f"{session}/{file}: not in the shared tier")
+                if n > first and res[-1] != version:
+                    torn = True  # rewritten since the first batch: read it all again
                     break
-                out.append(self._chunk(k, file, i, size, value))
-            n += len(batch)
-            if n > last or n * c >= size:
+                size, version = int(res[0]), res[-1]
+                for i, value in zip(batch, res[1:-1], strict=False):
+                    if i * c >= size:
+                        break
+                    out.append(self._chunk(k, file, i, size, value))
+                n += len(batch)
+                if n > last or n * c >= size:
+                    break
+            if not torn:
                 break
+        else:
+            raise SharedUnavailable(f"read {session}/{file}: rewritten during every attempt")
         lo, n = off - first * c, max(0, min(end, size) - off)
         whole = out[0] if len(out) == 1 else b"".join(out)
         data = whole if lo == 0 and n == len(whole) else whole[lo:lo + n]
@@ -368,7 +422,7 @@ class SharedTier:
         self.stats_.add("reads")
         self.stats_.add("bytes_out", len(data))
         self.stats_.time("read", (time.perf_counter() - t0) * 1000)
-        return data
+        return data, self.stamps.decode(session, file, version)
 
     def _chunk(self, k: SessionKeys, file: str, n: int, size: int, value: bytes | None) -> bytes:
         """The checked bytes of chunk ``n`` of a file of ``size`` bytes (``value`` as read,

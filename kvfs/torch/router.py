@@ -187,8 +187,9 @@ class KVRouter:
         self.spiller.wait()
         if self.spiller.forget(session_id) is not None:
             log.warning("session %r: resumed from the mount after its spill failed", session_id)
-        self.warm.clear_lost(session_id)  # continues from the mount's copy; a stale one dropped
-        meta = stored_meta(self.warm, session_id)  # KVCorrupt for any bad field
+        meta = stored_meta(self.warm, session_id)  # KVCorrupt for any bad field; a first use
+        # here checks a RAM copy against the mount: a stale one is dropped (and marked lost)
+        self.warm.clear_lost(session_id)  # continues from the mount's copy, not lost
         if meta is None and self.warm.where(session_id) is not None:
             raise KVCorrupt(f"session {session_id!r} is stored but its meta.json is missing or "
                             "does not parse; nothing was loaded")
@@ -416,6 +417,7 @@ class KVRouter:
             self.warm.sync()  # a lost session is logged there and left out
         failed.update(self.spiller.failed())
         failed.update((sid, None) for sid in self.warm.lost() if sid not in failed)
+        failed.update((s, e) for s, e in self.warm.unsynced().items() if s not in failed)
         for sid, err in failed.items():
             log.warning("flush: session %r is not flushed (%s); its own calls say so, the "
                         "other sessions are flushed", sid, err or "its RAM copy was lost")

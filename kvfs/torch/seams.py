@@ -13,7 +13,7 @@ these; none of them imports the module that implements one.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -72,6 +72,7 @@ class WarmStore(Protocol):
     def migrate(self, n: int | None = None) -> list[str]: ...
     def lost(self) -> list[str]: ...
     def clear_lost(self, sid: str) -> None: ...
+    def unsynced(self) -> Mapping[str, Exception]: ...  # sessions whose write-back failed
 
     # durability and reporting
     def flush(self, sid: str | None = None) -> None: ...

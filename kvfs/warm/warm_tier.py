@@ -388,8 +388,9 @@ class WarmTier:
     def sync(self, sid: str | None = None) -> None:
         """Return once every byte of ``sid`` (default: of every session) is on the mount and
         fsynced; WarmError when the mount cannot be reached or refuses the bytes. A lost
-        session (``WarmLost``) is raised by a sync of that session only: a sync of every
-        session logs it and syncs the others (it is that session's error, not theirs)."""
+        session (``WarmLost``), or one whose bytes the mount refused while it took others',
+        is raised by a sync of that session only: a sync of every session logs it and syncs
+        the others (it is that session's error, not theirs; ``unsynced`` names them)."""
         if self.cold is None:
             raise WarmError("no cold tier to sync to")
         if sid is not None:
@@ -398,9 +399,20 @@ class WarmTier:
         self._cold.reachable()
         errors = self.wb.run([sid] if sid is not None else None, explicit=True)
         self._raise_lost(sid)  # the pass found the mount's copy changed under ours
+        if errors and sid is None and self.wb.written:
+            # others were written: each failure is its session's, raised by its own sync
+            for s, e in self.wb.failed.items():
+                log.warning("warm session %r: not synced to the cold tier (%s); left to that "
+                            "session's own calls, the others are synced", s, e)
+            return
         if errors:
             raise WarmError(f"sync to cold tier {self._cold.root!r} failed: {errors[0]}"
                             + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""))
+
+    def unsynced(self) -> dict[str, WarmError]:
+        """The sessions the last sync could not write, each with its error (their own
+        ``sync`` raises it)."""
+        return {s: WarmError(e) for s, e in self.wb.failed.items()}
 
     def _raise_lost(self, sid: str | None) -> None:
         if sid is not None:

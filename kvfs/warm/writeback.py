@@ -79,6 +79,8 @@ class WriteBehind:
         self.rootdir, self.drop_damaged, self.usage, self.extra = rootdir, drop_damaged, usage, extra
         self.on = bool(on) and cold is not None
         self.lag = 0.0  # seconds from a session's first change to its durable copy, last pass
+        self.failed: dict[str, str] = {}  # the last explicit pass: session -> its error
+        self.written = 0  # sessions the last explicit pass made durable
         self._pass_lock = threading.Lock()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -116,6 +118,7 @@ class WriteBehind:
                 sids = res.dirty.names()
             staged: list[_Pass] = []
             errors: list[str] = []
+            failed: dict[str, str] = {}
             temps: list[str] = []
             try:
                 for sid in sids:
@@ -128,6 +131,7 @@ class WriteBehind:
                         continue
                     except (OSError, WarmError) as e:
                         errors.append(f"{sid!r}: {e}")
+                        failed[sid] = str(e)
                         continue
                     if st is not None:
                         staged.append(st)
@@ -144,6 +148,7 @@ class WriteBehind:
                     done = self._commit_tail(st)
                     if st.error is not None:
                         errors.append(f"{st.sid!r}: {st.error}")
+                        failed[st.sid] = str(st.error)
                     elif done is not None:
                         lag = max(lag, done)
             finally:
@@ -151,6 +156,9 @@ class WriteBehind:
                     st.written.forget()  # none left unless something failed midway
                 for sid in temps:
                     res.held.release_temp(sid)
+            if explicit:
+                self.failed, self.written = failed, len(staged) - sum(
+                    1 for st in staged if st.sid in failed)
             if staged and not errors:
                 self.lag = lag
             if errors:
