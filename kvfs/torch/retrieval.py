@@ -39,15 +39,21 @@ import torch
 import kvfs.torch.attention as attention
 from kvfs.torch.blocks import (
     BlockLayout,
-    block_scores,
+    Selector,
     centroids_layout,
-    centroids_of_keys,
     next_slots,
+    scale_layout,
     scoring_layout,
+    selector,
 )
 from kvfs.torch.fingerprint import KVUnsupported
 from kvfs.torch.recall import layer_pool, read_tokens
-from kvfs.torch.retrieval_store import chosen_from_meta, load_centroids, write_records
+from kvfs.torch.retrieval_store import (
+    chosen_from_meta,
+    load_centroids,
+    recompute_reps,
+    write_records,
+)
 
 if TYPE_CHECKING:
     from kvfs.torch.cache import TieredCache
@@ -61,13 +67,16 @@ log = logging.getLogger("kvfs.torch.retrieval")
 #: facts of tools/bench_memory.py than a block kept.
 FRESH_BLOCKS = 2
 
+#: How blocks are represented and scored (:func:`kvfs.torch.blocks.selector`).
+DEFAULT_SELECTOR = "centroids"
+
 KV = tuple[torch.Tensor, torch.Tensor]  # one block of one layer: K, V [1, H, block, D]
 
 
 class Retrieval:
     """One session's retrieval state (see the module docstring)."""
 
-    def __init__(self, cache: TieredCache, block: int, attend: int) -> None:
+    def __init__(self, cache: TieredCache, block: int, attend: int, select: str | None = None) -> None:
         if block < 1 or attend < 1:
             raise ValueError(f"retrieval needs block >= 1 and at least one block attended, got "
                              f"block={block}, attend={attend}")
@@ -76,9 +85,12 @@ class Retrieval:
         self.block = int(block)
         self.attend = int(attend)
         self.keep = FRESH_BLOCKS  # blocks kept for reuse per layer, besides the chosen ones
+        self.selector: Selector = selector(select or DEFAULT_SELECTOR, self.block)
+        self.cols = self.selector.columns(self.block)  # representatives per block and KV head
         n = cache.num_layers
         self.count = [0] * n  # blocks with centroids (left the window), per layer
-        self._cents: torch.Tensor | None = None  # [layers, H, D, 2 * capacity]: scoring_layout
+        self._cents: torch.Tensor | None = None  # [layers, H, D, cols * capacity]: scoring_layout
+        self._scale: torch.Tensor | None = None  # [layers, H, cols * capacity] (quantized keys)
         self._queries: list[torch.Tensor | None] = [None] * n  # this step's, until the last layer
         self.chosen: list[tuple[int, ...]] = [()] * n  # blocks of the next step, in slot order
         self._on: list[dict[int, KV]] = [{} for _ in range(n)]  # chosen blocks on the device
@@ -102,9 +114,19 @@ class Retrieval:
 
     @property
     def device_bytes(self) -> int:
-        n = 0 if self._cents is None else self._cents.numel()
-        n += sum(k.numel() + v.numel() for d in (*self._on, *self._kept) for k, v in d.values())
-        return n * self.c.geo.itemsize
+        n = sum(t.numel() * t.element_size() for t in (self._cents, self._scale) if t is not None)
+        n += sum(k.numel() + v.numel() for d in (*self._on, *self._kept)
+                 for k, v in d.values()) * self.c.geo.itemsize
+        return n
+
+    @property
+    def rep_bytes(self) -> int:
+        """Device bytes of one block's representatives, all layers."""
+        g = self.c.geo
+        one = g.head_dim * (g.itemsize if self.selector.name in ("centroids", "quest") else 1)
+        if self.selector.name not in ("centroids", "quest"):
+            one += 4  # the scale
+        return g.num_layers * g.num_kv_heads * self.cols * one
 
     def step_growth(self, q: int) -> int:
         """Device bytes a step of ``q`` tokens may add at most: the chosen blocks, the blocks
@@ -114,10 +136,10 @@ class Retrieval:
         stb = c.geo.session_token_bytes
         chosen = max(0, min(self.attend, self.count[0] + leaving) - len(self._on[0]))
         kept = max(0, min(self.keep, len(self._kept[0]) + leaving + chosen) - len(self._kept[0]))
-        cap = 0 if self._cents is None else self._cents.shape[-1] // 2
+        cap = 0 if self._cents is None else self._cents.shape[-1] // self.cols
         need = self.count[0] + leaving
         grown = need + max(8, need // 4) - cap if need > cap else 0
-        return (chosen + kept) * blk * stb + grown * stb  # a block's centroids: one token's K/V bytes
+        return (chosen + kept) * blk * stb + grown * self.rep_bytes
 
     def window_from(self, seen: int, base: int) -> int:
         """Start of the window for ``seen`` tokens, ``base`` the start without blocks:
@@ -129,6 +151,7 @@ class Retrieval:
 
     def stats(self) -> dict[str, Any]:
         return {"blocks": self.count[0], "attend": self.attend, "block": self.block,
+                "selector": self.selector.name,
                 "attended_blocks": len(self.chosen[0]), "fetched_blocks": self.fetched_blocks,
                 "background_reads": self.background_reads, "fetch_waits": self.fetch_waits,
                 "fetch_wait_ms": round(self.fetch_wait_s * 1e3, 3),
@@ -153,7 +176,7 @@ class Retrieval:
         if b0 != self.count[layer]:
             raise AssertionError(f"layer {layer}: block {b0} left the window, expected {self.count[layer]}")
         nb = k.shape[-2] // self.block
-        self._append_centroids(layer, centroids_of_keys(k, self.block))
+        self._append_centroids(layer, *self.selector.represent(k, self.block))
         for j in range(max(0, nb - FRESH_BLOCKS), nb):
             s = slice(j * self.block, (j + 1) * self.block)
             self._keep_block(layer, b0 + j, (k[..., s, :].clone(), v[..., s, :].clone()))
@@ -165,26 +188,39 @@ class Retrieval:
         while len(kept) > self.keep:
             kept.popitem(last=False)
 
-    def _append_centroids(self, layer: int, new: torch.Tensor) -> None:
-        """Add ``[m, H, 2, D]`` centroids to ``layer`` (all layers grow by a quarter when the
-        first one is full: few copies)."""
-        n, cur, m = self.count[layer], self._cents, new.shape[0]
+    def _append_centroids(self, layer: int, new: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+        """Add ``[m, H, cols, D]`` representatives (and ``[m, H, cols]`` scales) to ``layer``
+        (all layers grow by a quarter when the first one is full: few copies)."""
+        n, cur, m, r = self.count[layer], self._cents, new.shape[0], self.cols
         lay = scoring_layout(new)
-        if cur is None or cur.shape[-1] < 2 * (n + m):
+        if cur is None or cur.shape[-1] < r * (n + m):
             cap = n + m + max(8, (n + m) // 4)
-            grown = lay.new_empty((self.c.num_layers, *lay.shape[:2], 2 * cap))
+            grown = lay.new_empty((self.c.num_layers, *lay.shape[:2], r * cap))
             if cur is not None:
                 grown[..., :cur.shape[-1]] = cur
             self._cents = cur = grown
-        cur[layer, ..., 2 * n:2 * (n + m)] = lay
+            if scale is not None:
+                gs = torch.empty((self.c.num_layers, lay.shape[0], r * cap), dtype=scale.dtype, device=lay.device)
+                if self._scale is not None:
+                    gs[..., :self._scale.shape[-1]] = self._scale
+                self._scale = gs
+        cur[layer, ..., r * n:r * (n + m)] = lay
+        if scale is not None and self._scale is not None:
+            self._scale[layer, :, r * n:r * (n + m)] = scale_layout(scale)
         self.count[layer] = n + m
+
+    @property
+    def streamed(self) -> bool:
+        """Whether the representatives go to the ``key_centroids`` side stream (centroids);
+        others are recomputed from the stored keys on resume."""
+        return self.selector.name == "centroids"
 
     def scoring(self, layer: int | None = None) -> torch.Tensor:
         """The centroids of the blocks that left the window, as :func:`block_scores` reads
         them (``[layers, H, D, 2n]``, or one layer's)."""
         if layer is None:
-            return self._cents[..., :2 * self.count[-1]]
-        return self._cents[layer, ..., :2 * self.count[layer]]
+            return self._cents[..., :self.cols * self.count[-1]]
+        return self._cents[layer, ..., :self.cols * self.count[layer]]
 
     def centroids(self, layer: int) -> torch.Tensor:
         """``[n, H, 2, D]`` centroids of the blocks that left the window."""
@@ -232,7 +268,8 @@ class Retrieval:
         n = self.count[-1]
         if n == 0 or any(q is None for q in qs):
             return
-        scores = block_scores(torch.cat(qs), self.scoring())  # [layers, n]: one matmul
+        scale = None if self._scale is None else self._scale[..., :self.cols * n]
+        scores = self.selector.scores(torch.cat(qs), self.scoring(), scale)  # [layers, n]: one matmul
         excluded = [b for b in self.c.recalled_blocks(self.layout) if b < n] if self.c.recalling else ()
         if excluded:
             scores[:, list(excluded)] = float("-inf")
@@ -323,7 +360,7 @@ class Retrieval:
         """Queue the records of the blocks that left the window since the last call (all
         layers have their centroids: called at the end of a step and before a flush)."""
         n = min(self.count)
-        if n <= self.written or self.c.spiller is None:
+        if n <= self.written or self.c.spiller is None or not self.streamed:
             return
         first = self.written
         new = centroids_layout(self._cents[..., 2 * first:2 * n].flatten(0, 1)).unflatten(1, (len(self.count), -1))
@@ -334,6 +371,7 @@ class Retrieval:
     def meta_state(self, tokens: int) -> dict[str, Any]:
         """The ``retrieval`` entry of meta.json: the blocks each layer attends next."""
         return {"block": self.block, "origin": self.layout.origin, "tokens": int(tokens),
+                "selector": self.selector.name,
                 "chosen": [list(ch) for ch in self.chosen]}
 
     def load(self, meta: dict, tokens: int, window_start: int, device: torch.device | str) -> None:
@@ -341,12 +379,20 @@ class Retrieval:
         completed from the stored keys: :func:`~kvfs.torch.retrieval_store.load_centroids`)
         and the chosen blocks from ``meta.json`` when it saved them for exactly ``tokens``."""
         need = self.layout.blocks_before(window_start)
-        cents, self.backfilled_blocks = load_centroids(self.c, self.layout, need)
-        self._cents = None
+        self._cents = self._scale = None
         for layer in range(self.c.num_layers):
             self.count[layer] = 0
-            if need:
-                self._append_centroids(layer, cents[:, layer].to(device))
+        if self.streamed:
+            cents, self.backfilled_blocks = load_centroids(self.c, self.layout, need)
+            for layer in range(self.c.num_layers):
+                if need:
+                    self._append_centroids(layer, cents[:, layer].to(device))
+        else:
+            for layer in range(self.c.num_layers):
+                if need:
+                    self._append_centroids(layer, *recompute_reps(self.c, self.layout, self.selector,
+                                                                  layer, need, device))
+            self.backfilled_blocks = need
         self.written = need
         self.chosen = chosen_from_meta(meta.get("retrieval"), self.layout, tokens, need,
                                        min(self.attend, need), self.c.num_layers)
@@ -362,6 +408,7 @@ class Retrieval:
             other._kept[layer] = OrderedDict((b, (k.clone(), v.clone()))
                                              for b, (k, v) in self._kept[layer].items())
         other._cents = None if self._cents is None else self._cents.clone()
+        other._scale = None if self._scale is None else self._scale.clone()
         other.count = list(self.count)
         other.chosen = list(self.chosen)
         other.written = self.written
