@@ -28,22 +28,33 @@ from bench_memory import Configs
 log = logging.getLogger("bench.memory")
 
 
+def answer_ids(tok: Any, prefix: str, want: str) -> list[int]:
+    """The token ids of `` want`` after ``prefix`` (as the tokenizer cuts the two together)."""
+    enc = lambda x: tok.encode(x, add_special_tokens=False)  # noqa: E731
+    head, both = enc(prefix), enc(f"{prefix} {want}")
+    return both[len(head):] if both[:len(head)] == head else enc(f" {want}")
+
+
 def run_chat(model: Any, tok: Any, configs: Configs, name: str, chat: Any, rendered: Any,
-             new_tokens: int) -> list[str]:
+             new_tokens: int, forced: bool = False) -> list[Any]:
     """Feed ``rendered`` round by round under configuration ``name``; families d and e
-    resume or fork the session after round ``chat.break_after``; the answer to each question."""
+    resume or fork the session after round ``chat.break_after``; the answer to each question
+    (``forced``: instead of generating, the prefix and the wanted answer are fed one token a
+    step, and each question gives ``(log-probability of the answer's tokens, whether each
+    was the most likely)``: what greedy decoding would have written, and how close it was)."""
     import torch
 
     cache, sid = configs.session(name)
     sids = [sid]
     ids: list[int] = []
-    answers = []
+    answers: list[Any] = []
 
-    def feed(x: list[int]) -> None:
-        model(input_ids=torch.tensor([x]), cache=cache, use_cache=True)
+    def feed(x: list[int], end: bool = True) -> torch.Tensor:
+        out = model(input_ids=torch.tensor([x]), cache=cache, use_cache=True)
         ids.extend(x)
-        if hasattr(cache, "end_round"):
+        if end and hasattr(cache, "end_round"):
             cache.end_round()
+        return out.logits[0, -1]
     try:
         with torch.no_grad():
             for i, rnd in enumerate(rendered.rounds):
@@ -56,6 +67,19 @@ def run_chat(model: Any, tok: Any, configs: Configs, name: str, chat: Any, rende
                         cache, new = got
                         sids.append(new)
             for k, (q, prefix) in enumerate(rendered.questions):
+                if forced:  # the prefix as generate feeds it (one step), then the answer
+                    feed((rendered.after_answer if k else []) + q)
+                    logits = feed(prefix, end=False)
+                    lp, ok = 0.0, True
+                    for t in answer_ids(tok, chat.questions[k].prefix, chat.questions[k].want[0]):
+                        logp = torch.log_softmax(logits.float(), -1)
+                        lp += float(logp[t])
+                        ok = ok and int(logp.argmax()) == t
+                        logits = feed([t], end=False)
+                    answers.append((lp, ok))
+                    if hasattr(cache, "end_round"):
+                        cache.end_round()
+                    continue
                 feed((rendered.after_answer if k else []) + q)
                 x = torch.tensor([ids + prefix])
                 out = model.generate(x, attention_mask=torch.ones_like(x), cache=cache,
@@ -80,6 +104,12 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return (max(0.0, c - h), min(1.0, c + h))
 
 
+def mean_logprob(rs: list[dict[str, Any]]) -> float | None:
+    """Mean log-probability of the wanted answers (``--forced`` records; else None)."""
+    lps = [r["logprob"] for r in rs if r.get("logprob") is not None]
+    return sum(lps) / len(lps) if lps else None
+
+
 def chat_rows(records: list[dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:
     """Per family, length, format and configuration: correct, stale, and the share of the
     full cache's correct answers it also answers correctly (with its Wilson interval)."""
@@ -101,6 +131,7 @@ def chat_rows(records: list[dict[str, Any]], names: list[str]) -> list[dict[str,
                          "correct": sum(r["verdict"] == "correct" for r in rs),
                          "stale": sum(r["verdict"] == "stale" for r in rs),
                          "full_correct": base, "of_full": both / base if base else None,
+                         "logprob": mean_logprob(rs),
                          "ci95": [lo, hi] if base else None})
     return rows
 
@@ -134,7 +165,8 @@ def chat_plot(records: list[dict[str, Any]], names: list[str], path: str) -> Non
 
 
 def run_chats(model: Any, tok: Any, names: list[str], split: str, families: list[str],
-              lengths: list[int], trials: int, formats: list[str], new_tokens: int) -> list[dict[str, Any]]:
+              lengths: list[int], trials: int, formats: list[str], new_tokens: int,
+              forced: bool = False) -> list[dict[str, Any]]:
     """Every chat of the cells, in every format, under every configuration: one record a
     question."""
     import memory_chats as mc
@@ -148,14 +180,17 @@ def run_chats(model: Any, tok: Any, names: list[str], split: str, families: list
                 verdicts = []
                 for name in names:
                     t0 = time.perf_counter()
-                    answers = run_chat(model, tok, configs, name, chat, rendered, new_tokens)
+                    answers = run_chat(model, tok, configs, name, chat, rendered, new_tokens, forced)
                     for k, (q, a) in enumerate(zip(chat.questions, answers, strict=True)):
+                        lp = None
+                        if forced:
+                            lp, a = round(a[0], 3), q.want[0] if a[1] else ""
                         v = mc.score(a, q.want, q.stale)
-                        verdicts.append(f"{name} {v}")
+                        verdicts.append(f"{name} {v}" + ("" if lp is None else f" {lp:.1f}"))
                         records.append({"chat": chat.name, "family": chat.family, "length": chat.target,
                                         "format": fmt, "config": name, "question": k,
                                         "depth": chat.depths[k], "tokens": rendered.tokens,
-                                        "answer": a, "want": q.want[0], "verdict": v,
+                                        "answer": a, "want": q.want[0], "verdict": v, "logprob": lp,
                                         "seconds": round(time.perf_counter() - t0, 1)})
                 log.info("chat %s %s (%d tokens): %s", chat.name, fmt, rendered.tokens, ", ".join(verdicts))
     finally:
@@ -166,12 +201,13 @@ def run_chats(model: Any, tok: Any, names: list[str], split: str, families: list
 
 def print_rows(rows: list[dict[str, Any]], title: str) -> None:
     print(f"\n{title} (share of the full cache's correct answers, 95 % Wilson interval)")
-    print(f"  {'family':>6} {'tokens':>6} {'format':>6} {'config':>28}  correct  stale  of full")
+    print(f"  {'family':>6} {'tokens':>6} {'format':>6} {'config':>28}  correct  stale  logprob  of full")
     for r in rows:
         of = "n/a" if r["of_full"] is None else (
             f"{100 * r['of_full']:.0f}% [{100 * r['ci95'][0]:.0f}-{100 * r['ci95'][1]:.0f}]")
+        lp = "" if r.get("logprob") is None else f"{r['logprob']:.2f}"
         print(f"  {r['family']:>6} {r['length']:>6} {r['format']:>6} {r['config']:>28}  "
-              f"{r['correct']:>3}/{r['questions']:<3} {r['stale']:>5}  {of}")
+              f"{r['correct']:>3}/{r['questions']:<3} {r['stale']:>5}  {lp:>7}  {of}")
 
 
 def chats_report(model: Any, tok: Any, names: list[str], args: Any) -> dict[str, Any]:
@@ -181,7 +217,7 @@ def chats_report(model: Any, tok: Any, names: list[str], args: Any) -> dict[str,
     lengths = [int(x) for x in args.lengths.split(",")]
     t0 = time.time()
     records = run_chats(model, tok, names, args.split, args.families.split(","), lengths,
-                        args.trials, formats, max(args.new_tokens, 12))
+                        args.trials, formats, max(args.new_tokens, 12), args.forced)
     rows = chat_rows(records, names)
     print_rows(rows, f"held-out chats, {args.split} split, {args.trials} per cell, "
                      f"{time.time() - t0:.0f} s")

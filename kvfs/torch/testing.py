@@ -229,8 +229,8 @@ class RetrievalReference(WindowReference):
     last ``window`` tokens reaching back to the start of their block of ``block`` tokens
     counted from ``sinks``) and its input. After a step, each layer's queries (recomputed
     by a pre-hook on its attention: ``q_proj`` and the rotary embedding) rank every block
-    that has left the window by :func:`kvfs.torch.blocks.block_scores` of its key centroids
-    (from the full history), and the top ``attend`` are the next step's, in slots: a block
+    that has left the window by the default selector's scores of its representatives
+    (:mod:`kvfs.torch.blocks`, from the full history), and the top ``attend`` are the next step's, in slots: a block
     that stays keeps its place, new ones take the freed places in ascending order. Llama
     layout."""
 
@@ -266,7 +266,8 @@ class RetrievalReference(WindowReference):
     def step(self, x: torch.Tensor) -> int:
         from transformers import DynamicCache
 
-        from kvfs.torch.blocks import block_scores, centroids_of_keys, scoring_layout
+        from kvfs.torch.blocks import scale_layout, scoring_layout, selector
+        from kvfs.torch.retrieval import DEFAULT_SELECTOR
 
         q, n, b, o = x.shape[1], self.pos, self.block, self.sinks
         s, ws = min(self.sinks, n), self.window_from(n)
@@ -287,10 +288,12 @@ class RetrievalReference(WindowReference):
             self.hist_v[i].append(lay.values[..., -q:, :])
         self.pos = n + q
         nb = max(0, (self.window_from(self.pos) - o) // b)
-        if nb:  # every layer's blocks scored at once, as the cache does
-            cents = torch.stack([scoring_layout(centroids_of_keys(self.history(i)[0][..., o:o + nb * b, :], b))
-                                  for i in range(len(self.hist_k))])
-            all_scores = block_scores(torch.cat(self.queries), cents)
+        if nb:  # every layer's blocks scored at once, as the cache does, by its selector
+            sel = selector(DEFAULT_SELECTOR, b)
+            reps = [sel.represent(self.history(i)[0][..., o:o + nb * b, :], b) for i in range(len(self.hist_k))]
+            cents = torch.stack([scoring_layout(r) for r, _ in reps])
+            scale = None if reps[0][1] is None else torch.stack([scale_layout(s) for _, s in reps])
+            all_scores = sel.scores(torch.cat(self.queries), cents, scale)
         for i in range(len(self.hist_k)):
             if nb:
                 top = set(torch.topk(all_scores[i], min(self.attend, nb)).indices.tolist())
