@@ -424,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--families", default="a,b,c,d,e", help="chats: families (a-e)")
     p.add_argument("--format", choices=["chatml", "plain", "both"], default="both")
     p.add_argument("--plot", help="chats: write the accuracy plot here (PNG)")
+    p.add_argument("--records", help="chats: append each chat's records to this JSONL file")
     p.add_argument("--forced", action="store_true",
                    help="chats: feed the wanted answer instead of generating; log-probability "
                         "and whether greedy decoding would write it (faster, finer)")

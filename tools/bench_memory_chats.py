@@ -13,6 +13,7 @@ with a 95 % Wilson interval.
 
 Configurations are :class:`bench_memory.Configs` names: ``full``, a profile, and variants
 ``profile+sel=S+block=N+bytes=M`` (:func:`bench_memory.variant`). ``--merge A.json B.json``
+(``--json`` files, or the ``--records`` JSONL a run appends to as each chat ends)
 prints the table of earlier runs' records together (runs of the same chats, split and
 lengths under different configurations: each record names its chat and configuration).
 """
@@ -166,9 +167,11 @@ def chat_plot(records: list[dict[str, Any]], names: list[str], path: str) -> Non
 
 def run_chats(model: Any, tok: Any, names: list[str], split: str, families: list[str],
               lengths: list[int], trials: int, formats: list[str], new_tokens: int,
-              forced: bool = False) -> list[dict[str, Any]]:
+              forced: bool = False, jsonl: str | None = None) -> list[dict[str, Any]]:
     """Every chat of the cells, in every format, under every configuration: one record a
-    question."""
+    question (also appended to ``jsonl`` as each chat ends, when given)."""
+    import json
+
     import memory_chats as mc
 
     configs = Configs(model, names, mounted=True)
@@ -193,6 +196,9 @@ def run_chats(model: Any, tok: Any, names: list[str], split: str, families: list
                                         "answer": a, "want": q.want[0], "verdict": v, "logprob": lp,
                                         "seconds": round(time.perf_counter() - t0, 1)})
                 log.info("chat %s %s (%d tokens): %s", chat.name, fmt, rendered.tokens, ", ".join(verdicts))
+                if jsonl:
+                    with open(jsonl, "a") as f:
+                        f.writelines(json.dumps(r) + "\n" for r in records[-len(verdicts):])
     finally:
         configs.close()
     return records
@@ -217,7 +223,7 @@ def chats_report(model: Any, tok: Any, names: list[str], args: Any) -> dict[str,
     lengths = [int(x) for x in args.lengths.split(",")]
     t0 = time.time()
     records = run_chats(model, tok, names, args.split, args.families.split(","), lengths,
-                        args.trials, formats, max(args.new_tokens, 12), args.forced)
+                        args.trials, formats, max(args.new_tokens, 12), args.forced, args.records)
     rows = chat_rows(records, names)
     print_rows(rows, f"held-out chats, {args.split} split, {args.trials} per cell, "
                      f"{time.time() - t0:.0f} s")
@@ -234,9 +240,11 @@ def merge(paths: list[str], plot: str | None = None) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = []
     names: list[str] = []
     for p in paths:
-        got = json.loads(open(p).read())["chats"]
-        records += got["records"]
-        names += [n for n in dict.fromkeys(r["config"] for r in got["records"]) if n not in names]
+        text = open(p).read()
+        got = [json.loads(x) for x in text.splitlines() if x] if p.endswith(".jsonl") else \
+            json.loads(text)["chats"]["records"]
+        records += got
+        names += [n for n in dict.fromkeys(r["config"] for r in got) if n not in names]
     rows = chat_rows(records, names)
     print_rows(rows, f"held-out chats, {len(paths)} runs merged")
     if plot:
