@@ -105,3 +105,43 @@ def test_int8_scores_as_the_keys_it_stands_for():
     assert codes.dtype == torch.int8 and selector("int8-sum", 8).name == "int8-sum"
     with pytest.raises(ValueError):
         selector("nearest", 8)
+
+
+def test_the_default_follows_the_rule(tmp_path, model):
+    """The default selector (exact scores over int8 keys, held over decode steps that add
+    no block) chooses what the reference written from the rule chooses, token for token."""
+    from kvfs.torch.testing import RetrievalReference
+
+    assert retrieval.DEFAULT_SELECTOR == "int8-sum" and not selector("int8-sum", 4).every_step
+    warm = WarmTier(cold_root=None, root=str(tmp_path / "warm"), **WARM_OPTS)
+    c = TieredCache(model, session_id="s", warm=warm, max_kv_len=8, sink_tokens=4, retrieval=True,
+                    retrieval_block=4, retrieval_bytes=budget(model, 3, 4))
+    got = generate_turns(model, c, TURNS, NEW)
+    ref = RetrievalReference(model, 8, 4, 4, 3)
+    try:
+        want = [ref.turn(t, NEW) for t in TURNS]
+    finally:
+        ref.close()
+    assert [g.tolist() for g in got] == [w.tolist() for w in want]
+    assert [list(ch) for ch in c.retrieval.chosen] == ref.chosen
+    c.close()
+    warm.close()
+
+
+def test_decode_steps_hold_the_choice_until_a_block_leaves(tmp_path, model):
+    """Exact scores are computed for a turn's tokens and when a block joins the candidates;
+    single-token steps between keep the choice (the question's tokens choose for the answer)."""
+    warm = WarmTier(cold_root=None, root=str(tmp_path / "warm"), **WARM_OPTS)
+    c = TieredCache(model, session_id="s", warm=warm, max_kv_len=8, sink_tokens=4, retrieval=True,
+                    retrieval_block=4, retrieval_bytes=budget(model, 3, 4))
+    calls = []
+    real = c.retrieval.selector.scores
+    c.retrieval.selector.scores = lambda *a: calls.append(c.retrieval.count[0]) or real(*a)
+    with torch.no_grad():
+        model(input_ids=prompt(300, 30), cache=c, use_cache=True)  # a turn: blocks leave, scored
+        assert len(calls) == 1
+        for t in range(12):  # decode steps: a block leaves every 4th
+            model(input_ids=torch.tensor([[5 + t]]), cache=c, use_cache=True)
+    assert len(calls) == 1 + 3 and len(set(calls)) == len(calls)  # one scoring per new block
+    c.close()
+    warm.close()

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import contextlib
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import crc32c
 import numpy as np
@@ -90,7 +90,7 @@ class BlockLayout:
 
     def header_matches(self, raw: bytes | np.ndarray) -> bool:
         """Whether ``raw`` (the stream's first bytes) is an intact header of this layout."""
-        b = bytes(memoryview(raw)[:HEADER_BYTES]) if len(raw) >= HEADER_BYTES else b""
+        b = np.frombuffer(cast(Any, raw), np.uint8)[:HEADER_BYTES].tobytes() if len(raw) >= HEADER_BYTES else b""
         return len(b) == HEADER_BYTES and b == self.header()
 
     def records(self, first: int, cents: torch.Tensor) -> np.ndarray:
@@ -118,7 +118,7 @@ class BlockLayout:
         while (n + 1) * rb <= buf.size:
             rec = buf[n * rb:(n + 1) * rb]
             idx, crc, zero = _REC.unpack(rec[:_REC.size].tobytes())
-            want = crc32c.crc32c(rec[_REC.size:], crc32c.crc32c(struct.pack("<Q", first + n)))
+            want = crc32c.crc32c(cast(Any, rec[_REC.size:]), crc32c.crc32c(struct.pack("<Q", first + n)))
             if idx != first + n or zero != 0 or crc != want:
                 break
             n += 1
@@ -221,6 +221,9 @@ class Selector(Protocol):
     same way on any device (a resumed session recomputes it from the stored keys)."""
 
     name: str
+    #: score at every step; else only at a step of several tokens (a turn arriving) or one
+    #: that adds a block to the candidates, the choice holding between (exact scores cost)
+    every_step: bool
 
     def columns(self, block: int) -> int: ...
 
@@ -247,6 +250,7 @@ class Centroids:
     """Two mean keys per block and KV head (:func:`centroids_of_keys`, :func:`block_scores`)."""
 
     name = "centroids"
+    every_step = True
 
     def columns(self, block: int) -> int:
         return 2
@@ -263,6 +267,7 @@ class Bounds:
     logit ``sum_d max(q_d min_d, q_d max_d)``, turned into a share as :func:`block_scores`."""
 
     name = "quest"
+    every_step = True
 
     def columns(self, block: int) -> int:
         return 2
@@ -296,6 +301,7 @@ class QuantizedKeys:
         if agg not in ("max", "sum") or not 2 <= bits <= 8:
             raise ValueError(f"quantized keys need 2-8 bits and agg max or sum, got {bits}, {agg!r}")
         self.block, self.bits, self.agg = block, bits, agg
+        self.every_step = False
         self.name = f"int{bits}-{agg}"
         self.qmax = float(2 ** (bits - 1) - 1)
 
@@ -323,7 +329,7 @@ class QuantizedKeys:
         return _share(s, d, self.block, self.agg).reshape(layers, hkv, -1).sum(1)
 
 
-SELECTORS = {"centroids": Centroids, "quest": Bounds}
+SELECTORS: dict[str, Callable[[], Selector]] = {"centroids": Centroids, "quest": Bounds}
 
 
 def selector(name: str, block: int) -> Selector:

@@ -68,7 +68,7 @@ log = logging.getLogger("kvfs.torch.retrieval")
 FRESH_BLOCKS = 2
 
 #: How blocks are represented and scored (:func:`kvfs.torch.blocks.selector`).
-DEFAULT_SELECTOR = "centroids"
+DEFAULT_SELECTOR = "int8-sum"
 
 KV = tuple[torch.Tensor, torch.Tensor]  # one block of one layer: K, V [1, H, block, D]
 
@@ -87,7 +87,7 @@ class Retrieval:
         self.keep = FRESH_BLOCKS  # blocks kept for reuse per layer, besides the chosen ones
         self.selector: Selector = selector(select or DEFAULT_SELECTOR, self.block)
         self.cols = self.selector.columns(self.block)  # representatives per block and KV head
-        n = cache.num_layers
+        n = cache.geo.num_layers
         self.count = [0] * n  # blocks with centroids (left the window), per layer
         self._cents: torch.Tensor | None = None  # [layers, H, D, cols * capacity]: scoring_layout
         self._scale: torch.Tensor | None = None  # [layers, H, cols * capacity] (quantized keys)
@@ -98,6 +98,7 @@ class Retrieval:
         self._pending: list[Future | None] = [None] * n  # a read of chosen blocks from the mount
         self.written = 0  # blocks whose record is queued to the side stream
         self._observed = -1  # layers that reported their queries this step (-1: no step yet)
+        self._scored: tuple[int, tuple[int, ...]] = (0, ())  # blocks and recalled ones at the last scoring
         self._ram: bool | None = None
         # statistics
         self.fetched_blocks = 0
@@ -218,6 +219,8 @@ class Retrieval:
     def scoring(self, layer: int | None = None) -> torch.Tensor:
         """The centroids of the blocks that left the window, as :func:`block_scores` reads
         them (``[layers, H, D, 2n]``, or one layer's)."""
+        if self._cents is None:
+            raise RuntimeError("no block has left the window")
         if layer is None:
             return self._cents[..., :self.cols * self.count[-1]]
         return self._cents[layer, ..., :self.cols * self.count[layer]]
@@ -232,8 +235,9 @@ class Retrieval:
         order = self.chosen[layer]
         if not order:
             return [], []
-        if self._pending[layer] is not None:
-            if not self._pending[layer].done():
+        fut = self._pending[layer]
+        if fut is not None:
+            if not fut.done():
                 t0 = time.perf_counter()
                 self._settle(layer)
                 self.fetch_wait_s += time.perf_counter() - t0
@@ -249,7 +253,8 @@ class Retrieval:
     def _settle(self, layer: int) -> None:
         """Wait for ``layer``'s read from the mount; its blocks join the chosen ones."""
         fut, self._pending[layer] = self._pending[layer], None
-        self._on[layer].update(fut.result())
+        if fut is not None:
+            self._on[layer].update(fut.result())
 
     def expect(self, layer: int) -> None:
         """Have this step's attention of ``layer`` hand its queries to :meth:`observe`."""
@@ -264,15 +269,20 @@ class Retrieval:
             self._choose_all()
 
     def _choose_all(self) -> None:
-        qs, self._queries = self._queries, [None] * self.c.num_layers
+        got, self._queries = self._queries, [None] * self.c.num_layers
+        qs = [q for q in got if q is not None]
         n = self.count[-1]
-        if n == 0 or any(q is None for q in qs):
+        if n == 0 or len(qs) < len(got):
             return
+        excluded = [b for b in self.c.recalled_blocks(self.layout) if b < n] if self.c.recalling else []
+        scored = (n, tuple(excluded))
+        if not self.selector.every_step and qs[0].shape[-2] == 1 and self.chosen[0] and scored == self._scored:
+            return  # a decode step, no new block, the same recall: the choice holds
+        self._scored = scored
         scale = None if self._scale is None else self._scale[..., :self.cols * n]
         scores = self.selector.scores(torch.cat(qs), self.scoring(), scale)  # [layers, n]: one matmul
-        excluded = [b for b in self.c.recalled_blocks(self.layout) if b < n] if self.c.recalling else ()
         if excluded:
-            scores[:, list(excluded)] = float("-inf")
+            scores[:, excluded] = float("-inf")
         k = min(self.attend, n - len(excluded))
         tops = torch.topk(scores, k).indices.tolist() if k > 0 else [[]] * len(qs)
         for layer, top in enumerate(tops):
@@ -348,8 +358,9 @@ class Retrieval:
         """Free the chosen and kept blocks (read back before the next step); blocks freed."""
         freed = sum(len(d) for d in (*self._on, *self._kept))
         for i in range(len(self._on)):
-            if self._pending[i] is not None:
-                self._pending[i].result()  # nothing may land in what is being dropped
+            fut = self._pending[i]
+            if fut is not None:
+                fut.result()  # nothing may land in what is being dropped
                 self._pending[i] = None
             self._on[i].clear()
             self._kept[i].clear()
@@ -359,13 +370,13 @@ class Retrieval:
     def queue_records(self) -> None:
         """Queue the records of the blocks that left the window since the last call (all
         layers have their centroids: called at the end of a step and before a flush)."""
-        n = min(self.count)
-        if n <= self.written or self.c.spiller is None or not self.streamed:
+        n, spiller = min(self.count), self.c.spiller
+        if n <= self.written or spiller is None or self._cents is None or not self.streamed:
             return
         first = self.written
         new = centroids_layout(self._cents[..., 2 * first:2 * n].flatten(0, 1)).unflatten(1, (len(self.count), -1))
         c = self.c
-        c.spiller.submit_call(write_records, c.warm, c.session_id, self.layout, first, new)
+        spiller.submit_call(write_records, c.warm, c.session_id, self.layout, first, new)
         self.written = n
 
     def meta_state(self, tokens: int) -> dict[str, Any]:
@@ -394,6 +405,7 @@ class Retrieval:
                                                                   layer, need, device))
             self.backfilled_blocks = need
         self.written = need
+        self._scored = (need, ())  # a live session scores whenever a block leaves its window
         self.chosen = chosen_from_meta(meta.get("retrieval"), self.layout, tokens, need,
                                        min(self.attend, need), self.c.num_layers)
         for layer in range(self.c.num_layers):
@@ -412,4 +424,5 @@ class Retrieval:
         other.count = list(self.count)
         other.chosen = list(self.chosen)
         other.written = self.written
+        other._scored = self._scored
         other._observed = self._observed

@@ -105,7 +105,7 @@ def load_centroids(c: TieredCache, lay: BlockLayout, need: int) -> tuple[torch.T
 def write_records(warm: Any, sid: str, lay: BlockLayout, first: int, cents: torch.Tensor) -> None:
     """Spill thread: append the records of blocks ``first, ...`` (``cents`` ``[m, L, H, 2,
     D]``, any device; the header first when ``first`` is 0)."""
-    data = lay.records(first, cents.cpu())
+    data: Any = lay.records(first, cents.cpu())
     if first == 0:
         data = memoryview(lay.header() + data.tobytes())
     new = warm.side_append(sid, STREAM, data)

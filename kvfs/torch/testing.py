@@ -231,8 +231,9 @@ class RetrievalReference(WindowReference):
     by a pre-hook on its attention: ``q_proj`` and the rotary embedding) rank every block
     that has left the window by the default selector's scores of its representatives
     (:mod:`kvfs.torch.blocks`, from the full history), and the top ``attend`` are the next step's, in slots: a block
-    that stays keeps its place, new ones take the freed places in ascending order. Llama
-    layout."""
+    that stays keeps its place, new ones take the freed places in ascending order (a selector
+    that does not score every step holds the choice over decode steps that add no block).
+    Llama layout."""
 
     def __init__(self, model, window: int, sinks: int, block: int, attend: int) -> None:
         super().__init__(model, None, sinks)
@@ -240,6 +241,7 @@ class RetrievalReference(WindowReference):
         n = model.config.num_hidden_layers
         self.chosen: list[list[int]] = [[] for _ in range(n)]
         self.queries: list[torch.Tensor | None] = [None] * n
+        self.scored = 0  # blocks at the last scoring
         self._hooks = [lay.self_attn.register_forward_pre_hook(self._capture(i), with_kwargs=True)
                        for i, lay in enumerate(model.model.layers)]
 
@@ -288,8 +290,11 @@ class RetrievalReference(WindowReference):
             self.hist_v[i].append(lay.values[..., -q:, :])
         self.pos = n + q
         nb = max(0, (self.window_from(self.pos) - o) // b)
+        sel = selector(DEFAULT_SELECTOR, b)
+        if not sel.every_step and q == 1 and nb == self.scored and self.chosen[0]:
+            nb = 0  # a decode step that adds no block: the choice holds
         if nb:  # every layer's blocks scored at once, as the cache does, by its selector
-            sel = selector(DEFAULT_SELECTOR, b)
+            self.scored = nb
             reps = [sel.represent(self.history(i)[0][..., o:o + nb * b, :], b) for i in range(len(self.hist_k))]
             cents = torch.stack([scoring_layout(r) for r, _ in reps])
             scale = None if reps[0][1] is None else torch.stack([scale_layout(s) for _, s in reps])
