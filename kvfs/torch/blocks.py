@@ -1,4 +1,10 @@
-"""Blocks of old KV and their representatives: the mean keys of each block's halves.
+"""Blocks of old KV and their representatives, and the selectors that score them.
+
+Selectors (:func:`selector`): ``int8-sum`` (the default: every key of a block quantized to
+int8 per token and KV head, scored exactly; a block's score its attention mass),
+``int8-max``/``int4-*`` (its best token; 4-bit codes), ``quest`` (per-channel bounds) and
+``centroids`` (below; the default before, and the only one with a side stream: the others are
+recomputed from the stored keys on resume).
 
 A session's tokens past the sinks are cut into blocks of ``block`` tokens from a fixed
 ``origin`` (the sink count): block ``i`` is tokens ``[origin + i*block, origin + (i+1)*block)``.

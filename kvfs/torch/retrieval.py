@@ -1,7 +1,8 @@
 """Retrieval of old KV by relevance: one session's blocks, their centroids and the attended set.
 
-Owns, for one :class:`~kvfs.torch.cache.TieredCache`: the key centroids of every block that
-has left the window (on the device, per layer, :mod:`kvfs.torch.blocks`), the blocks each
+Owns, for one :class:`~kvfs.torch.cache.TieredCache`: the representatives of every block that
+has left the window (on the device, per layer: by default each key quantized to int8, else the
+centroids or Quest's bounds of :mod:`kvfs.torch.blocks`), the blocks each
 layer attends and their K/V on the device, blocks kept for reuse, the fetches that bring
 newly chosen blocks up from the warm tier, the records of the ``key_centroids`` side stream and
 the ``retrieval`` entry of ``meta.json`` (:mod:`kvfs.torch.retrieval_store` reads them back).
@@ -9,10 +10,13 @@ the ``retrieval`` entry of ``meta.json`` (:mod:`kvfs.torch.retrieval_store` read
 The rule (deterministic: a function of the tokens alone, never of timing):
 
 * With retrieval the window reaches back to the start of its block (``block`` tokens from
-  ``origin`` = the sinks): blocks leave it whole, and each block's centroids are computed then.
+  ``origin`` = the sinks): blocks leave it whole, and each block's representatives are
+  computed then.
 * Step ``t`` of layer ``l`` attends the sinks, the blocks chosen for it, the window and the
   step's input. After the attention of layer ``l`` at step ``t`` its queries rank every block
-  that has left the window (:func:`~kvfs.torch.blocks.block_scores`); the top
+  that has left the window (the selector's ``scores``; the default's, exact logits over the
+  int8 keys, only at a step of several tokens or one that adds a block, the choice holding
+  over the decode steps between); the top
   ``min(attend, blocks)`` are the blocks of step ``t + 1``, in stable slots
   (:func:`~kvfs.torch.blocks.next_slots`: the order of keys changes the rounding of
   attention, so it too is a function of the choices alone). The choice of a step runs ahead
@@ -67,7 +71,10 @@ log = logging.getLogger("kvfs.torch.retrieval")
 #: facts of tools/bench_memory.py than a block kept.
 FRESH_BLOCKS = 2
 
-#: How blocks are represented and scored (:func:`kvfs.torch.blocks.selector`).
+#: How blocks are represented and scored (:func:`kvfs.torch.blocks.selector`): every key of a
+#: block in int8, a block's score its attention mass. Chosen on the dev split of
+#: tools/memory_chats.py over the centroids (the default before), Quest's bounds, int4 keys,
+#: the best token instead of the mass, and blocks of 8 (docs/quality.md, "Held-out chats").
 DEFAULT_SELECTOR = "int8-sum"
 
 KV = tuple[torch.Tensor, torch.Tensor]  # one block of one layer: K, V [1, H, block, D]
