@@ -3,7 +3,8 @@
 
     python tools/bench_memory.py [--quick] [--json OUT]   (docs/quality.md, "Memory")
     python tools/bench_memory.py --chats --split dev|test [--trials N] [--lengths 500,1000,1900]
-        [--families a,b,c,d,e] [--format chatml|plain|both] [--plot OUT.png]
+        [--families a,b,c,d,e] [--format chatml|plain|both] [--plot OUT.png] [--forced]
+    python tools/bench_memory_chats.py --merge RUN.json|RUN.jsonl ...
 
 Each conversation is fed round by round, as an agent feeds its model: one forward step per
 round, ``end_round()`` after it (a cache cannot change the prefill mask, so a single long
@@ -28,14 +29,7 @@ person, a city or a number; ~700 tokens in all, so that the blocks a profile att
 fraction of it), then the three questions, each a round, answered after "Your name is" / "You
 live in" / "Your favorite number is": correct when the answer's first line holds the fact.
 
-Held-out chats (``--chats``, only this part): customer-service conversations from
-``memory_chats`` (a fixed dev/test split, five families, ChatML and plain; see its
-docstring), fed the same way; family d closes the session and resumes it through a fresh
-router over the same mount (a directory here) between the fact and the question, family e
-forks it there and asks in the fork. Answers are at least 12 tokens (a 6-digit number is six
-of SmolLM2's tokens) and scored correct / stale / wrong by ``memory_chats.score``; the table
-gives per family, length, format and configuration the share of the full cache's correct
-answers that the configuration also answers correctly, with a 95 % Wilson interval.
+Held-out chats (``--chats``, only this part): tools/bench_memory_chats.py.
 """
 
 from __future__ import annotations
@@ -408,26 +402,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small-talk", type=int, default=30,
                    help="rounds between the facts and the questions (default 30)")
     p.add_argument("--new-tokens", type=int, default=8)
-    p.add_argument("--configs", default="full,gov,ecommerce,iot,gov-window")
+    p.add_argument("--configs", default="full,gov,ecommerce,iot,gov-window",
+                   help="full, a profile, <profile>-window, or <profile>+sel=S+block=N+bytes=MiB")
     p.add_argument("--no-passkey", action="store_true")
     p.add_argument("--no-facts", action="store_true")
     p.add_argument("--no-ppl", action="store_true")
     p.add_argument("--no-cost", action="store_true")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--chats", action="store_true",
-                   help="only the held-out customer-service chats (tools/memory_chats.py)")
-    p.add_argument("--split", choices=["dev", "test"], default="dev",
-                   help="chats: dev (choose on it) or test (report only)")
-    p.add_argument("--trials", type=int, default=40, help="chats per family and length")
-    p.add_argument("--lengths", default="500,1000,1900", help="chats: target tokens")
-    p.add_argument("--families", default="a,b,c,d,e", help="chats: families (a-e)")
-    p.add_argument("--format", choices=["chatml", "plain", "both"], default="both")
-    p.add_argument("--plot", help="chats: write the accuracy plot here (PNG)")
-    p.add_argument("--records", help="chats: append each chat's records to this JSONL file")
-    p.add_argument("--forced", action="store_true",
-                   help="chats: feed the wanted answer instead of generating; log-probability "
-                        "and whether greedy decoding would write it (faster, finer)")
+    from bench_memory_chats import add_arguments
+
+    add_arguments(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("kvfs").setLevel(logging.WARNING)

@@ -205,6 +205,23 @@ def run_chats(model: Any, tok: Any, names: list[str], split: str, families: list
 
 
 
+def add_arguments(p: Any) -> None:
+    """bench_memory's options for the chats."""
+    p.add_argument("--chats", action="store_true",
+                   help="only the held-out customer-service chats (tools/memory_chats.py)")
+    p.add_argument("--split", choices=["dev", "test"], default="dev",
+                   help="chats: dev (choose on it) or test (report only)")
+    p.add_argument("--trials", type=int, default=40, help="chats per family and length")
+    p.add_argument("--lengths", default="500,1000,1900", help="chats: target tokens")
+    p.add_argument("--families", default="a,b,c,d,e", help="chats: families (a-e)")
+    p.add_argument("--format", choices=["chatml", "plain", "both"], default="both")
+    p.add_argument("--plot", help="chats: write the accuracy plot here (PNG)")
+    p.add_argument("--records", help="chats: append each chat's records to this JSONL file")
+    p.add_argument("--forced", action="store_true",
+                   help="chats: feed the wanted answer instead of generating; log-probability "
+                        "and whether greedy decoding would write it (faster, finer)")
+
+
 def print_rows(rows: list[dict[str, Any]], title: str) -> None:
     print(f"\n{title} (share of the full cache's correct answers, 95 % Wilson interval)")
     print(f"  {'family':>6} {'tokens':>6} {'format':>6} {'config':>28}  correct  stale  logprob  of full")
