@@ -20,8 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvfs.testing import Mount
-
+from kvfs.mount_runner import Mount
 from kvfs.shared.testing import HAVE_REDIS, Cluster
 from kvfs.torch import KVRouter, TieredCache
 from kvfs.torch.testing import generate_turns, profile_rope, prompt, tiny_llama

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvfs.testing import run_as
 
+from kvfs.mount_runner import run_as
 from kvfs.ops import agents
 from kvfs.warm.rootdir import FALLBACK_TAG, open_root
 

@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from kvfs.testing import Mount
 
+from kvfs.mount_runner import Mount
 from kvfs.shared.chunks import SessionKeys
 from kvfs.shared.testing import HAVE_REDIS, Cluster
 

@@ -36,6 +36,13 @@ def model():
     return tiny_llama(seed=0)
 
 
+@pytest.fixture(autouse=True)
+def centroid_selector(monkeypatch):
+    """This file pins the centroid selector and its ``key_centroids`` stream (the default
+    selector's rule, determinism and resume: tests/test_retrieval_selectors.py)."""
+    monkeypatch.setattr("kvfs.torch.retrieval.DEFAULT_SELECTOR", "centroids")
+
+
 def budget(model, blocks: int, block: int) -> int:
     """retrieval_bytes that attend ``blocks`` blocks of ``block`` tokens per layer (and keep
     FRESH_BLOCKS for reuse)."""
@@ -153,6 +160,8 @@ import torch
 from kvfs.torch.testing import tiny_llama
 from kvfs.torch import KVRouter, geometry
 a = json.loads(sys.argv[1])
+import kvfs.torch.retrieval
+kvfs.torch.retrieval.DEFAULT_SELECTOR = a["selector"]
 m = tiny_llama(seed=0)
 r = KVRouter(mount=a["cold"], warm_root=a["warm"], max_kv_len=8, warm_options={"shards": 16},
              retrieval_block=4, retrieval_bytes=(3 + 2) * 4 * geometry(m).session_token_bytes)
@@ -173,6 +182,7 @@ def test_resume_in_a_new_process_attends_the_same_blocks(tmp_path, model):
     outs = generate_turns(model, r.cache("s", model), BEFORE, NEW)
     r.close()  # flushes: every token, the centroids and the next step's blocks on the mount
     args = {"cold": str(tmp_path / "cold"), "warm": str(tmp_path / "warm-child"), "new": NEW,
+            "selector": "centroids",
             "conv": conversation(BEFORE, outs)[0].tolist(), "turns": [t[0].tolist() for t in AFTER]}
     p = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], capture_output=True,
                        text=True, cwd=REPO, timeout=180, env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -3,7 +3,8 @@
 
     python tools/bench_memory.py [--quick] [--json OUT]   (docs/quality.md, "Memory")
     python tools/bench_memory.py --chats --split dev|test [--trials N] [--lengths 500,1000,1900]
-        [--families a,b,c,d,e] [--format chatml|plain|both] [--plot OUT.png]
+        [--families a,b,c,d,e] [--format chatml|plain|both] [--plot OUT.png] [--forced]
+    python tools/bench_memory_chats.py --merge RUN.json|RUN.jsonl ...
 
 Each conversation is fed round by round, as an agent feeds its model: one forward step per
 round, ``end_round()`` after it (a cache cannot change the prefill mask, so a single long
@@ -28,14 +29,7 @@ person, a city or a number; ~700 tokens in all, so that the blocks a profile att
 fraction of it), then the three questions, each a round, answered after "Your name is" / "You
 live in" / "Your favorite number is": correct when the answer's first line holds the fact.
 
-Held-out chats (``--chats``, only this part): customer-service conversations from
-``memory_chats`` (a fixed dev/test split, five families, ChatML and plain; see its
-docstring), fed the same way; family d closes the session and resumes it through a fresh
-router over the same mount (a directory here) between the fact and the question, family e
-forks it there and asks in the fork. Answers are at least 12 tokens (a 6-digit number is six
-of SmolLM2's tokens) and scored correct / stale / wrong by ``memory_chats.score``; the table
-gives per family, length, format and configuration the share of the full cache's correct
-answers that the configuration also answers correctly, with a 95 % Wilson interval.
+Held-out chats (``--chats``, only this part): tools/bench_memory_chats.py.
 """
 
 from __future__ import annotations
@@ -147,6 +141,19 @@ def fact_trials(tok: Any, n: int, small_talk: int = 30, seed: int = 0) -> list[T
     return out
 
 
+def variant(name: str) -> tuple[str, dict[str, Any]]:
+    """``profile[-window][+sel=S][+block=N][+bytes=M]`` (M in MiB): the profile and what
+    differs from its defaults (a retrieval selector, block size, device bytes)."""
+    base, *mods = name.split("+")
+    opts: dict[str, Any] = {}
+    for m in mods:
+        k, _, v = m.partition("=")
+        if k not in ("sel", "block", "bytes"):
+            raise ValueError(f"unknown configuration option {m!r} in {name!r}")
+        opts[k] = v if k == "sel" else int(v) << 20 if k == "bytes" else int(v)
+    return base, opts
+
+
 class Configs:
     """The caches under test: ``full`` and, per profile, its defaults (retrieval on) and its
     sinks + window only; each trial gets a fresh session, deleted after it."""
@@ -167,14 +174,34 @@ class Configs:
         from kvfs.torch import KVRouter
 
         if name not in self._routers:
-            profile, _, variant = name.partition("-")
+            base, opts = variant(name)
+            profile, _, kind = base.partition("-")
             self._warm_n += 1  # a fresh router gets a fresh warm tier: it reads the mount
             self._routers[name] = KVRouter(
                 mount=None if self.mount is None else str(self.mount), device="cpu",
-                profile=profile, warm_root=str(self.tmp / f"{name}-{self._warm_n}"),
-                retrieval=False if variant == "window" else None,
+                profile=profile, warm_root=str(self.tmp / f"{self._warm_n}"),
+                retrieval=False if kind == "window" else None,
+                retrieval_block=opts.get("block"), retrieval_bytes=opts.get("bytes"),
                 warm_options={"shards": 16, "cap_bytes": 2 << 30})
         return self._routers[name]
+
+    def selecting(self, name: str) -> Any:
+        """A context in which new retrievals of configuration ``name`` use its selector."""
+        import contextlib
+
+        import kvfs.torch.retrieval as retrieval
+
+        sel = variant(name)[1].get("sel")
+
+        @contextlib.contextmanager
+        def ctx() -> Any:
+            old = retrieval.DEFAULT_SELECTOR
+            retrieval.DEFAULT_SELECTOR = sel or old
+            try:
+                yield
+            finally:
+                retrieval.DEFAULT_SELECTOR = old
+        return ctx()
 
     def resume(self, name: str, sid: str) -> Any:
         """Session ``sid`` closed and resumed through a fresh router over the same mount
@@ -182,14 +209,16 @@ class Configs:
         if name == "full":
             return None
         self._routers.pop(name).close()
-        return self.router(name).resume(sid, self.model)
+        with self.selecting(name):
+            return self.router(name).resume(sid, self.model)
 
     def fork(self, name: str, sid: str) -> tuple[Any, str] | None:
         """(the fork's cache, its id); None for the full cache (a fork of it is itself)."""
         if name == "full":
             return None
         new = f"{sid}-fork"
-        return self.router(name).fork(sid, new, self.model), new
+        with self.selecting(name):
+            return self.router(name).fork(sid, new, self.model), new
 
     def cache(self, name: str) -> tuple[Any, Any]:
         """(cache, release) for a fresh session of configuration ``name``."""
@@ -204,7 +233,8 @@ class Configs:
             return DynamicCache(config=self.model.config), None
         self._n += 1
         sid = f"{self._n}-m"  # a device id first: the iot profile shards by it
-        return self.router(name).cache(sid, self.model, fresh=True), sid
+        with self.selecting(name):
+            return self.router(name).cache(sid, self.model, fresh=True), sid
 
     def delete(self, name: str, *sids: str) -> None:
         r = self.router(name)
@@ -220,7 +250,8 @@ class Configs:
         out = {"max_kv_len": r.max_kv_len, "sink_tokens": r.sink_tokens,
                "retrieval": ret is not None,
                "retrieval_bytes": r.retrieval_bytes if ret else 0,
-               "blocks_attended": ret.attend if ret else 0, "block": ret.block if ret else 0}
+               "blocks_attended": ret.attend if ret else 0, "block": ret.block if ret else 0,
+               "selector": ret.selector.name if ret else None}
         release()
         return out
 
@@ -360,143 +391,6 @@ def step_cost(model: Any, configs: Configs, tokens: int, steps: int, round_token
             "ratio": on / off, **info}
 
 
-# --- held-out chats (memory_chats) ------------------------------------------------------------
-
-def run_chat(model: Any, tok: Any, configs: Configs, name: str, chat: Any, rendered: Any,
-             new_tokens: int) -> list[str]:
-    """Feed ``rendered`` round by round under configuration ``name``; families d and e
-    resume or fork the session after round ``chat.break_after``; the answer to each question."""
-    import torch
-
-    cache, sid = configs.session(name)
-    sids = [sid]
-    ids: list[int] = []
-    answers = []
-
-    def feed(x: list[int]) -> None:
-        model(input_ids=torch.tensor([x]), cache=cache, use_cache=True)
-        ids.extend(x)
-        if hasattr(cache, "end_round"):
-            cache.end_round()
-    try:
-        with torch.no_grad():
-            for i, rnd in enumerate(rendered.rounds):
-                feed(rnd)
-                if i == chat.break_after and chat.family == "d":
-                    cache = configs.resume(name, sid) or cache
-                elif i == chat.break_after and chat.family == "e":
-                    got = configs.fork(name, sid)
-                    if got is not None:
-                        cache, new = got
-                        sids.append(new)
-            for k, (q, prefix) in enumerate(rendered.questions):
-                feed((rendered.after_answer if k else []) + q)
-                x = torch.tensor([ids + prefix])
-                out = model.generate(x, attention_mask=torch.ones_like(x), cache=cache,
-                                     max_new_tokens=new_tokens, do_sample=False)
-                answers.append(tok.decode(out[0, x.shape[1]:].tolist(), skip_special_tokens=True))
-                ids[:] = out[0].tolist()[:-1]  # generate does not feed its last token
-                if hasattr(cache, "end_round"):
-                    cache.end_round()
-    finally:
-        if sid is not None:
-            configs.delete(name, *sids)
-    return answers
-
-
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95 % Wilson score interval of ``k`` successes in ``n``."""
-    if n == 0:
-        return (0.0, 1.0)
-    p = k / n
-    c = (p + z * z / (2 * n)) / (1 + z * z / n)
-    h = z * (p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5 / (1 + z * z / n)
-    return (max(0.0, c - h), min(1.0, c + h))
-
-
-def chat_rows(records: list[dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:
-    """Per family, length, format and configuration: correct, stale, and the share of the
-    full cache's correct answers it also answers correctly (with its Wilson interval)."""
-    cells: dict[tuple, dict[str, list]] = {}
-    for r in records:
-        cells.setdefault((r["family"], r["length"], r["format"]), {}).setdefault(
-            r["config"], []).append(r)
-    rows = []
-    for (fam, n, fmt), by in sorted(cells.items()):
-        ref = {(r["chat"], r["question"]): r["verdict"] == "correct" for r in by.get("full", [])}
-        base = sum(ref.values())
-        for name in names:
-            rs = by.get(name, [])
-            both = sum(r["verdict"] == "correct" and ref.get((r["chat"], r["question"]), False)
-                       for r in rs)
-            lo, hi = wilson(both, base)
-            rows.append({"family": fam, "length": n, "format": fmt, "config": name,
-                         "questions": len(rs),
-                         "correct": sum(r["verdict"] == "correct" for r in rs),
-                         "stale": sum(r["verdict"] == "stale" for r in rs),
-                         "full_correct": base, "of_full": both / base if base else None,
-                         "ci95": [lo, hi] if base else None})
-    return rows
-
-
-def chat_plot(records: list[dict[str, Any]], names: list[str], path: str) -> None:
-    """Accuracy by the fact's depth, a line per length, a panel per configuration."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    lengths = sorted({r["length"] for r in records})
-    fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 3), sharey=True, squeeze=False)
-    for ax, name in zip(axes[0], names, strict=True):
-        for n in lengths:
-            pts: dict[float, list[bool]] = {}
-            for r in records:
-                if r["config"] == name and r["length"] == n:
-                    pts.setdefault(round(r["depth"], 1), []).append(r["verdict"] == "correct")
-            xs = sorted(pts)
-            ax.plot(xs, [sum(pts[x]) / len(pts[x]) for x in xs], marker="o", label=f"{n} tokens")
-        ax.set_title(name)
-        ax.set_xlabel("depth of the fact")
-        ax.set_xlim(0, 1)
-        ax.set_ylim(-0.05, 1.05)
-    axes[0][0].set_ylabel("correct")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def run_chats(model: Any, tok: Any, names: list[str], split: str, families: list[str],
-              lengths: list[int], trials: int, formats: list[str], new_tokens: int) -> list[dict[str, Any]]:
-    """Every chat of the cells, in every format, under every configuration: one record a
-    question."""
-    import memory_chats as mc
-
-    configs = Configs(model, names, mounted=True)
-    records = []
-    try:
-        for chat in mc.chats(tok, split, families, lengths, trials):
-            for fmt in formats:
-                rendered = mc.render(tok, chat, fmt)
-                verdicts = []
-                for name in names:
-                    t0 = time.perf_counter()
-                    answers = run_chat(model, tok, configs, name, chat, rendered, new_tokens)
-                    for k, (q, a) in enumerate(zip(chat.questions, answers, strict=True)):
-                        v = mc.score(a, q.want, q.stale)
-                        verdicts.append(f"{name} {v}")
-                        records.append({"chat": chat.name, "family": chat.family, "length": chat.target,
-                                        "format": fmt, "config": name, "question": k,
-                                        "depth": chat.depths[k], "tokens": rendered.tokens,
-                                        "answer": a, "want": q.want[0], "verdict": v,
-                                        "seconds": round(time.perf_counter() - t0, 1)})
-                log.info("chat %s %s (%d tokens): %s", chat.name, fmt, rendered.tokens, ", ".join(verdicts))
-    finally:
-        configs.close()
-    return records
-
-
 def main(argv: list[str] | None = None) -> int:
     import argparse
     import json
@@ -508,22 +402,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small-talk", type=int, default=30,
                    help="rounds between the facts and the questions (default 30)")
     p.add_argument("--new-tokens", type=int, default=8)
-    p.add_argument("--configs", default="full,gov,ecommerce,iot,gov-window")
+    p.add_argument("--configs", default="full,gov,ecommerce,iot,gov-window",
+                   help="full, a profile, <profile>-window, or <profile>+sel=S+block=N+bytes=MiB")
     p.add_argument("--no-passkey", action="store_true")
     p.add_argument("--no-facts", action="store_true")
     p.add_argument("--no-ppl", action="store_true")
     p.add_argument("--no-cost", action="store_true")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--chats", action="store_true",
-                   help="only the held-out customer-service chats (tools/memory_chats.py)")
-    p.add_argument("--split", choices=["dev", "test"], default="dev",
-                   help="chats: dev (choose on it) or test (report only)")
-    p.add_argument("--trials", type=int, default=40, help="chats per family and length")
-    p.add_argument("--lengths", default="500,1000,1900", help="chats: target tokens")
-    p.add_argument("--families", default="a,b,c,d,e", help="chats: families (a-e)")
-    p.add_argument("--format", choices=["chatml", "plain", "both"], default="both")
-    p.add_argument("--plot", help="chats: write the accuracy plot here (PNG)")
+    from bench_memory_chats import add_arguments
+
+    add_arguments(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("kvfs").setLevel(logging.WARNING)
@@ -549,23 +438,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"cache's correct answers ({s['seconds']:.0f} s)")
     try:
         if args.chats:
-            formats = ["chatml", "plain"] if args.format == "both" else [args.format]
-            lengths = [int(x) for x in args.lengths.split(",")]
-            records = run_chats(model, tok, names, args.split, args.families.split(","), lengths,
-                                args.trials, formats, max(args.new_tokens, 12))
-            rows = chat_rows(records, names)
-            out["chats"] = {"split": args.split, "rows": rows, "records": records}
-            print(f"\nheld-out chats, {args.split} split, {args.trials} per cell "
-                  "(share of the full cache's correct answers, 95 % Wilson interval)")
-            print(f"  {'family':>6} {'tokens':>6} {'format':>6} {'config':>16}  correct  stale  of full")
-            for r in rows:
-                of = "n/a" if r["of_full"] is None else (
-                    f"{100 * r['of_full']:.0f}% [{100 * r['ci95'][0]:.0f}-{100 * r['ci95'][1]:.0f}]")
-                print(f"  {r['family']:>6} {r['length']:>6} {r['format']:>6} {r['config']:>16}  "
-                      f"{r['correct']:>3}/{r['questions']:<3} {r['stale']:>5}  {of}")
-            if args.plot:
-                chat_plot(records, names, args.plot)
-                log.info("plot written to %s", args.plot)
+            from bench_memory_chats import chats_report
+
+            out["chats"] = chats_report(model, tok, names, args)
         if not args.chats and not args.no_passkey:
             lengths, depths = passkey_lengths(args.quick)
             trials = passkey_trials(tok, lengths, depths)

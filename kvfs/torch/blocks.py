@@ -1,4 +1,10 @@
-"""Blocks of old KV and their representatives: the mean keys of each block's halves.
+"""Blocks of old KV and their representatives, and the selectors that score them.
+
+Selectors (:func:`selector`): ``int8-sum`` (the default: every key of a block quantized to
+int8 per token and KV head, scored exactly; a block's score its attention mass),
+``int8-max``/``int4-*`` (its best token; 4-bit codes), ``quest`` (per-channel bounds) and
+``centroids`` (below; the default before, and the only one with a side stream: the others are
+recomputed from the stored keys on resume).
 
 A session's tokens past the sinks are cut into blocks of ``block`` tokens from a fixed
 ``origin`` (the sink count): block ``i`` is tokens ``[origin + i*block, origin + (i+1)*block)``.
@@ -31,8 +37,9 @@ from __future__ import annotations
 
 import contextlib
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any, Protocol, cast
 
 import crc32c
 import numpy as np
@@ -90,7 +97,7 @@ class BlockLayout:
 
     def header_matches(self, raw: bytes | np.ndarray) -> bool:
         """Whether ``raw`` (the stream's first bytes) is an intact header of this layout."""
-        b = bytes(memoryview(raw)[:HEADER_BYTES]) if len(raw) >= HEADER_BYTES else b""
+        b = np.frombuffer(cast(Any, raw), np.uint8)[:HEADER_BYTES].tobytes() if len(raw) >= HEADER_BYTES else b""
         return len(b) == HEADER_BYTES and b == self.header()
 
     def records(self, first: int, cents: torch.Tensor) -> np.ndarray:
@@ -118,7 +125,7 @@ class BlockLayout:
         while (n + 1) * rb <= buf.size:
             rec = buf[n * rb:(n + 1) * rb]
             idx, crc, zero = _REC.unpack(rec[:_REC.size].tobytes())
-            want = crc32c.crc32c(rec[_REC.size:], crc32c.crc32c(struct.pack("<Q", first + n)))
+            want = crc32c.crc32c(cast(Any, rec[_REC.size:]), crc32c.crc32c(struct.pack("<Q", first + n)))
             if idx != first + n or zero != 0 or crc != want:
                 break
             n += 1
@@ -163,10 +170,10 @@ def centroids_of_keys(keys: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def scoring_layout(cents: torch.Tensor) -> torch.Tensor:
-    """``[n, H, 2, D]`` centroids as ``[H, D, 2n]``: per KV head the centroids as columns,
-    block by block (what :func:`block_scores` reads)."""
-    n, h, _, d = cents.shape
-    return cents.permute(1, 3, 0, 2).reshape(h, d, 2 * n)
+    """``[n, H, R, D]`` representatives (R = 2: centroids) as ``[H, D, R*n]``: per KV head
+    the representatives as columns, block by block (what :func:`block_scores` reads)."""
+    n, h, r, d = cents.shape
+    return cents.permute(1, 3, 0, 2).reshape(h, d, r * n)
 
 
 def centroids_layout(scoring: torch.Tensor) -> torch.Tensor:
@@ -208,3 +215,137 @@ def block_scores(query: torch.Tensor, scoring: torch.Tensor) -> torch.Tensor:
         share = torch.softmax(s.float() * d ** -0.5, dim=-1)
     share = share.unflatten(-1, (-1, 2)).sum(-1)
     return share.amax(1).reshape(layers, hkv, -1).sum(1)
+
+
+# --- selectors: what represents a block, and how a step's queries score it ------------------
+
+Reps = tuple[torch.Tensor, "torch.Tensor | None"]  # [m, H, R, D] values or codes, [m, H, R] scales
+
+
+class Selector(Protocol):
+    """How a block is represented (``columns`` vectors per KV head, optionally with a scale
+    each) and scored. ``represent`` must be a function of the key bytes alone, computed the
+    same way on any device (a resumed session recomputes it from the stored keys)."""
+
+    name: str
+    #: score at every step; else only at a step of several tokens (a turn arriving) or one
+    #: that adds a block to the candidates, the choice holding between (exact scores cost)
+    every_step: bool
+
+    def columns(self, block: int) -> int: ...
+
+    def represent(self, keys: torch.Tensor, block: int) -> Reps: ...
+
+    def scores(self, query: torch.Tensor, reps: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor: ...
+
+
+def scale_layout(scale: torch.Tensor) -> torch.Tensor:
+    """``[n, H, R]`` scales as ``[H, R*n]`` (the columns of :func:`scoring_layout`)."""
+    n, h, r = scale.shape
+    return scale.permute(1, 0, 2).reshape(h, r * n)
+
+
+def _share(logits: torch.Tensor, d: int, cols: int, agg: str) -> torch.Tensor:
+    """``[L*Hkv, Q, cols*n]`` logits -> ``[L, n]`` after :func:`block_scores`' rule with
+    ``agg`` (sum or max) over a block's columns."""
+    share = torch.softmax(logits.float() * d ** -0.5, dim=-1).unflatten(-1, (-1, cols))
+    share = share.sum(-1) if agg == "sum" else share.amax(-1)
+    return share.amax(1)
+
+
+class Centroids:
+    """Two mean keys per block and KV head (:func:`centroids_of_keys`, :func:`block_scores`)."""
+
+    name = "centroids"
+    every_step = True
+
+    def columns(self, block: int) -> int:
+        return 2
+
+    def represent(self, keys: torch.Tensor, block: int) -> Reps:
+        return centroids_of_keys(keys, block), None
+
+    def scores(self, query: torch.Tensor, reps: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        return block_scores(query, reps)
+
+
+class Bounds:
+    """Quest's per-channel minimum and maximum of a block's keys; a query's bound on its
+    logit ``sum_d max(q_d min_d, q_d max_d)``, turned into a share as :func:`block_scores`."""
+
+    name = "quest"
+    every_step = True
+
+    def columns(self, block: int) -> int:
+        return 2
+
+    def represent(self, keys: torch.Tensor, block: int) -> Reps:
+        h, t, d = keys.shape[1], keys.shape[2], keys.shape[3]
+        k = keys[0].reshape(h, t // block, block, d)
+        return torch.stack([k.amin(2), k.amax(2)], dim=2).transpose(0, 1).contiguous(), None
+
+    def scores(self, query: torch.Tensor, reps: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        hkv, d = reps.shape[-3], reps.shape[-2]
+        layers = query.shape[0]
+        q = query.reshape(layers * hkv, -1, d).to(reps.dtype)
+        r = reps.reshape(layers * hkv, d, -1, 2)
+        lo, hi = r[..., 0].contiguous(), r[..., 1].contiguous()
+        with _one_thread(q):
+            bound = torch.bmm(q.clamp(min=0), hi) + torch.bmm(q.clamp(max=0), lo)
+        share = torch.softmax(bound.float() * d ** -0.5, dim=-1)
+        return share.amax(1).reshape(layers, hkv, -1).sum(1)
+
+
+class QuantizedKeys:
+    """Every key of a block, quantized symmetrically per token and KV head to ``bits``
+    (int8 codes, a float32 scale each: ``absmax / (2**(bits-1) - 1)``, round half to even:
+    the same bytes on any device); a query's logits against all of them exactly as over
+    these keys, their softmax over every old token at the attention's scale, a block's share
+    the ``agg`` (sum: its attention mass; max: its best token) of its tokens'; the largest
+    over the queries of a KV head, summed over the heads."""
+
+    def __init__(self, block: int, bits: int = 8, agg: str = "max") -> None:
+        if agg not in ("max", "sum") or not 2 <= bits <= 8:
+            raise ValueError(f"quantized keys need 2-8 bits and agg max or sum, got {bits}, {agg!r}")
+        self.block, self.bits, self.agg = block, bits, agg
+        self.every_step = False
+        self.name = f"int{bits}-{agg}"
+        self.qmax = float(2 ** (bits - 1) - 1)
+
+    def columns(self, block: int) -> int:
+        return block
+
+    def represent(self, keys: torch.Tensor, block: int) -> Reps:
+        h, t, d = keys.shape[1], keys.shape[2], keys.shape[3]
+        k = keys[0].float()  # [H, T, D]
+        scale = k.abs().amax(-1) / self.qmax  # [H, T]
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = torch.round(k / safe.unsqueeze(-1)).clamp(-self.qmax, self.qmax).to(torch.int8)
+        codes = codes.reshape(h, t // block, block, d).transpose(0, 1).contiguous()
+        return codes, scale.reshape(h, t // block, block).transpose(0, 1).contiguous()
+
+    def scores(self, query: torch.Tensor, reps: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        if scale is None:
+            raise ValueError("quantized keys are scored with their scales")
+        hkv, d = reps.shape[-3], reps.shape[-2]
+        layers = query.shape[0]
+        q = query.reshape(layers * hkv, -1, d).float()
+        with _one_thread(q):
+            s = torch.bmm(q, reps.reshape(layers * hkv, d, -1).float())
+        s = s * scale.reshape(layers * hkv, 1, -1)
+        return _share(s, d, self.block, self.agg).reshape(layers, hkv, -1).sum(1)
+
+
+SELECTORS: dict[str, Callable[[], Selector]] = {"centroids": Centroids, "quest": Bounds}
+
+
+def selector(name: str, block: int) -> Selector:
+    """The selector called ``name``: ``centroids``, ``quest``, ``int8-max``, ``int8-sum``,
+    ``int4-max``, ``int4-sum``."""
+    if name in SELECTORS:
+        return SELECTORS[name]()
+    if name.startswith("int") and "-" in name:
+        bits, agg = name[3:].split("-", 1)
+        if bits.isdigit():
+            return QuantizedKeys(block, int(bits), agg)
+    raise ValueError(f"unknown retrieval selector {name!r}")

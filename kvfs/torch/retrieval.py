@@ -1,7 +1,8 @@
 """Retrieval of old KV by relevance: one session's blocks, their centroids and the attended set.
 
-Owns, for one :class:`~kvfs.torch.cache.TieredCache`: the key centroids of every block that
-has left the window (on the device, per layer, :mod:`kvfs.torch.blocks`), the blocks each
+Owns, for one :class:`~kvfs.torch.cache.TieredCache`: the representatives of every block that
+has left the window (on the device, per layer: by default each key quantized to int8, else the
+centroids or Quest's bounds of :mod:`kvfs.torch.blocks`), the blocks each
 layer attends and their K/V on the device, blocks kept for reuse, the fetches that bring
 newly chosen blocks up from the warm tier, the records of the ``key_centroids`` side stream and
 the ``retrieval`` entry of ``meta.json`` (:mod:`kvfs.torch.retrieval_store` reads them back).
@@ -9,10 +10,13 @@ the ``retrieval`` entry of ``meta.json`` (:mod:`kvfs.torch.retrieval_store` read
 The rule (deterministic: a function of the tokens alone, never of timing):
 
 * With retrieval the window reaches back to the start of its block (``block`` tokens from
-  ``origin`` = the sinks): blocks leave it whole, and each block's centroids are computed then.
+  ``origin`` = the sinks): blocks leave it whole, and each block's representatives are
+  computed then.
 * Step ``t`` of layer ``l`` attends the sinks, the blocks chosen for it, the window and the
   step's input. After the attention of layer ``l`` at step ``t`` its queries rank every block
-  that has left the window (:func:`~kvfs.torch.blocks.block_scores`); the top
+  that has left the window (the selector's ``scores``; the default's, exact logits over the
+  int8 keys, only at a step of several tokens or one that adds a block, the choice holding
+  over the decode steps between); the top
   ``min(attend, blocks)`` are the blocks of step ``t + 1``, in stable slots
   (:func:`~kvfs.torch.blocks.next_slots`: the order of keys changes the rounding of
   attention, so it too is a function of the choices alone). The choice of a step runs ahead
@@ -39,15 +43,21 @@ import torch
 import kvfs.torch.attention as attention
 from kvfs.torch.blocks import (
     BlockLayout,
-    block_scores,
+    Selector,
     centroids_layout,
-    centroids_of_keys,
     next_slots,
+    scale_layout,
     scoring_layout,
+    selector,
 )
 from kvfs.torch.fingerprint import KVUnsupported
 from kvfs.torch.recall import layer_pool, read_tokens
-from kvfs.torch.retrieval_store import chosen_from_meta, load_centroids, write_records
+from kvfs.torch.retrieval_store import (
+    chosen_from_meta,
+    load_centroids,
+    recompute_reps,
+    write_records,
+)
 
 if TYPE_CHECKING:
     from kvfs.torch.cache import TieredCache
@@ -61,13 +71,19 @@ log = logging.getLogger("kvfs.torch.retrieval")
 #: facts of tools/bench_memory.py than a block kept.
 FRESH_BLOCKS = 2
 
+#: How blocks are represented and scored (:func:`kvfs.torch.blocks.selector`): every key of a
+#: block in int8, a block's score its attention mass. Chosen on the dev split of
+#: tools/memory_chats.py over the centroids (the default before), Quest's bounds, int4 keys,
+#: the best token instead of the mass, and blocks of 8 (docs/quality.md, "Held-out chats").
+DEFAULT_SELECTOR = "int8-sum"
+
 KV = tuple[torch.Tensor, torch.Tensor]  # one block of one layer: K, V [1, H, block, D]
 
 
 class Retrieval:
     """One session's retrieval state (see the module docstring)."""
 
-    def __init__(self, cache: TieredCache, block: int, attend: int) -> None:
+    def __init__(self, cache: TieredCache, block: int, attend: int, select: str | None = None) -> None:
         if block < 1 or attend < 1:
             raise ValueError(f"retrieval needs block >= 1 and at least one block attended, got "
                              f"block={block}, attend={attend}")
@@ -76,9 +92,12 @@ class Retrieval:
         self.block = int(block)
         self.attend = int(attend)
         self.keep = FRESH_BLOCKS  # blocks kept for reuse per layer, besides the chosen ones
-        n = cache.num_layers
+        self.selector: Selector = selector(select or DEFAULT_SELECTOR, self.block)
+        self.cols = self.selector.columns(self.block)  # representatives per block and KV head
+        n = cache.geo.num_layers
         self.count = [0] * n  # blocks with centroids (left the window), per layer
-        self._cents: torch.Tensor | None = None  # [layers, H, D, 2 * capacity]: scoring_layout
+        self._cents: torch.Tensor | None = None  # [layers, H, D, cols * capacity]: scoring_layout
+        self._scale: torch.Tensor | None = None  # [layers, H, cols * capacity] (quantized keys)
         self._queries: list[torch.Tensor | None] = [None] * n  # this step's, until the last layer
         self.chosen: list[tuple[int, ...]] = [()] * n  # blocks of the next step, in slot order
         self._on: list[dict[int, KV]] = [{} for _ in range(n)]  # chosen blocks on the device
@@ -86,6 +105,7 @@ class Retrieval:
         self._pending: list[Future | None] = [None] * n  # a read of chosen blocks from the mount
         self.written = 0  # blocks whose record is queued to the side stream
         self._observed = -1  # layers that reported their queries this step (-1: no step yet)
+        self._scored: tuple[int, tuple[int, ...]] = (0, ())  # blocks and recalled ones at the last scoring
         self._ram: bool | None = None
         # statistics
         self.fetched_blocks = 0
@@ -102,9 +122,19 @@ class Retrieval:
 
     @property
     def device_bytes(self) -> int:
-        n = 0 if self._cents is None else self._cents.numel()
-        n += sum(k.numel() + v.numel() for d in (*self._on, *self._kept) for k, v in d.values())
-        return n * self.c.geo.itemsize
+        n = sum(t.numel() * t.element_size() for t in (self._cents, self._scale) if t is not None)
+        n += sum(k.numel() + v.numel() for d in (*self._on, *self._kept)
+                 for k, v in d.values()) * self.c.geo.itemsize
+        return n
+
+    @property
+    def rep_bytes(self) -> int:
+        """Device bytes of one block's representatives, all layers."""
+        g = self.c.geo
+        one = g.head_dim * (g.itemsize if self.selector.name in ("centroids", "quest") else 1)
+        if self.selector.name not in ("centroids", "quest"):
+            one += 4  # the scale
+        return g.num_layers * g.num_kv_heads * self.cols * one
 
     def step_growth(self, q: int) -> int:
         """Device bytes a step of ``q`` tokens may add at most: the chosen blocks, the blocks
@@ -114,10 +144,10 @@ class Retrieval:
         stb = c.geo.session_token_bytes
         chosen = max(0, min(self.attend, self.count[0] + leaving) - len(self._on[0]))
         kept = max(0, min(self.keep, len(self._kept[0]) + leaving + chosen) - len(self._kept[0]))
-        cap = 0 if self._cents is None else self._cents.shape[-1] // 2
+        cap = 0 if self._cents is None else self._cents.shape[-1] // self.cols
         need = self.count[0] + leaving
         grown = need + max(8, need // 4) - cap if need > cap else 0
-        return (chosen + kept) * blk * stb + grown * stb  # a block's centroids: one token's K/V bytes
+        return (chosen + kept) * blk * stb + grown * self.rep_bytes
 
     def window_from(self, seen: int, base: int) -> int:
         """Start of the window for ``seen`` tokens, ``base`` the start without blocks:
@@ -129,6 +159,7 @@ class Retrieval:
 
     def stats(self) -> dict[str, Any]:
         return {"blocks": self.count[0], "attend": self.attend, "block": self.block,
+                "selector": self.selector.name,
                 "attended_blocks": len(self.chosen[0]), "fetched_blocks": self.fetched_blocks,
                 "background_reads": self.background_reads, "fetch_waits": self.fetch_waits,
                 "fetch_wait_ms": round(self.fetch_wait_s * 1e3, 3),
@@ -153,7 +184,7 @@ class Retrieval:
         if b0 != self.count[layer]:
             raise AssertionError(f"layer {layer}: block {b0} left the window, expected {self.count[layer]}")
         nb = k.shape[-2] // self.block
-        self._append_centroids(layer, centroids_of_keys(k, self.block))
+        self._append_centroids(layer, *self.selector.represent(k, self.block))
         for j in range(max(0, nb - FRESH_BLOCKS), nb):
             s = slice(j * self.block, (j + 1) * self.block)
             self._keep_block(layer, b0 + j, (k[..., s, :].clone(), v[..., s, :].clone()))
@@ -165,26 +196,41 @@ class Retrieval:
         while len(kept) > self.keep:
             kept.popitem(last=False)
 
-    def _append_centroids(self, layer: int, new: torch.Tensor) -> None:
-        """Add ``[m, H, 2, D]`` centroids to ``layer`` (all layers grow by a quarter when the
-        first one is full: few copies)."""
-        n, cur, m = self.count[layer], self._cents, new.shape[0]
+    def _append_centroids(self, layer: int, new: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+        """Add ``[m, H, cols, D]`` representatives (and ``[m, H, cols]`` scales) to ``layer``
+        (all layers grow by a quarter when the first one is full: few copies)."""
+        n, cur, m, r = self.count[layer], self._cents, new.shape[0], self.cols
         lay = scoring_layout(new)
-        if cur is None or cur.shape[-1] < 2 * (n + m):
+        if cur is None or cur.shape[-1] < r * (n + m):
             cap = n + m + max(8, (n + m) // 4)
-            grown = lay.new_empty((self.c.num_layers, *lay.shape[:2], 2 * cap))
+            grown = lay.new_empty((self.c.num_layers, *lay.shape[:2], r * cap))
             if cur is not None:
                 grown[..., :cur.shape[-1]] = cur
             self._cents = cur = grown
-        cur[layer, ..., 2 * n:2 * (n + m)] = lay
+            if scale is not None:
+                gs = torch.empty((self.c.num_layers, lay.shape[0], r * cap), dtype=scale.dtype, device=lay.device)
+                if self._scale is not None:
+                    gs[..., :self._scale.shape[-1]] = self._scale
+                self._scale = gs
+        cur[layer, ..., r * n:r * (n + m)] = lay
+        if scale is not None and self._scale is not None:
+            self._scale[layer, :, r * n:r * (n + m)] = scale_layout(scale)
         self.count[layer] = n + m
+
+    @property
+    def streamed(self) -> bool:
+        """Whether the representatives go to the ``key_centroids`` side stream (centroids);
+        others are recomputed from the stored keys on resume."""
+        return self.selector.name == "centroids"
 
     def scoring(self, layer: int | None = None) -> torch.Tensor:
         """The centroids of the blocks that left the window, as :func:`block_scores` reads
         them (``[layers, H, D, 2n]``, or one layer's)."""
+        if self._cents is None:
+            raise RuntimeError("no block has left the window")
         if layer is None:
-            return self._cents[..., :2 * self.count[-1]]
-        return self._cents[layer, ..., :2 * self.count[layer]]
+            return self._cents[..., :self.cols * self.count[-1]]
+        return self._cents[layer, ..., :self.cols * self.count[layer]]
 
     def centroids(self, layer: int) -> torch.Tensor:
         """``[n, H, 2, D]`` centroids of the blocks that left the window."""
@@ -196,8 +242,9 @@ class Retrieval:
         order = self.chosen[layer]
         if not order:
             return [], []
-        if self._pending[layer] is not None:
-            if not self._pending[layer].done():
+        fut = self._pending[layer]
+        if fut is not None:
+            if not fut.done():
                 t0 = time.perf_counter()
                 self._settle(layer)
                 self.fetch_wait_s += time.perf_counter() - t0
@@ -213,7 +260,8 @@ class Retrieval:
     def _settle(self, layer: int) -> None:
         """Wait for ``layer``'s read from the mount; its blocks join the chosen ones."""
         fut, self._pending[layer] = self._pending[layer], None
-        self._on[layer].update(fut.result())
+        if fut is not None:
+            self._on[layer].update(fut.result())
 
     def expect(self, layer: int) -> None:
         """Have this step's attention of ``layer`` hand its queries to :meth:`observe`."""
@@ -228,14 +276,20 @@ class Retrieval:
             self._choose_all()
 
     def _choose_all(self) -> None:
-        qs, self._queries = self._queries, [None] * self.c.num_layers
+        got, self._queries = self._queries, [None] * self.c.num_layers
+        qs = [q for q in got if q is not None]
         n = self.count[-1]
-        if n == 0 or any(q is None for q in qs):
+        if n == 0 or len(qs) < len(got):
             return
-        scores = block_scores(torch.cat(qs), self.scoring())  # [layers, n]: one matmul
-        excluded = [b for b in self.c.recalled_blocks(self.layout) if b < n] if self.c.recalling else ()
+        excluded = [b for b in self.c.recalled_blocks(self.layout) if b < n] if self.c.recalling else []
+        scored = (n, tuple(excluded))
+        if not self.selector.every_step and qs[0].shape[-2] == 1 and self.chosen[0] and scored == self._scored:
+            return  # a decode step, no new block, the same recall: the choice holds
+        self._scored = scored
+        scale = None if self._scale is None else self._scale[..., :self.cols * n]
+        scores = self.selector.scores(torch.cat(qs), self.scoring(), scale)  # [layers, n]: one matmul
         if excluded:
-            scores[:, list(excluded)] = float("-inf")
+            scores[:, excluded] = float("-inf")
         k = min(self.attend, n - len(excluded))
         tops = torch.topk(scores, k).indices.tolist() if k > 0 else [[]] * len(qs)
         for layer, top in enumerate(tops):
@@ -278,19 +332,23 @@ class Retrieval:
             in_ram = getattr(c.warm, "in_ram", None)
             at = self.layout.origin * tb
             self._ram = bool(in_ram and in_ram(c.session_id, 0, at, at))
-        return self._ram and c.warm.size(c.session_id, layer) >= self.layout.span(max(blocks))[1] * tb
+        warm = c.warm
+        assert warm is not None  # retrieval is built only over a warm tier
+        return self._ram and warm.size(c.session_id, layer) >= self.layout.span(max(blocks))[1] * tb
 
     def _read(self, layer: int, blocks: list[int]) -> dict[int, KV]:
         """Read ``blocks`` of ``layer`` from the warm tier (or the mount through it): exact bytes."""
         c = self.c
+        warm = c.warm
+        assert warm is not None  # retrieval is built only over a warm tier
         dev = c.device or torch.device("cpu")
         tb = c.geo.token_bytes
-        if c.spiller is not None and c.warm.size(c.session_id, layer) < self.layout.span(max(blocks))[1] * tb:
+        if c.spiller is not None and warm.size(c.session_id, layer) < self.layout.span(max(blocks))[1] * tb:
             c.spiller.wait()  # still on its way to the warm tier
         out = {}
         for b in blocks:
             a, e = self.layout.span(b)
-            out[b] = read_tokens(c.warm, c.session_id, layer, c.geo, a, e, dev, promote=False)
+            out[b] = read_tokens(warm, c.session_id, layer, c.geo, a, e, dev, promote=False)
         self.fetched_blocks += len(blocks)
         return out
 
@@ -311,8 +369,9 @@ class Retrieval:
         """Free the chosen and kept blocks (read back before the next step); blocks freed."""
         freed = sum(len(d) for d in (*self._on, *self._kept))
         for i in range(len(self._on)):
-            if self._pending[i] is not None:
-                self._pending[i].result()  # nothing may land in what is being dropped
+            fut = self._pending[i]
+            if fut is not None:
+                fut.result()  # nothing may land in what is being dropped
                 self._pending[i] = None
             self._on[i].clear()
             self._kept[i].clear()
@@ -322,18 +381,19 @@ class Retrieval:
     def queue_records(self) -> None:
         """Queue the records of the blocks that left the window since the last call (all
         layers have their centroids: called at the end of a step and before a flush)."""
-        n = min(self.count)
-        if n <= self.written or self.c.spiller is None:
+        n, spiller = min(self.count), self.c.spiller
+        if n <= self.written or spiller is None or self._cents is None or not self.streamed:
             return
         first = self.written
         new = centroids_layout(self._cents[..., 2 * first:2 * n].flatten(0, 1)).unflatten(1, (len(self.count), -1))
         c = self.c
-        c.spiller.submit_call(write_records, c.warm, c.session_id, self.layout, first, new)
+        spiller.submit_call(write_records, c.warm, c.session_id, self.layout, first, new)
         self.written = n
 
     def meta_state(self, tokens: int) -> dict[str, Any]:
         """The ``retrieval`` entry of meta.json: the blocks each layer attends next."""
         return {"block": self.block, "origin": self.layout.origin, "tokens": int(tokens),
+                "selector": self.selector.name,
                 "chosen": [list(ch) for ch in self.chosen]}
 
     def load(self, meta: dict, tokens: int, window_start: int, device: torch.device | str) -> None:
@@ -341,13 +401,22 @@ class Retrieval:
         completed from the stored keys: :func:`~kvfs.torch.retrieval_store.load_centroids`)
         and the chosen blocks from ``meta.json`` when it saved them for exactly ``tokens``."""
         need = self.layout.blocks_before(window_start)
-        cents, self.backfilled_blocks = load_centroids(self.c, self.layout, need)
-        self._cents = None
+        self._cents = self._scale = None
         for layer in range(self.c.num_layers):
             self.count[layer] = 0
-            if need:
-                self._append_centroids(layer, cents[:, layer].to(device))
+        if self.streamed:
+            cents, self.backfilled_blocks = load_centroids(self.c, self.layout, need)
+            for layer in range(self.c.num_layers):
+                if need:
+                    self._append_centroids(layer, cents[:, layer].to(device))
+        else:
+            for layer in range(self.c.num_layers):
+                if need:
+                    self._append_centroids(layer, *recompute_reps(self.c, self.layout, self.selector,
+                                                                  layer, need, device))
+            self.backfilled_blocks = need
         self.written = need
+        self._scored = (need, ())  # a live session scores whenever a block leaves its window
         self.chosen = chosen_from_meta(meta.get("retrieval"), self.layout, tokens, need,
                                        min(self.attend, need), self.c.num_layers)
         for layer in range(self.c.num_layers):
@@ -362,7 +431,9 @@ class Retrieval:
             other._kept[layer] = OrderedDict((b, (k.clone(), v.clone()))
                                              for b, (k, v) in self._kept[layer].items())
         other._cents = None if self._cents is None else self._cents.clone()
+        other._scale = None if self._scale is None else self._scale.clone()
         other.count = list(self.count)
         other.chosen = list(self.chosen)
         other.written = self.written
+        other._scored = self._scored
         other._observed = self._observed

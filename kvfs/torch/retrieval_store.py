@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
-from kvfs.torch.blocks import HEADER_BYTES, STREAM, BlockLayout, centroids_of_keys
+from kvfs.torch.blocks import HEADER_BYTES, STREAM, BlockLayout, Selector, centroids_of_keys
 from kvfs.torch.recall import read_tokens
 from kvfs.torch.seams import Bytes, WarmStore
 
@@ -76,6 +76,23 @@ def recompute(c: BlockSession, lay: BlockLayout, first: int, end: int) -> torch.
             k, _ = read_tokens(_warm(c), c.session_id, layer, lay.geo, a, z, "cpu", promote=False)
             out[b - first:e - first, layer] = centroids_of_keys(k, lay.block)
     return out
+
+
+def recompute_reps(c: BlockSession, lay: BlockLayout, sel: Selector, layer: int, need: int,
+                   device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``sel``'s representatives (and scales) of blocks ``[0, need)`` of ``layer``, from the
+    stored keys (read in pieces of :data:`BACKFILL_TOKENS`), on ``device``."""
+    per = max(1, BACKFILL_TOKENS // lay.block)
+    reps, scales = [], []
+    for b in range(0, need, per):
+        e = min(need, b + per)
+        k, _ = read_tokens(_warm(c), c.session_id, layer, lay.geo, lay.span(b)[0], lay.span(e - 1)[1],
+                           device, promote=False)
+        r, s = sel.represent(k, lay.block)
+        reps.append(r)
+        if s is not None:
+            scales.append(s)
+    return torch.cat(reps), (torch.cat(scales) if scales else None)
 
 
 def load_centroids(c: BlockSession, lay: BlockLayout, need: int) -> tuple[torch.Tensor, int]:

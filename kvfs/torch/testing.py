@@ -208,10 +208,11 @@ class RetrievalReference(WindowReference):
     last ``window`` tokens reaching back to the start of their block of ``block`` tokens
     counted from ``sinks``) and its input. After a step, each layer's queries (recomputed
     by a pre-hook on its attention: ``q_proj`` and the rotary embedding) rank every block
-    that has left the window by :func:`kvfs.torch.blocks.block_scores` of its key centroids
-    (from the full history), and the top ``attend`` are the next step's, in slots: a block
-    that stays keeps its place, new ones take the freed places in ascending order. Llama
-    layout."""
+    that has left the window by the default selector's scores of its representatives
+    (:mod:`kvfs.torch.blocks`, from the full history), and the top ``attend`` are the next step's, in slots: a block
+    that stays keeps its place, new ones take the freed places in ascending order (a selector
+    that does not score every step holds the choice over decode steps that add no block).
+    Llama layout."""
 
     def __init__(self, model, window: int, sinks: int, block: int, attend: int) -> None:
         super().__init__(model, None, sinks)
@@ -219,6 +220,7 @@ class RetrievalReference(WindowReference):
         n = model.config.num_hidden_layers
         self.chosen: list[list[int]] = [[] for _ in range(n)]
         self.queries: list[torch.Tensor | None] = [None] * n
+        self.scored = 0  # blocks at the last scoring
         self._hooks = [lay.self_attn.register_forward_pre_hook(self._capture(i), with_kwargs=True)
                        for i, lay in enumerate(model.model.layers)]
 
@@ -243,7 +245,8 @@ class RetrievalReference(WindowReference):
 
     @torch.no_grad()
     def step(self, x: torch.Tensor) -> int:
-        from kvfs.torch.blocks import block_scores, centroids_of_keys, scoring_layout
+        from kvfs.torch.blocks import scale_layout, scoring_layout, selector
+        from kvfs.torch.retrieval import DEFAULT_SELECTOR
 
         q, n, b, o = x.shape[1], self.pos, self.block, self.sinks
         s, ws = min(self.sinks, n), self.window_from(n)
@@ -265,11 +268,17 @@ class RetrievalReference(WindowReference):
             self.hist_v[i].append(lv[..., -q:, :])
         self.pos = n + q
         nb = max(0, (self.window_from(self.pos) - o) // b)
-        if nb:  # every layer's blocks scored at once, as the cache does
-            cents = torch.stack([scoring_layout(centroids_of_keys(self.history(i)[0][..., o:o + nb * b, :], b))
-                                  for i in range(len(self.hist_k))])
+        sel = selector(DEFAULT_SELECTOR, b)
+        if not sel.every_step and q == 1 and nb == self.scored and self.chosen[0]:
+            nb = 0  # a decode step that adds no block: the choice holds
+        if nb:  # every layer's blocks scored at once, as the cache does, by its selector
+            self.scored = nb
+            reps = [sel.represent(self.history(i)[0][..., o:o + nb * b, :], b) for i in range(len(self.hist_k))]
+            cents = torch.stack([scoring_layout(r) for r, _ in reps])
+            scales = [s for _, s in reps if s is not None]
+            scale = torch.stack([scale_layout(s) for s in scales]) if scales else None
             queries = [qs for qs in self.queries if qs is not None]  # every layer's, from its hook
-            all_scores = block_scores(torch.cat(queries), cents)
+            all_scores = sel.scores(torch.cat(queries), cents, scale)
         for i in range(len(self.hist_k)):
             if nb:
                 top = set(torch.topk(all_scores[i], min(self.attend, nb)).indices.tolist())

@@ -1,0 +1,284 @@
+#!/usr/bin/env python3
+"""Held-out chats of the memory benchmark: ``python tools/bench_memory.py --chats ...``.
+
+Customer-service conversations from :mod:`memory_chats` (a fixed dev/test split, five
+families, ChatML and plain; see its docstring), fed as :mod:`bench_memory` feeds its
+dialogues: one forward step per round, ``end_round()`` after it. Family d closes the session
+and resumes it through a fresh router over the same mount (a directory here) between the
+fact and the question, family e forks it there and asks in the fork. Answers are at least 12
+tokens (a 6-digit number is six of SmolLM2's tokens) and scored correct / stale / wrong by
+``memory_chats.score``; the table gives per family, length, format and configuration the
+share of the full cache's correct answers that the configuration also answers correctly,
+with a 95 % Wilson interval.
+
+Configurations are :class:`bench_memory.Configs` names: ``full``, a profile, and variants
+``profile+sel=S+block=N+bytes=M`` (:func:`bench_memory.variant`). ``--merge A.json B.json``
+(``--json`` files, or the ``--records`` JSONL a run appends to as each chat ends)
+prints the table of earlier runs' records together (runs of the same chats, split and
+lengths under different configurations: each record names its chat and configuration).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from bench_memory import Configs
+
+log = logging.getLogger("bench.memory")
+
+
+def answer_ids(tok: Any, prefix: str, want: str) -> list[int]:
+    """The token ids of `` want`` after ``prefix`` (as the tokenizer cuts the two together)."""
+    enc = lambda x: tok.encode(x, add_special_tokens=False)  # noqa: E731
+    head, both = enc(prefix), enc(f"{prefix} {want}")
+    return both[len(head):] if both[:len(head)] == head else enc(f" {want}")
+
+
+def run_chat(model: Any, tok: Any, configs: Configs, name: str, chat: Any, rendered: Any,
+             new_tokens: int, forced: bool = False) -> list[Any]:
+    """Feed ``rendered`` round by round under configuration ``name``; families d and e
+    resume or fork the session after round ``chat.break_after``; the answer to each question
+    (``forced``: instead of generating, the prefix and the wanted answer are fed one token a
+    step, and each question gives ``(log-probability of the answer's tokens, whether each
+    was the most likely)``: what greedy decoding would have written, and how close it was)."""
+    import torch
+
+    cache, sid = configs.session(name)
+    sids = [sid]
+    ids: list[int] = []
+    answers: list[Any] = []
+
+    def feed(x: list[int], end: bool = True) -> torch.Tensor:
+        out = model(input_ids=torch.tensor([x]), cache=cache, use_cache=True)
+        ids.extend(x)
+        if end and hasattr(cache, "end_round"):
+            cache.end_round()
+        return out.logits[0, -1]
+    try:
+        with torch.no_grad():
+            for i, rnd in enumerate(rendered.rounds):
+                feed(rnd)
+                if i == chat.break_after and chat.family == "d":
+                    cache = configs.resume(name, sid) or cache
+                elif i == chat.break_after and chat.family == "e":
+                    got = configs.fork(name, sid)
+                    if got is not None:
+                        cache, new = got
+                        sids.append(new)
+            for k, (q, prefix) in enumerate(rendered.questions):
+                if forced:  # the prefix as generate feeds it (one step), then the answer
+                    feed((rendered.after_answer if k else []) + q)
+                    logits = feed(prefix, end=False)
+                    lp, ok = 0.0, True
+                    for t in answer_ids(tok, chat.questions[k].prefix, chat.questions[k].want[0]):
+                        logp = torch.log_softmax(logits.float(), -1)
+                        lp += float(logp[t])
+                        ok = ok and int(logp.argmax()) == t
+                        logits = feed([t], end=False)
+                    answers.append((lp, ok))
+                    if hasattr(cache, "end_round"):
+                        cache.end_round()
+                    continue
+                feed((rendered.after_answer if k else []) + q)
+                x = torch.tensor([ids + prefix])
+                out = model.generate(x, attention_mask=torch.ones_like(x), cache=cache,
+                                     max_new_tokens=new_tokens, do_sample=False)
+                answers.append(tok.decode(out[0, x.shape[1]:].tolist(), skip_special_tokens=True))
+                ids[:] = out[0].tolist()[:-1]  # generate does not feed its last token
+                if hasattr(cache, "end_round"):
+                    cache.end_round()
+    finally:
+        if sid is not None:
+            configs.delete(name, *sids)
+    return answers
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95 % Wilson score interval of ``k`` successes in ``n``."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = k / n
+    c = (p + z * z / (2 * n)) / (1 + z * z / n)
+    h = z * (p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5 / (1 + z * z / n)
+    return (max(0.0, c - h), min(1.0, c + h))
+
+
+def mean_logprob(rs: list[dict[str, Any]]) -> float | None:
+    """Mean log-probability of the wanted answers (``--forced`` records; else None)."""
+    lps = [r["logprob"] for r in rs if r.get("logprob") is not None]
+    return sum(lps) / len(lps) if lps else None
+
+
+def chat_rows(records: list[dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:
+    """Per family, length, format and configuration: correct, stale, and the share of the
+    full cache's correct answers it also answers correctly (with its Wilson interval)."""
+    cells: dict[tuple, dict[str, list]] = {}
+    for r in records:
+        cells.setdefault((r["family"], r["length"], r["format"]), {}).setdefault(
+            r["config"], []).append(r)
+    rows = []
+    for (fam, n, fmt), by in sorted(cells.items()):
+        ref = {(r["chat"], r["question"]): r["verdict"] == "correct" for r in by.get("full", [])}
+        base = sum(ref.values())
+        for name in names:
+            rs = by.get(name, [])
+            both = sum(r["verdict"] == "correct" and ref.get((r["chat"], r["question"]), False)
+                       for r in rs)
+            lo, hi = wilson(both, base)
+            rows.append({"family": fam, "length": n, "format": fmt, "config": name,
+                         "questions": len(rs),
+                         "correct": sum(r["verdict"] == "correct" for r in rs),
+                         "stale": sum(r["verdict"] == "stale" for r in rs),
+                         "full_correct": base, "of_full": both / base if base else None,
+                         "logprob": mean_logprob(rs),
+                         "ci95": [lo, hi] if base else None})
+    return rows
+
+
+def chat_plot(records: list[dict[str, Any]], names: list[str], path: str) -> None:
+    """Accuracy by the fact's depth, a line per length, a panel per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = sorted({r["length"] for r in records})
+    fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 3), sharey=True, squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
+        for n in lengths:
+            pts: dict[float, list[bool]] = {}
+            for r in records:
+                if r["config"] == name and r["length"] == n:
+                    pts.setdefault(round(r["depth"], 1), []).append(r["verdict"] == "correct")
+            xs = sorted(pts)
+            ax.plot(xs, [sum(pts[x]) / len(pts[x]) for x in xs], marker="o", label=f"{n} tokens")
+        ax.set_title(name)
+        ax.set_xlabel("depth of the fact")
+        ax.set_xlim(0, 1)
+        ax.set_ylim(-0.05, 1.05)
+    axes[0][0].set_ylabel("correct")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_chats(model: Any, tok: Any, names: list[str], split: str, families: list[str],
+              lengths: list[int], trials: int, formats: list[str], new_tokens: int,
+              forced: bool = False, jsonl: str | None = None) -> list[dict[str, Any]]:
+    """Every chat of the cells, in every format, under every configuration: one record a
+    question (also appended to ``jsonl`` as each chat ends, when given)."""
+    import json
+
+    import memory_chats as mc
+
+    configs = Configs(model, names, mounted=True)
+    records = []
+    try:
+        for chat in mc.chats(tok, split, families, lengths, trials):
+            for fmt in formats:
+                rendered = mc.render(tok, chat, fmt)
+                verdicts = []
+                for name in names:
+                    t0 = time.perf_counter()
+                    answers = run_chat(model, tok, configs, name, chat, rendered, new_tokens, forced)
+                    for k, (q, a) in enumerate(zip(chat.questions, answers, strict=True)):
+                        lp = None
+                        if forced:
+                            lp, a = round(a[0], 3), q.want[0] if a[1] else ""
+                        v = mc.score(a, q.want, q.stale)
+                        verdicts.append(f"{name} {v}" + ("" if lp is None else f" {lp:.1f}"))
+                        records.append({"chat": chat.name, "family": chat.family, "length": chat.target,
+                                        "format": fmt, "config": name, "question": k,
+                                        "depth": chat.depths[k], "tokens": rendered.tokens,
+                                        "answer": a, "want": q.want[0], "verdict": v, "logprob": lp,
+                                        "seconds": round(time.perf_counter() - t0, 1)})
+                log.info("chat %s %s (%d tokens): %s", chat.name, fmt, rendered.tokens, ", ".join(verdicts))
+                if jsonl:
+                    with open(jsonl, "a") as f:
+                        f.writelines(json.dumps(r) + "\n" for r in records[-len(verdicts):])
+    finally:
+        configs.close()
+    return records
+
+
+
+def add_arguments(p: Any) -> None:
+    """bench_memory's options for the chats."""
+    p.add_argument("--chats", action="store_true",
+                   help="only the held-out customer-service chats (tools/memory_chats.py)")
+    p.add_argument("--split", choices=["dev", "test"], default="dev",
+                   help="chats: dev (choose on it) or test (report only)")
+    p.add_argument("--trials", type=int, default=40, help="chats per family and length")
+    p.add_argument("--lengths", default="500,1000,1900", help="chats: target tokens")
+    p.add_argument("--families", default="a,b,c,d,e", help="chats: families (a-e)")
+    p.add_argument("--format", choices=["chatml", "plain", "both"], default="both")
+    p.add_argument("--plot", help="chats: write the accuracy plot here (PNG)")
+    p.add_argument("--records", help="chats: append each chat's records to this JSONL file")
+    p.add_argument("--forced", action="store_true",
+                   help="chats: feed the wanted answer instead of generating; log-probability "
+                        "and whether greedy decoding would write it (faster, finer)")
+
+
+def print_rows(rows: list[dict[str, Any]], title: str) -> None:
+    print(f"\n{title} (share of the full cache's correct answers, 95 % Wilson interval)")
+    print(f"  {'family':>6} {'tokens':>6} {'format':>6} {'config':>28}  correct  stale  logprob  of full")
+    for r in rows:
+        of = "n/a" if r["of_full"] is None else (
+            f"{100 * r['of_full']:.0f}% [{100 * r['ci95'][0]:.0f}-{100 * r['ci95'][1]:.0f}]")
+        lp = "" if r.get("logprob") is None else f"{r['logprob']:.2f}"
+        print(f"  {r['family']:>6} {r['length']:>6} {r['format']:>6} {r['config']:>28}  "
+              f"{r['correct']:>3}/{r['questions']:<3} {r['stale']:>5}  {lp:>7}  {of}")
+
+
+def chats_report(model: Any, tok: Any, names: list[str], args: Any) -> dict[str, Any]:
+    """Run the chats of ``args`` (bench_memory's options), print the table, plot; the
+    results (rows and one record a question)."""
+    formats = ["chatml", "plain"] if args.format == "both" else [args.format]
+    lengths = [int(x) for x in args.lengths.split(",")]
+    t0 = time.time()
+    records = run_chats(model, tok, names, args.split, args.families.split(","), lengths,
+                        args.trials, formats, max(args.new_tokens, 12), args.forced, args.records)
+    rows = chat_rows(records, names)
+    print_rows(rows, f"held-out chats, {args.split} split, {args.trials} per cell, "
+                     f"{time.time() - t0:.0f} s")
+    if args.plot:
+        chat_plot(records, names, args.plot)
+        log.info("plot written to %s", args.plot)
+    return {"split": args.split, "rows": rows, "records": records}
+
+
+def merge(paths: list[str], plot: str | None = None) -> list[dict[str, Any]]:
+    """The rows of the records of several runs' JSON files (``--json``), printed."""
+    import json
+
+    records: list[dict[str, Any]] = []
+    names: list[str] = []
+    for p in paths:
+        text = open(p).read()
+        got = [json.loads(x) for x in text.splitlines() if x] if p.endswith(".jsonl") else \
+            json.loads(text)["chats"]["records"]
+        records += got
+        names += [n for n in dict.fromkeys(r["config"] for r in got) if n not in names]
+    rows = chat_rows(records, names)
+    print_rows(rows, f"held-out chats, {len(paths)} runs merged")
+    if plot:
+        chat_plot(records, names, plot)
+    return rows
+
+
+if __name__ == "__main__":
+    import sys
+
+    args = sys.argv[1:]
+    if not args or args[0] != "--merge":
+        raise SystemExit("usage: bench_memory_chats.py --merge A.json [B.json ...] [--plot OUT.png]"
+                         " (runs: bench_memory.py --chats)")
+    out = None
+    if "--plot" in args:
+        i = args.index("--plot")
+        out = args[i + 1]
+        args = args[:i] + args[i + 2:]
+    merge(args[1:], out)
