@@ -18,7 +18,16 @@ import numpy as np
 import pytest
 
 from kvfs.mount_runner import HAVE_FUSE, Mount
-from kvfs.session import Changes, ColdBackend, RoundWrite, SessionError, commit, cut_history, files
+from kvfs.session import (
+    Changes,
+    ColdBackend,
+    RoundWrite,
+    SessionError,
+    commit,
+    cut_history,
+    files,
+    fork,
+)
 from kvfs.session.formats import dump_meta
 from kvfs.session.names import MAX_SMALL, META, SUMMARIES, TOKENS, layer_name
 from kvfs.shared.testing import HAVE_REDIS, Cluster
@@ -209,13 +218,13 @@ def test_rounds_commit_cut_and_fork(cold: ColdBackend) -> None:
     assert files.read_summaries(cold, sid) == b""
     # a fork copies every file, the claim last
     dst = _sid()
-    assert files.fork(cold, sid, dst) is not None
+    assert fork(cold, sid, dst) is not None
     assert files.read_meta_bytes(cold, dst) == cut
     assert _read(cold, dst, 0, 0, 4 * tb) == kv[0][:4 * tb].tobytes()
     assert files.read_ids(cold, dst).tolist() == [100, 101, 102, 103, 7, 7]
     with pytest.raises(FileExistsError):
-        files.fork(cold, sid, dst)
-    assert files.fork(cold, _sid(), _sid()) is None
+        fork(cold, sid, dst)
+    assert fork(cold, _sid(), _sid()) is None
 
 
 def test_acknowledged_tokens_and_damaged_ids(cold: ColdBackend) -> None:

@@ -124,8 +124,7 @@ class Day(DayEvents, DaySamples):
         cold = r.warm.cold
         if cold is not None:  # time every cold read the agent makes (one call: one read)
             self.cold_kind = cold.kind
-            for name in ("read_into", "read_ranges"):
-                setattr(cold, name, self._timed(getattr(cold, name)))
+            cold.read_ranges = self._timed(cold.read_ranges)  # every cold read is one call
         return r
 
     def _timed(self, fn: Any) -> Any:

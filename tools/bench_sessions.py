@@ -60,7 +60,7 @@ def _source_key() -> str:
 @contextmanager
 def _tree_fraction(frac: float) -> Iterator[None]:
     """Format volumes with a larger index-region share (the default is 1/32 of the volume)."""
-    import kvfs.engine.store as eng
+    import kvfs.engine.volume as eng  # where a new volume is laid out
     from kvfs.engine.volume import geometry
 
     saved = eng.geometry

@@ -15,9 +15,9 @@ Imports nothing of kvfs but itself: every layer above may use it. Never imports 
 
 from . import files, formats, names, tokens
 from .backend import Changes, ColdBackend, ColdState, Hold, Written
-from .commit import RoundWrite, commit, cut_history
+from .commit import RoundWrite, commit, cut_history, fork
 from .errors import SessionCorrupt, SessionError
 
 __all__ = ["Changes", "ColdBackend", "ColdState", "Hold", "RoundWrite", "SessionCorrupt",
-           "SessionError", "Written", "commit", "cut_history", "files", "formats", "names",
+           "SessionError", "Written", "commit", "cut_history", "files", "fork", "formats", "names",
            "tokens"]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backend import TRUNCATE, Changes, ColdBackend, Piece, Written
-from .files import ids_changes, truncate, write_meta
+from .files import ids_changes, read_summaries, truncate, write_meta
 from .formats import incarnation_bytes
 from .names import INCARNATION, META, SUMMARIES, TOKENS, layer_name
 
@@ -113,3 +113,31 @@ def cut_history(cold: ColdBackend, sid: str, cut_meta: bytes, old_meta: bytes,
     old = cold.read_small(sid, SUMMARIES)
     if old and len(old) > summary_bytes:
         truncate(cold, sid, SUMMARIES, summary_bytes)
+
+
+COPY_STEP = 8 << 20  # bytes per read while forking a session's streams
+
+
+def fork(cold: ColdBackend, src: str, dst: str) -> Written | None:
+    """Copy session ``src`` to a new ``dst`` in the commit order (streams, ids, summaries,
+    then meta.json: a crash leaves ``dst`` without a claim, or whole). None when ``src`` is
+    not there; FileExistsError when ``dst`` is."""
+    st = cold.state(src, incarnation=False)
+    if st is None:
+        return None
+    if cold.exists(dst):
+        raise FileExistsError(f"session {dst!r} exists: a fork makes a new session")
+    plan = RoundWrite(dst, make_dir=True)
+    for stream, size in sorted(st[0].items()):
+        pieces = []
+        for off in range(0, size, COPY_STEP):
+            buf = np.empty(min(COPY_STEP, size - off), np.uint8)
+            cold.read_ranges(src, [(stream, off, buf)])
+            pieces.append(buf)
+        plan.stream(stream, 0, pieces)
+    ids = cold.read_small(src, TOKENS)
+    if ids:
+        plan.ids = (0, ids)
+    plan.summaries = (read_summaries(cold, src), b"")
+    plan.meta = cold.read_small(src, META)
+    return commit(cold, [plan], claim_last=True)[0]

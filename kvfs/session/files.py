@@ -12,12 +12,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .backend import Changes, ColdBackend, Written
+from .backend import Changes, ColdBackend
 from .formats import acked_bytes, load_meta, parse_acked, parse_incarnation, parse_meta
 from .names import ACKED, INCARNATION, META, SUMMARIES, TOKENS, layer_name
 from .tokens import decode, update
-
-COPY_STEP = 8 << 20  # bytes per read while forking a session's streams
 
 
 # ---- reads --------------------------------------------------------------------------------
@@ -147,31 +145,4 @@ def record_ids(cold: ColdBackend, sid: str, ids: Sequence[int] | np.ndarray,
 # ---- whole sessions -----------------------------------------------------------------------
 def delete(cold: ColdBackend, sid: str) -> bool:
     return cold.delete(sid)
-
-
-def fork(cold: ColdBackend, src: str, dst: str) -> Written | None:
-    """Copy session ``src`` to a new ``dst`` in the commit order (streams, ids, summaries,
-    then meta.json: a crash leaves ``dst`` without a claim, or whole). None when ``src`` is
-    not there; FileExistsError when ``dst`` is."""
-    from .commit import RoundWrite, commit  # noqa: PLC0415 - commit builds on these reads
-
-    st = cold.state(src, incarnation=False)
-    if st is None:
-        return None
-    if cold.exists(dst):
-        raise FileExistsError(f"session {dst!r} exists: a fork makes a new session")
-    plan = RoundWrite(dst, make_dir=True)
-    for stream, size in sorted(st[0].items()):
-        pieces = []
-        for off in range(0, size, COPY_STEP):
-            buf = np.empty(min(COPY_STEP, size - off), np.uint8)
-            cold.read_ranges(src, [(stream, off, buf)])
-            pieces.append(buf)
-        plan.stream(stream, 0, pieces)
-    ids = cold.read_small(src, TOKENS)
-    if ids:
-        plan.ids = (0, ids)
-    plan.summaries = (read_summaries(cold, src), b"")
-    plan.meta = cold.read_small(src, META)
-    return commit(cold, [plan], claim_last=True)[0]
 

@@ -60,7 +60,7 @@ from kvfs.torch.retrieval_store import (
 )
 
 if TYPE_CHECKING:
-    from kvfs.torch.cache import TieredCache
+    from kvfs.torch.seams import RetrievalHost
 
 log = logging.getLogger("kvfs.torch.retrieval")
 
@@ -83,7 +83,7 @@ KV = tuple[torch.Tensor, torch.Tensor]  # one block of one layer: K, V [1, H, bl
 class Retrieval:
     """One session's retrieval state (see the module docstring)."""
 
-    def __init__(self, cache: TieredCache, block: int, attend: int, select: str | None = None) -> None:
+    def __init__(self, cache: RetrievalHost, block: int, attend: int, select: str | None = None) -> None:
         if block < 1 or attend < 1:
             raise ValueError(f"retrieval needs block >= 1 and at least one block attended, got "
                              f"block={block}, attend={attend}")

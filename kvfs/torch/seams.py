@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # types only: no torch, no warm tier for the modules that nee
     import torch
 
     from kvfs.session.backend import ColdBackend
+    from kvfs.torch.blocks import BlockLayout
     from kvfs.torch.fingerprint import KVGeometry
     from kvfs.torch.rotation import SinkRotation
 
@@ -116,6 +117,37 @@ class LayerRetrieval(Protocol):
     def left_window(self, layer: int, first: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
     def step_kv(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]: ...
     def expect(self, layer: int) -> None: ...
+
+
+class SpillQueue(Protocol):
+    """The spill thread's queue as retrieval uses it (:class:`kvfs.torch.spill.Spiller`)."""
+
+    def submit_call(self, fn: Callable[..., Any], *args: Any, sid: str | None = None) -> int: ...
+    def wait(self, ticket: int | None = None, timeout: float | None = None,
+             sid: str | None = None) -> None: ...
+
+
+class RetrievalHost(Protocol):
+    """What a session's retrieval (:mod:`kvfs.torch.retrieval`) reads and calls of its cache."""
+
+    session_id: str
+    geo: KVGeometry
+    num_layers: int
+    sink_tokens: int
+
+    @property
+    def warm(self) -> WarmStore | None: ...
+    @property
+    def spiller(self) -> SpillQueue | None: ...
+    @property
+    def device(self) -> torch.device | None: ...
+    @property
+    def seen(self) -> int: ...
+    @property
+    def recalling(self) -> bool: ...
+    def window_from(self, seen: int) -> int: ...
+    def step_waited(self) -> None: ...
+    def recalled_blocks(self, layout: BlockLayout) -> set[int]: ...
 
 
 class LayerHost(Protocol):
