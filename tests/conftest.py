@@ -28,8 +28,20 @@ from kvfs.mount_runner import (  # noqa: F401 - re-exported for the test modules
     run_mount,
     wait_unmounted,
 )
+from kvfs.shared.testing import HAVE_REDIS, Cluster
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    """A real local Redis Cluster, 3 masters and 3 replicas, for one test module."""
+    if not HAVE_REDIS:
+        pytest.skip("redis-server/redis-cli not installed (apt-get install redis-server "
+                    "redis-tools; tools/setup_env.sh does it as root)")
+    with Cluster(masters=3, replicas=1, node_timeout_ms=1000) as c:
+        yield c
+
 MOUNT_FIXTURES = {"make_mount", "kvfs", "shared_mount"}
 # modules whose tests start mounts themselves (kvfs.mount_runner.Mount, the torture scenarios)
 MOUNT_MODULES = {"test_agent_day", "test_reliability"}

@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,7 +29,7 @@ pytest.importorskip("transformers")
 
 from kvfs.mount_runner import Mount
 from kvfs.shared.chunks import SessionKeys
-from kvfs.shared.testing import HAVE_REDIS, Cluster
+from kvfs.shared.testing import Cluster
 from kvfs.torch import KVRouter, TieredCache
 from kvfs.torch.testing import generate_turns, profile_rope, prompt, tiny_llama
 from kvfs.warm import WarmBusy, WarmError
@@ -37,15 +37,6 @@ from kvfs.warm import WarmBusy, WarmError
 WINDOW, NEW, SEED = 8, 5, 11
 LEASE_S = 4.0  # node A's lease: long enough to see B refused, short enough to wait out
 WARM_OPTS = {"shards": 16, "writebehind_s": 0.2}
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    if not HAVE_REDIS:
-        pytest.skip("redis-server/redis-cli not installed (apt-get install redis-server "
-                    "redis-tools)")
-    with Cluster(masters=3, replicas=1, node_timeout_ms=1000) as c:
-        yield c
 
 
 @pytest.fixture

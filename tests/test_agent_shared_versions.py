@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from kvfs.mount_runner import Mount
-from kvfs.shared.testing import HAVE_REDIS, Cluster
+from kvfs.shared.testing import Cluster
 from kvfs.torch import KVRouter, TieredCache
 from kvfs.torch.testing import generate_turns, profile_rope, prompt, tiny_llama
 from kvfs.warm import WarmBusy
@@ -46,15 +46,6 @@ r.flush()
 print("FLUSHED", flush=True)
 time.sleep(600)
 """
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    if not HAVE_REDIS:
-        pytest.skip("redis-server/redis-cli not installed (apt-get install redis-server "
-                    "redis-tools)")
-    with Cluster(masters=3, replicas=1, node_timeout_ms=1000) as c:
-        yield c
 
 
 @pytest.fixture

@@ -13,27 +13,18 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from conftest import Mount, run_mount
 
 from kvfs.shared.chunks import SessionKeys
-from kvfs.shared.testing import HAVE_REDIS, Cluster, free_ports, secret_file
+from kvfs.shared.testing import Cluster, free_ports, secret_file
 from kvfs.shared.tier import CHUNK_BYTES
 
 # short leases and fsync waits keep the takeover and outage cases quick
 FAST = ("-o", "shared_lease_s=2s", "-o", "shared_fsync_wait_s=1s")
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    if not HAVE_REDIS:
-        pytest.skip("redis-server/redis-cli not installed (apt-get install redis-server "
-                    "redis-tools)")
-    with Cluster(masters=3, replicas=1, node_timeout_ms=1000) as c:
-        yield c
 
 
 @pytest.fixture

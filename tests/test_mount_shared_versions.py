@@ -10,27 +10,18 @@ import errno
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from kvfs.mount_runner import Mount
 from kvfs.shared.chunks import SessionKeys
-from kvfs.shared.testing import HAVE_REDIS, Cluster
+from kvfs.shared.testing import Cluster
 
 FAST = ("-o", "shared_lease_s=2s", "-o", "shared_fsync_wait_s=1s")
 OLD, NEW = b'{"tokens": 1139}', b'{"tokens": 1187}'  # the same size
 REFRESH = 1.2  # past remote.REFRESH_S: the next open checks the cluster again
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    if not HAVE_REDIS:
-        pytest.skip("redis-server/redis-cli not installed (apt-get install redis-server "
-                    "redis-tools)")
-    with Cluster(masters=3, replicas=1, node_timeout_ms=1000) as c:
-        yield c
 
 
 @pytest.fixture

@@ -30,19 +30,10 @@ from kvfs.shared import (
     SharedUnavailable,
 )
 from kvfs.shared.chunks import HEADER_SIZE, SessionKeys
-from kvfs.shared.testing import HAVE_REDIS, Cluster, free_ports
+from kvfs.shared.testing import Cluster, free_ports
 
 C = 4096   # small chunks: many boundaries with little data
 SECRET = b"test cluster secret, 32 bytes or more"
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    if not HAVE_REDIS:
-        pytest.skip("redis-server/redis-cli not installed (apt-get install redis-server "
-                    "redis-tools; tools/setup_env.sh does it as root)")
-    with Cluster(masters=3, replicas=1, node_timeout_ms=1000) as c:
-        yield c
 
 
 @pytest.fixture
