@@ -31,7 +31,14 @@ from kvfs.mount_runner import Mount
 from kvfs.shared.chunks import SessionKeys
 from kvfs.shared.testing import Cluster
 from kvfs.torch import KVRouter, TieredCache
-from kvfs.torch.testing import generate_turns, profile_rope, prompt, tiny_llama
+from kvfs.torch.testing import (
+    continue_turns,
+    conversation,
+    generate_turns,
+    profile_rope,
+    prompt,
+    tiny_llama,
+)
 from kvfs.warm import WarmBusy, WarmError
 
 WINDOW, NEW, SEED = 8, 5, 11
@@ -63,21 +70,8 @@ time.sleep(600)
 """
 
 
-def conversation(turns: list, outs: list) -> torch.Tensor:
-    return torch.cat([x for t, o in zip(turns, outs, strict=True) for x in (t, o)], 1)
 
 
-def continue_turns(model, c: TieredCache, ids: torch.Tensor, turns: list,
-                   want: list) -> torch.Tensor:
-    """Greedy turns on a resumed cache, each compared with the reference's tokens."""
-    for t, w in zip(turns, want, strict=True):
-        ids = torch.cat([ids, t], 1)
-        full = model.generate(ids, attention_mask=torch.ones_like(ids), cache=c,
-                              max_new_tokens=NEW, do_sample=False)
-        assert torch.equal(full[:, ids.shape[1]:], w)
-        ids = full
-        c.end_round()
-    return ids
 
 
 def test_session_resumes_on_another_node_after_a_is_killed(node: Callable[..., Mount],
@@ -134,7 +128,7 @@ def test_session_resumes_on_another_node_after_a_is_killed(node: Callable[..., M
         assert st["hits"] >= 1 and st["fetched_bytes"] > 0, st
         assert "took over the lease of node" in b.log_text()
         ids = conversation(before, ref[:len(before)])
-        continue_turns(model, c, ids, after, ref[len(before):])
+        continue_turns(model, c, ids, after, ref[len(before):], NEW)
         rb.flush()
     finally:
         rb.close()
@@ -177,7 +171,7 @@ def test_second_node_is_refused_while_the_first_serves(node: Callable[..., Mount
                   warm_options=WARM_OPTS)
     try:
         ca = ra.cache(sid, model)
-        ids = continue_turns(model, ca, torch.empty(1, 0, dtype=torch.long), turns[:1], ref[:1])
+        ids = continue_turns(model, ca, torch.empty(1, 0, dtype=torch.long), turns[:1], ref[:1], NEW)
         ra.flush()
         a_node = json.loads((a.root / ".kvfs" / "stats").read_text())["shared"]["node"]
         copied = copies(cluster)
@@ -187,12 +181,12 @@ def test_second_node_is_refused_while_the_first_serves(node: Callable[..., Mount
             assert e.value.owner == a_node, e.value
         # A goes on undisturbed, token for token, and its flushes trim no chunk
         for i in (1, 2):
-            ids = continue_turns(model, ca, ids, turns[i:i + 1], ref[i:i + 1])
+            ids = continue_turns(model, ca, ids, turns[i:i + 1], ref[i:i + 1], NEW)
             ra.flush()
         assert copies(cluster) == copied, "a flush copied chunks (a lease released per flush)"
         ra.release(sid)  # a hand-over: B resumes at once
         cb = rb.resume(sid, model)
-        continue_turns(model, cb, ids, turns[3:4], ref[3:4])
+        continue_turns(model, cb, ids, turns[3:4], ref[3:4], NEW)
         rb.flush()
         st = json.loads((b.root / ".kvfs" / "stats").read_text())["shared"]
         assert st["tier_lease_takeovers"] == 0, st

@@ -23,7 +23,14 @@ pytest.importorskip("transformers")
 from kvfs.mount_runner import Mount
 from kvfs.shared.testing import Cluster
 from kvfs.torch import KVRouter, TieredCache
-from kvfs.torch.testing import generate_turns, profile_rope, prompt, tiny_llama
+from kvfs.torch.testing import (
+    continue_turns,
+    conversation,
+    generate_turns,
+    profile_rope,
+    prompt,
+    tiny_llama,
+)
 from kvfs.warm import WarmBusy
 
 WINDOW, NEW, SEED = 8, 5, 11
@@ -56,20 +63,8 @@ def node(make_mount: Callable[..., Mount], cluster: Cluster) -> Callable[..., Mo
     return make
 
 
-def continue_turns(model, c: TieredCache, ids: torch.Tensor, turns: list,
-                   want: list) -> torch.Tensor:
-    for t, w in zip(turns, want, strict=True):
-        ids = torch.cat([ids, t], 1)
-        full = model.generate(ids, attention_mask=torch.ones_like(ids), cache=c,
-                              max_new_tokens=NEW, do_sample=False)
-        assert torch.equal(full[:, ids.shape[1]:], w)
-        ids = full
-        c.end_round()
-    return ids
 
 
-def conversation(turns: list, outs: list) -> torch.Tensor:
-    return torch.cat([x for t, o in zip(turns, outs, strict=True) for x in (t, o)], 1)
 
 
 def tokens(turns: list) -> int:
@@ -118,7 +113,7 @@ def test_remounted_node_drops_stale_ram_copies_per_session(node: Callable[..., M
         for sid, t in turns.items():
             c = resume(rb, sid, model)
             assert c.seen == tokens(t[:2])
-            continue_turns(model, c, conversation(t[:2], ref[sid][:2]), t[2:4], ref[sid][2:4])
+            continue_turns(model, c, conversation(t[:2], ref[sid][:2]), t[2:4], ref[sid][2:4], NEW)
         rb.flush()
     finally:
         rb.close()  # releases both: B's mount pushes them and hands the leases back
@@ -140,11 +135,11 @@ def test_remounted_node_drops_stale_ram_copies_per_session(node: Callable[..., M
             c = resume(ra, S, model)  # turn 5 and 6 on A: token-identical
             assert c.seen == tokens(turns[S][:4])
             continue_turns(model, c, conversation(turns[S][:4], ref[S][:4]), turns[S][4:],
-                           ref[S][4:])
+                           ref[S][4:], NEW)
             c2 = resume(ra, S2, model)  # another session: B's full count, no error of S's
             assert c2.seen == tokens(turns[S2][:4])
             continue_turns(model, c2, conversation(turns[S2][:4], ref[S2][:4]), turns[S2][4:],
-                           ref[S2][4:])
+                           ref[S2][4:], NEW)
             ra.flush()  # nothing of either stale copy surfaces here
         assert ra.warm.get_meta(S)["tokens"] == tokens(turns[S])
         assert ra.warm.get_meta(S2)["tokens"] == tokens(turns[S2])

@@ -99,6 +99,28 @@ def generate_turns(model, cache, turns: list[torch.Tensor], new_tokens: int,
     return outs
 
 
+def conversation(turns: list[torch.Tensor], outs: list[torch.Tensor]) -> torch.Tensor:
+    """User turns and replies interleaved as one ``[1, n]`` id tensor."""
+    return torch.cat([x for t, o in zip(turns, outs, strict=True) for x in (t, o)], 1)
+
+
+def continue_turns(model: Any, cache: Any, ids: torch.Tensor, turns: list[torch.Tensor],
+                   want: list[torch.Tensor], new_tokens: int) -> torch.Tensor:
+    """Greedy turns on a (resumed) cache after the conversation ``ids``, each reply compared
+    with the reference's tokens ``want`` (AssertionError at the first that differs); the
+    conversation after them."""
+    for t, w in zip(turns, want, strict=True):
+        ids = torch.cat([ids, t], 1)
+        full = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
+                              max_new_tokens=new_tokens, do_sample=False)
+        if not torch.equal(full[:, ids.shape[1]:], w):
+            raise AssertionError(f"turn after {ids.shape[1]} tokens: {full[:, ids.shape[1]:].tolist()} "
+                                 f"!= {w.tolist()}")
+        ids = full
+        cache.end_round()
+    return ids
+
+
 class WindowReference:
     """A manual greedy loop that attends to exactly the first ``sinks`` tokens and the last
     ``window`` cached tokens plus the current input at every step (a DynamicCache cut after
