@@ -195,7 +195,7 @@ class Mover:
             return []
         t0 = time.perf_counter()
         staged: list[_Staged] = []
-        errors: list[str] = []
+        errors: list[tuple[str, str]] = []
         for sid in victims:
             try:
                 st = self._stage(sid)
@@ -203,7 +203,7 @@ class Mover:
                 self.drop_damaged(sid, e)
                 continue
             except (OSError, WarmError) as e:
-                errors.append(f"{sid!r}: {e}")
+                errors.append((sid, str(e)))
                 continue
             if st is not None:
                 staged.append(st)
@@ -218,7 +218,7 @@ class Mover:
                 done.append(st.sid)
                 moved += freed
             elif st.error is not None:
-                errors.append(f"{st.sid!r}: {st.error}")
+                errors.append((st.sid, str(st.error)))
         if errors:
             self.health.failed(errors, self._cold.root, self.res.budget.ratio)
         else:
@@ -328,7 +328,7 @@ class Mover:
             if soft:
                 return False
             raise WarmError(f"warm tier {self.root!r} is full and migration to cold fails "
-                            f"({self.health.error}): {sid!r} not promoted")
+                            f"({self.health.reason(sid)}): {sid!r} not promoted")
         changed = False
         reads: list[tuple[int, list[tuple[Seg, np.ndarray]]]] = []  # every layer's cold part in one batch
         for layer, c in sorted(s.cold.items()):
@@ -414,9 +414,10 @@ class Evictor:
     def after_promote(self, sid: str) -> None:
         self.maybe_migrate(exclude={sid})
 
-    def admit(self, n: int) -> None:
-        """Refuse a write of ``n`` bytes that would pass the cap while the cold tier refuses
-        migrations (after one more try once the back-off has passed)."""
+    def admit(self, n: int, sid: str | None = None) -> None:
+        """Refuse a write of ``n`` bytes (of session ``sid``) that would pass the cap while
+        the cold tier refuses migrations (after one more try once the back-off has passed);
+        the refusal quotes ``sid``'s own cold error only (``ColdHealth.reason``)."""
         b = self.res.budget
         b.refresh()
         if self.cold is None or b.bytes + n <= b.cap:
@@ -425,7 +426,7 @@ class Evictor:
         if self.health.error is not None and b.bytes + n > b.cap:
             raise WarmError(
                 f"warm tier {self.root!r} is full ({b.bytes} of {b.cap} bytes) and "
-                f"migration to cold tier {self._cold.root!r} fails ({self.health.error}); "
+                f"migration to cold tier {self._cold.root!r} fails ({self.health.reason(sid)}); "
                 f"next try in {self.health.wait_s():.0f} s")
 
     def with_room(self, sid: str, fn: Callable[[], T]) -> T:
@@ -441,7 +442,7 @@ class Evictor:
                 freed = self.move(self.group, {sid}, True)
             if not freed:
                 raise WarmError(f"{e}; nothing could be evicted to the cold tier"
-                                + (f" ({self.health.error})" if self.health.error else "")) from e
+                                + (f" ({self.health.reason(sid)})" if self.health.error else "")) from e
         try:
             return fn()
         except WarmFull as e:

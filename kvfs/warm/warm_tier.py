@@ -178,7 +178,7 @@ class WarmTier:
     def _append(self, sid: str, layer: int, data: bytes | memoryview | np.ndarray) -> int:
         buf = as_u8(data)
         self.held.check_lost(sid)
-        self.evictor.admit(len(buf))
+        self.evictor.admit(len(buf), sid)
         res = self.res
 
         def write() -> int:
@@ -230,7 +230,7 @@ class WarmTier:
             raise TypeError("meta must be a dict")
         raw = json.dumps(meta, separators=(",", ":")).encode()
         self.held.check_lost(sid)
-        self.evictor.admit(len(raw))
+        self.evictor.admit(len(raw), sid)
         res = self.res
 
         def write() -> None:
@@ -262,7 +262,7 @@ class WarmTier:
             raise ValueError(f"bad round index {round_idx!r}")
         self.held.check_lost(sid)
         row = self.res.row
-        self.evictor.admit(row)
+        self.evictor.admit(row, sid)
         res = self.res
 
         def write() -> None:

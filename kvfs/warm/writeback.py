@@ -162,7 +162,7 @@ class WriteBehind:
             if staged and not errors:
                 self.lag = lag
             if errors:
-                self.health.failed(errors, self._cold.root, res.budget.ratio)
+                self.health.failed(list(failed.items()), self._cold.root, res.budget.ratio)
             elif staged:
                 self.health.ok("writing to", self._cold.root)
             return errors
