@@ -31,7 +31,7 @@ PARTS = {
     "cache_moves": {"cache", "router"}, "rounds": {"cache", "router"},
     "rotation": {"cache", "router"}, "stepstats": {"cache", "router"},
     "spill": {"cache", "router"}, "seams": {"cache", "router"}, "parts": {"cache", "router"},
-    "router_budget": {"cache", "router"}, "fork": {"cache", "router"},
+    "router_budget": {"cache", "router"},
     "retrieval_store": {"cache", "router"}, "meta": {"cache", "router"},
 }
 

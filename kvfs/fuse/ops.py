@@ -25,7 +25,7 @@ the same name -- and fstat shows the file as it was, with no links (docs/mount.m
 With the page cache (``direct_io=False``) files are opened with ``keep_cache``: files only
 grow and the mount is their only writer, so cached pages stay right across opens. A file
 cut since its last open is opened without it (the kernel drops its pages), and the pages
-of an unlinked or replaced file are dropped at once (``_drop_pages``), so an old handle
+of an unlinked or replaced file are dropped at once (``drop_pages``), so an old handle
 still gets ESTALE rather than cached bytes.
 """
 
@@ -101,7 +101,7 @@ def _is_write(flags: int) -> bool:
     return (flags & os.O_ACCMODE) != os.O_RDONLY
 
 
-class Operations(Namespace, Directories, pyfuse3.Operations):
+class Operations(pyfuse3.Operations):
     """The kvfs filesystem over one open ``Store`` (see the module docstring)."""
 
     supports_dot_lookup = True
@@ -127,7 +127,6 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         self.worker = Worker(store, threads=ENGINE_THREADS, serialise=False,
                              inline_reads=inline_reads, inline_syncs=inline_syncs)
         self._handles: dict[int, Handle] = {}
-        self._dirs: dict[int, list[tuple[str, Key | int]]] = {}
         self.buffers = WriteBuffers(store, self.call, self.counters, flush_at, entry_max,
                                     max_pending)
         self.reader = FileReader(store, self.call, self.buffers, self.counters)  # mount.py sets its nursery
@@ -142,6 +141,8 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         self.pages = KernelPages(self.inodes) if not direct_io else None
         if self.pages is not None:
             store.reads.on_cut = self.pages.cut
+        self.namespace = Namespace(self)  # mkdir, rmdir, unlink, create, mknod
+        self.dirs = Directories(self)  # listings, fsyncdir, statfs
 
     def use_shared(self, shared: Local) -> None:
         """Replicate to and read through from the shared tier (``remote.Remote``)."""
@@ -163,11 +164,14 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         # thread-safe: only sets the mark; the next engine call writes it to the superblock
         self.store.mark_needs_fsck(f"internal error in {where}: {type(e).__name__}: {e}")
 
-    def _new_fh(self, handle: Handle) -> int:
+    def new_fh(self, handle: Handle) -> int:
         fh = self._next_fh
         self._next_fh += 1
         self._handles[fh] = handle
         return fh
+
+    def close_fh(self, fh: int) -> None:
+        self._handles.pop(fh, None)
 
     def _node(self, ino: int) -> Node:
         node = self.inodes.get(ino)
@@ -175,7 +179,7 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
             raise FUSEError(errno.ENOENT)
         return node
 
-    def _key(self, ino: int) -> Key:
+    def key_of(self, ino: int) -> Key:
         """What a directory or file inode names; ENOENT once removed (names looked up in
         a removed session are not those of a new session of the same name)."""
         node = self._node(ino)
@@ -192,19 +196,19 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
             raise Stale(shown(node.key))
         return node
 
-    def _session_of(self, parent: int) -> str:
+    def session_of(self, parent: int) -> str:
         """The session a new file goes into; EROFS in /.kvfs, EPERM elsewhere outside one."""
         if parent == KVFS_DIR:
             raise FUSEError(errno.EROFS)
         if parent in FIXED:
             raise FUSEError(errno.EPERM)
-        key = self._key(parent)
+        key = self.key_of(parent)
         if len(key) != 1:
             raise FUSEError(errno.ENOTDIR)
         return key[0]
 
     @staticmethod
-    def _only_sessions(parent: int) -> None:
+    def only_sessions(parent: int) -> None:
         """mkdir/rmdir happen in /sessions only."""
         if parent != SESSIONS:
             raise FUSEError(errno.EROFS if parent == KVFS_DIR else errno.EPERM)
@@ -220,23 +224,23 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         return make_attr(ino, mode, self._uid, self._gid, times,
                          nlink=1 if ino == SESSIONS else 2, timeout=FIXED_TIMEOUT)
 
-    def _dyn_attr(self, ino: int, key: Key, st: SessionStat | FileStat) -> EntryAttributes:
+    def dyn_attr(self, ino: int, key: Key, st: SessionStat | FileStat) -> EntryAttributes:
         if len(key) == 1:
             return session_attr(ino, st)
         return file_attr(ino, self.shared.size_of(key, st), self.buffers.get(ino))
 
-    def _stat_sync(self, key: Key) -> SessionStat | FileStat:
+    def stat_sync(self, key: Key) -> SessionStat | FileStat:
         return self.store.session_stat(*key) if len(key) == 1 else self.store.file_stat(*key)
 
-    async def _attr_of(self, ino: int) -> EntryAttributes:
+    async def attr_of(self, ino: int) -> EntryAttributes:
         if ino in FIXED:
             return await self._fixed_attr(ino)
         node = self._node(ino)
         if node.unlinked and node.last is not None:  # fstat of an open, unlinked file
             return file_attr(ino, node.last, None, nlink=0)
-        key = self._key(ino)
-        st = await self.call(on_live, node, self._stat_sync, key, changes=False)
-        return self._dyn_attr(ino, key, st)
+        key = self.key_of(ino)
+        st = await self.call(on_live, node, self.stat_sync, key, changes=False)
+        return self.dyn_attr(ino, key, st)
 
     def refresh_gauges(self) -> None:
         """The gauges of tiers and figures the registry does not follow by itself (cold
@@ -265,7 +269,7 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
     @handler
     async def lookup(self, parent_inode: int, name: bytes, ctx: RequestContext) -> EntryAttributes:
         if name in (b".", b".."):
-            ino = parent_inode if name == b"." else self._parent_of(parent_inode)
+            ino = parent_inode if name == b"." else self.parent_of(parent_inode)
         elif parent_inode in FIXED_CHILDREN:
             ino = dict(FIXED_CHILDREN[parent_inode]).get(os.fsdecode(name), 0)
             if not ino:
@@ -277,28 +281,28 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
             if parent_inode == SESSIONS:
                 key: Key = (sname,)
             else:
-                parent = self._key(parent_inode)
+                parent = self.key_of(parent_inode)
                 if len(parent) != 1:
                     raise FUSEError(errno.ENOTDIR)
                 key = (parent[0], sname)
             try:
-                st = await self.call(self._stat_sync, key, changes=False)
+                st = await self.call(self.stat_sync, key, changes=False)
             except errors.NotFound:  # maybe another node's session: read it through
                 made = (self.shared.import_session(key[0], ctx.uid, ctx.gid) if len(key) == 1
                         else self.shared.import_file(key, ctx.uid, ctx.gid))
                 if not await made:
                     return negative()
-                st = await self.call(self._stat_sync, key, changes=False)
+                st = await self.call(self.stat_sync, key, changes=False)
             if isinstance(st, SessionStat):
-                self._bind_session(key[0], st.sno)
-                await self._drop_pages()
-            return self._dyn_attr(self.inodes.looked_up(key), key, st)
-        attr = await self._attr_of(ino)
+                self.bind_session(key[0], st.sno)
+                await self.drop_pages()
+            return self.dyn_attr(self.inodes.looked_up(key), key, st)
+        attr = await self.attr_of(ino)
         if ino not in FIXED:
-            self.inodes.looked_up(self._key(ino))
+            self.inodes.looked_up(self.key_of(ino))
         return attr
 
-    def _bind_session(self, name: str, sno: int) -> None:
+    def bind_session(self, name: str, sno: int) -> None:
         """Tie ``name``'s inode to the engine's session ``sno``: if the inode stood for an
         earlier session of that name (dropped by the engine, made anew), detach it and
         its files first, so the new session gets new inodes."""
@@ -310,10 +314,10 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
             assert node is not None
         node.sno = sno
 
-    def _parent_of(self, ino: int) -> int:
+    def parent_of(self, ino: int) -> int:
         if ino in FIXED:
             return FIXED[ino][0]
-        key = self._key(ino)
+        key = self.key_of(ino)
         return SESSIONS if len(key) == 1 else self.inodes.ino_of(key[:1])
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
@@ -322,7 +326,7 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
 
     @handler
     async def getattr(self, inode: int, ctx: RequestContext) -> EntryAttributes:
-        return await self._attr_of(inode)
+        return await self.attr_of(inode)
 
     @handler
     async def setattr(self, inode: int, attr: EntryAttributes, fields: SetattrFields,
@@ -332,7 +336,7 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         node = self._node(inode)
         if node.unlinked and len(node.key) == 2:
             raise Stale(shown(node.key))  # ftruncate, fchmod, futimens of an unlinked file
-        key = self._key(inode)
+        key = self.key_of(inode)
         change = AttrChange.asked(attr, fields)  # EOVERFLOW first, before the size changes
         if fields.update_size:
             if len(key) == 1:
@@ -351,15 +355,15 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
             await self.call(on_live, node, change.apply, self.store, key)
             if len(key) == 1 and change.owner():
                 self.shared.owner_changed(key[0])  # the owner record travels with the session
-        return await self._attr_of(inode)
+        return await self.attr_of(inode)
 
     # ------------------------------------------------------------------ open files
-    def _open_file(self, ino: int, flags: int, writer: bool = False) -> FileInfo:
+    def open_file(self, ino: int, flags: int, writer: bool = False) -> FileInfo:
         """A handle on ``ino``; ``writer``: it holds the session's writer count (``begin``),
         ended by ``release``."""
         # O_APPEND writes land at the end even when the kernel's idea of the size is stale
         # (bytes read through from the shared tier grew the file behind its back)
-        fh = self._new_fh(Handle(ino, writable=writer, append=bool(flags & os.O_APPEND)))
+        fh = self.new_fh(Handle(ino, writable=writer, append=bool(flags & os.O_APPEND)))
         node = self.inodes.get(ino)
         keep = node is not None and not node.truncated and not flags & os.O_TRUNC
         if node is not None:
@@ -377,7 +381,7 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         """``node``'s file was truncated from outside the kernel (the native channel)."""
         self._cut(node)
 
-    async def _drop_pages(self) -> None:
+    async def drop_pages(self) -> None:
         """Drop the kernel's pages of the file inodes just detached (page-cache mode)."""
         inos, self.inodes.detached = self.inodes.detached, []
         if inos and self.notify_kernel and not self.direct_io:
@@ -390,26 +394,26 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
                 raise FUSEError(errno.EROFS)
             # made once per open: size and reads agree; names only for the mount's owner
             body = await self._generate(inode, private=ctx.uid in (0, self._uid))
-            return FileInfo(fh=self._new_fh(Handle(inode, content=body)), direct_io=True)
+            return FileInfo(fh=self.new_fh(Handle(inode, content=body)), direct_io=True)
         if inode in FIXED:
             raise FUSEError(errno.EISDIR)
         node = self._file(inode)
         session = node.key[0]
         if not _is_write(flags):
-            await self._replaced(await self.shared.refresh(session))
-            return self._open_file(inode, flags)
+            await self.replaced(await self.shared.refresh(session))
+            return self.open_file(inode, flags)
         await self.shared.begin(session)  # the lease: EBUSY while another node writes
         try:
-            await self._replaced(await self.shared.complete(node))  # whole before any append
+            await self.replaced(await self.shared.complete(node))  # whole before any append
             if flags & os.O_TRUNC:
                 await self.buffers.truncate(node, 0)
                 self._cut(node)
-            return self._open_file(inode, flags, writer=True)
+            return self.open_file(inode, flags, writer=True)
         except BaseException:
             await self.shared.end(session)
             raise
 
-    async def _replaced(self, keys: list[Key]) -> None:
+    async def replaced(self, keys: list[Key]) -> None:
         """Files the shared tier's newer copy grew or replaced: bytes read before are not
         served, and the kernel drops its pages and attributes (its size is stale)."""
         inos = []
@@ -483,6 +487,63 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
                               "lost", shown(node.key) if node else "?", h.ino, lost)
             self.inodes.closed(h.ino)
 
+    # ------------------------------------------------------------------ namespace (namespace.py)
+    @handler
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int,
+                    ctx: RequestContext) -> EntryAttributes:
+        return await self.namespace.mkdir(parent_inode, name, mode, ctx)
+
+    @handler
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: RequestContext) -> None:
+        await self.namespace.rmdir(parent_inode, name, ctx)
+
+    @handler
+    async def unlink(self, parent_inode: int, name: bytes, ctx: RequestContext) -> None:
+        await self.namespace.unlink(parent_inode, name, ctx)
+
+    @handler
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                     ctx: RequestContext) -> tuple[FileInfo, EntryAttributes]:
+        return await self.namespace.create(parent_inode, name, mode, flags, ctx)
+
+    @handler
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
+                    ctx: RequestContext) -> EntryAttributes:
+        return await self.namespace.mknod(parent_inode, name, mode, rdev, ctx)
+
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes,
+                      ctx: RequestContext) -> EntryAttributes:
+        return await self.namespace.symlink(parent_inode, name, target, ctx)
+
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes,
+                   ctx: RequestContext) -> EntryAttributes:
+        return await self.namespace.link(inode, new_parent_inode, new_name, ctx)
+
+    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
+                     name_new: bytes, flags: int, ctx: RequestContext) -> None:
+        await self.namespace.rename(parent_inode_old, name_old, parent_inode_new, name_new,
+                                    flags, ctx)
+
+    # ------------------------------------------------------------------ directories (dirs.py)
+    @handler
+    async def opendir(self, inode: int, ctx: RequestContext) -> int:
+        return await self.dirs.opendir(inode, ctx)
+
+    @handler
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        await self.dirs.readdir(fh, start_id, token)
+
+    async def releasedir(self, fh: int) -> None:
+        await self.dirs.releasedir(fh)
+
+    @handler
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        await self.dirs.fsyncdir(fh, datasync)
+
+    @handler
+    async def statfs(self, ctx: RequestContext) -> pyfuse3.StatvfsData:
+        return await self.dirs.statfs(ctx)
+
     # ------------------------------------------------------------------ extended attributes
     @handler
     async def getxattr(self, inode: int, name: bytes, ctx: RequestContext) -> bytes:
@@ -490,7 +551,7 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
         lease in the shared tier (what an agent refused with EBUSY names)."""
         if inode in FIXED or name != LEASE_XATTR:
             raise FUSEError(errno.ENODATA)
-        key = self._key(inode)
+        key = self.key_of(inode)
         owner = await self.shared.lease_owner(key[0]) if len(key) == 1 else None
         if owner is None:
             raise FUSEError(errno.ENODATA)
@@ -498,6 +559,6 @@ class Operations(Namespace, Directories, pyfuse3.Operations):
 
     @handler
     async def listxattr(self, inode: int, ctx: RequestContext) -> list[bytes]:
-        if inode in FIXED or not self.shared.enabled or len(self._key(inode)) != 1:
+        if inode in FIXED or not self.shared.enabled or len(self.key_of(inode)) != 1:
             return []
         return [LEASE_XATTR]

@@ -26,7 +26,6 @@ from kvfs.torch.cache import (
     TieredCache,
 )
 from kvfs.torch.fingerprint import KVCorrupt, KVMismatch, KVUnsupported, fingerprint, geometry
-from kvfs.torch.fork import copy_stored
 from kvfs.torch.meta import acknowledge
 from kvfs.torch.meta import stored as stored_meta
 from kvfs.torch.parts import Shown
@@ -275,8 +274,8 @@ class KVRouter:
     def fork(self, src_id: str, new_id: str, model: Any = None) -> TieredCache | None:
         """Copy session ``src_id`` to ``new_id`` so two continuations can be explored.
 
-        The stored bytes, summaries and meta.json are copied through the warm tier (a live
-        source is flushed first); a live source's device window, sinks, rounds and recall are
+        The stored session is copied by the warm tier (``WarmStore.fork``: on the mount,
+        in the session's commit order; a live source is flushed first); a live source's device window, sinks, rounds and recall are
         cloned, so both sessions continue exactly as the source would. Returns the new live
         cache; for a source that is only stored, returns ``resume(new_id, model)`` when
         ``model`` is given, else None (resume it later). Refuses (ValueError) an existing
@@ -290,10 +289,12 @@ class KVRouter:
             src.flush()
         else:
             self.spiller.wait()
-        meta = self.warm.get_meta(src_id)
-        if meta is None:
-            raise KeyError(f"fork: session {src_id!r} has no meta.json in any tier")
-        copy_stored(self.warm, src_id, new_id, meta)
+        try:
+            self.warm.fork(src_id, new_id)
+        except KeyError:
+            raise KeyError(f"fork: session {src_id!r} has no meta.json in any tier") from None
+        except FileExistsError:
+            raise ValueError(f"fork: session {new_id!r} already exists") from None
         if src is None:
             return self.resume(new_id, model) if model is not None else None
         ret = src.retrieval

@@ -32,8 +32,9 @@ from typing import Any
 import numpy as np
 
 from kvfs.session import files
+from kvfs.session import fork as fork_stored
 from kvfs.session.backend import ColdBackend
-from kvfs.session.names import side_stream
+from kvfs.session.names import SIDE_STREAMS, side_stream
 
 from .budget import Budget
 from .coldopen import open_cold
@@ -384,6 +385,52 @@ class WarmTier:
             if self.cold is not None:
                 self._cold.delete(sid)
         self.held.clear_lost(sid)
+
+    def fork(self, src: str, dst: str) -> None:
+        """Make the new session ``dst`` a copy of session ``src`` as it stands now.
+
+        With a mount, ``src`` is synced and copied there in the session's commit order
+        (``kvfs.session.fork``: a crash leaves ``dst`` absent or whole), then read from
+        the mount like any stored session; a failed copy is deleted. Without one, it is
+        copied in RAM, meta.json last. FileExistsError when ``dst`` exists in either
+        tier; KeyError when ``src`` has no meta.json in any.
+        """
+        check_sid(src)
+        if dst == src or self.where(dst) is not None:  # ``where`` takes dst: no one else makes it
+            raise FileExistsError(f"session {dst!r} exists: a fork makes a new session")
+        if self.get_meta(src) is None:
+            raise KeyError(f"session {src!r} has no meta.json in any tier")
+        try:
+            if self.cold is None:
+                self._copy_in_ram(src, dst)
+            else:
+                self.sync(src)
+                done = fork_stored(self._cold, src, dst)
+                if done is None:
+                    raise KeyError(f"session {src!r} left the mount while being forked")
+                if done.error is not None:
+                    raise WarmError(f"fork {src!r} -> {dst!r}: {done.error}") from done.error
+        except BaseException:
+            if self.where(dst) is not None:
+                self.delete(dst)  # no half copy left behind
+            raise
+        log.info("forked session %r -> %r", src, dst)
+
+    def _copy_in_ram(self, src: str, dst: str) -> None:
+        step = 8 << 20
+        for layer, size in self.layer_sizes(src).items():
+            for a in range(0, size, step):
+                self.append(dst, layer, self.read(src, layer, a, min(size, a + step), promote=False))
+        for name in SIDE_STREAMS:
+            size = self.side_size(src, name)
+            for a in range(0, size, step):
+                self.side_append(dst, name, self.side_read(src, name, a, min(size, a + step)))
+        for i, vec in enumerate(self.summaries(src)):
+            self.put_summary(dst, i, vec)
+        meta = self.get_meta(src)
+        if meta is None:
+            raise KeyError(f"session {src!r} was deleted while being forked")
+        self.put_meta(dst, meta)  # last: it claims the bytes
 
     def sync(self, sid: str | None = None) -> None:
         """Return once every byte of ``sid`` (default: of every session) is on the mount and
