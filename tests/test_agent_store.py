@@ -231,7 +231,8 @@ def test_kvfs_stat_shows_the_agents_hot_and_ram_tiers(make_mount) -> None:
                                  capture_output=True, text=True, timeout=60)
             assert out.returncode == 0, out.stderr
             tiers = json.loads(out.stdout)["summary"]["tiers"]
-            if tiers["hot"]["reported"] and tiers["warm"]["reported"]:
+            hot, warm = tiers["hot"], tiers["warm"]  # a report older than the round: wait
+            if hot["reported"] and warm["reported"] and hot["bytes"] > 0 and warm["bytes"] > 0:
                 break
             assert time.monotonic() < deadline, tiers
             time.sleep(0.3)
