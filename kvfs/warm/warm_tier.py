@@ -398,11 +398,12 @@ class WarmTier:
         check_sid(src)
         if dst == src or self.where(dst) is not None:  # ``where`` takes dst: no one else makes it
             raise FileExistsError(f"session {dst!r} exists: a fork makes a new session")
-        if self.get_meta(src) is None:
+        meta = self.get_meta(src)
+        if meta is None:
             raise KeyError(f"session {src!r} has no meta.json in any tier")
         try:
             if self.cold is None:
-                self._copy_in_ram(src, dst)
+                self._copy_in_ram(src, dst, meta)
             else:
                 self.sync(src)
                 done = fork_stored(self._cold, src, dst)
@@ -416,7 +417,7 @@ class WarmTier:
             raise
         log.info("forked session %r -> %r", src, dst)
 
-    def _copy_in_ram(self, src: str, dst: str) -> None:
+    def _copy_in_ram(self, src: str, dst: str, meta: dict) -> None:
         step = 8 << 20
         for layer, size in self.layer_sizes(src).items():
             for a in range(0, size, step):
@@ -427,9 +428,6 @@ class WarmTier:
                 self.side_append(dst, name, self.side_read(src, name, a, min(size, a + step)))
         for i, vec in enumerate(self.summaries(src)):
             self.put_summary(dst, i, vec)
-        meta = self.get_meta(src)
-        if meta is None:
-            raise KeyError(f"session {src!r} was deleted while being forked")
         self.put_meta(dst, meta)  # last: it claims the bytes
 
     def sync(self, sid: str | None = None) -> None:
