@@ -7,7 +7,9 @@ from its ``AttentionInterface`` registry by ``config._attn_implementation``;
 ``eager``, ``flash_attention_2``, ...) with the same mask function, and switches the model
 to it. The wrapper computes exactly what the wrapped function computes; it only hands the
 query states to the cache layer whose ``update`` ran last on this thread (:func:`expect`),
-after the attention of that layer. With any other cache, or none, nothing is handed over.
+after the attention of that layer; in a step of several tokens the layer may first splice
+in the blocks that step's own queries choose (same length: the mask is built already).
+With any other cache, or none, nothing is handed over.
 
 The model's config changes (``_attn_implementation``: a runtime switch the model
 fingerprint ignores) and the registry gains an entry; :func:`uninstall` switches back.
@@ -34,19 +36,30 @@ _local = threading.local()
 _lock = threading.Lock()
 
 
-def expect(observer: Callable[[int, torch.Tensor], None], layer: int) -> None:
-    """Hand the next attention call of layer ``layer`` on this thread to ``observer``."""
-    _local.pending = (observer, layer)
+Observer = Callable[[int, torch.Tensor], None]
+#: ``(layer, query, key, value) -> (key, value)``: the attended keys and values, changed
+#: before the attention runs (same length: the mask is built already)
+Splice = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def expect(observer: Observer, layer: int, splice: Splice | None = None) -> None:
+    """Hand the next attention call of layer ``layer`` on this thread to ``observer`` (after
+    it ran) and to ``splice`` (before it runs)."""
+    _local.pending = (observer, layer, splice)
 
 
 def _wrap(inner: Callable[..., Any]) -> Callable[..., Any]:
     def attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
-        out = inner(module, query, key, value, attention_mask, *args, **kwargs)
         pending = getattr(_local, "pending", None)
-        if pending is not None and pending[1] == getattr(module, "layer_idx", None):
-            _local.pending = None
-            pending[0](pending[1], query)
+        if pending is None or pending[1] != getattr(module, "layer_idx", None):
+            return inner(module, query, key, value, attention_mask, *args, **kwargs)
+        observer, layer, splice = pending
+        if splice is not None:
+            key, value = splice(layer, query, key, value)
+        out = inner(module, query, key, value, attention_mask, *args, **kwargs)
+        _local.pending = None
+        observer(layer, query)
         return out
 
     attention.kvfs_inner = inner  # type: ignore[attr-defined]

@@ -364,7 +364,10 @@ class TieredLayer(DynamicLayer):
             rk, rv = c.retrieval.step_kv(self.idx)
             ks += rk
             vs += rv
-            c.retrieval.expect(self.idx)  # this layer's queries choose the next step's blocks
+            # this layer's queries choose the next step's blocks (and, in a step of several
+            # tokens, its own: spliced in after the sinks and recalled rounds)
+            at = p + (0 if self.recall_keys is None else self.recall_keys.shape[-2])
+            c.retrieval.expect(self.idx, at if key_states.shape[-2] > 1 else None)
         if ks:  # sinks, recalled rounds, retrieved blocks, window, input
             full_k = torch.cat([full_k[:, :, :p], *ks, full_k[:, :, p:]], dim=-2)
             full_v = torch.cat([full_v[:, :, :p], *vs, full_v[:, :, p:]], dim=-2)

@@ -24,6 +24,11 @@ The rule (deterministic: a function of the tokens alone, never of timing):
   blocks in the RAM tier are copied up at once, blocks on the mount are read on a reader
   thread while the rest of the step and the sampling run; the next step waits only for a
   read still running (a hot miss), never attends less.
+* A step of several tokens (a turn arriving) does not attend the blocks the step before
+  chose: before the attention of layer ``l``, that step's own queries rank the blocks and the
+  top ones (as many as the step was built with) are spliced in, read from where they are and
+  waited for (:meth:`Retrieval.splice`). A question sees the fact it asks about while it is
+  read; a decode step keeps the choice that runs ahead.
 * Every layer attends the same number of blocks, known before a step starts (its attention
   mask is built before any layer runs).
 * The choice for the step after the last one is saved in ``meta.json`` (``retrieval``) when
@@ -77,6 +82,11 @@ FRESH_BLOCKS = 2
 #: the best token instead of the mass, and blocks of 8 (docs/quality.md, "Held-out chats").
 DEFAULT_SELECTOR = "int8-sum"
 
+#: A step of several tokens chooses its own blocks from its queries before it attends them
+#: (:meth:`Retrieval.splice`); chosen on the dev split of tools/memory_chats.py over the
+#: choice of the step before (docs/quality.md, "Held-out chats"). Off only to compare.
+IN_STEP = True
+
 KV = tuple[torch.Tensor, torch.Tensor]  # one block of one layer: K, V [1, H, block, D]
 
 
@@ -105,6 +115,7 @@ class Retrieval:
         self._pending: list[Future | None] = [None] * n  # a read of chosen blocks from the mount
         self.written = 0  # blocks whose record is queued to the side stream
         self._observed = -1  # layers that reported their queries this step (-1: no step yet)
+        self._before = 0  # blocks that had left the window when this step began
         self._scored: tuple[int, tuple[int, ...]] = (0, ())  # blocks and recalled ones at the last scoring
         self._ram: bool | None = None
         # statistics
@@ -175,6 +186,7 @@ class Retrieval:
                 "model, KVRouter.cache(sid, model) or TieredCache(model, ...), which installs "
                 "kvfs.torch.attention), or pass retrieval=False")
         self._observed = 0
+        self._before = self.count[0]  # the blocks a step's own choice picks from
         self._ram = None  # whether the session's blocks are in the RAM tier: asked once a step
 
     def left_window(self, layer: int, first: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -263,9 +275,39 @@ class Retrieval:
         if fut is not None:
             self._on[layer].update(fut.result())
 
-    def expect(self, layer: int) -> None:
-        """Have this step's attention of ``layer`` hand its queries to :meth:`observe`."""
-        attention.expect(self.observe, layer)
+    def expect(self, layer: int, at: int | None = None) -> None:
+        """Have this step's attention of ``layer`` hand its queries to :meth:`observe`; with
+        ``at`` (where its blocks start in the attended keys), choose them from this step's
+        own queries first (:meth:`splice`)."""
+        splice = None
+        if at is not None and IN_STEP:
+            def splice(layer: int, query: torch.Tensor, key: torch.Tensor,
+                       value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                return self.splice(layer, query, key, value, at)
+        attention.expect(self.observe, layer, splice)
+
+    def splice(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               at: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step of several tokens (a turn arriving) attends the blocks its own queries rank
+        highest, not the ones the step before chose: a question must see the fact it asks
+        about while it is read, or its tokens carry on without it. As many blocks as the
+        step was built with; the reads wait (a turn's prefill, not a decode step)."""
+        k, n = len(self.chosen[layer]), self._before  # blocks that left before this step
+        if k == 0 or n == 0 or self._cents is None:
+            return key, value
+        excluded = [b for b in self.c.recalled_blocks(self.layout) if b < n] if self.c.recalling else []
+        reps = self._cents[layer:layer + 1, ..., :self.cols * n]
+        scale = None if self._scale is None else self._scale[layer:layer + 1, :, :self.cols * n]
+        scores = self.selector.scores(query.detach(), reps, scale)[0]
+        if excluded:
+            scores[excluded] = float("-inf")
+        top = set(torch.topk(scores, k).indices.tolist())
+        if top != set(self.chosen[layer]):
+            self._choose(layer, top)
+        rk, rv = self.step_kv(layer)
+        e = at + k * self.block
+        return (torch.cat([key[:, :, :at], *rk, key[:, :, e:]], dim=-2),
+                torch.cat([value[:, :, :at], *rv, value[:, :, e:]], dim=-2))
 
     def observe(self, layer: int, query: torch.Tensor) -> None:
         """Keep ``layer``'s queries of this step; after the last layer's, rank the blocks of
@@ -437,3 +479,4 @@ class Retrieval:
         other.written = self.written
         other._scored = self._scored
         other._observed = self._observed
+        other._before = self._before

@@ -231,9 +231,13 @@ class RetrievalReference(WindowReference):
     counted from ``sinks``) and its input. After a step, each layer's queries (recomputed
     by a pre-hook on its attention: ``q_proj`` and the rotary embedding) rank every block
     that has left the window by the default selector's scores of its representatives
-    (:mod:`kvfs.torch.blocks`, from the full history), and the top ``attend`` are the next step's, in slots: a block
+    (:mod:`kvfs.torch.blocks`, from the full history), and the top ``attend`` are the next
+    step's, in slots: a block
     that stays keeps its place, new ones take the freed places in ascending order (a selector
     that does not score every step holds the choice over decode steps that add no block).
+    A step of several tokens first chooses its own: before each layer's attention, its
+    queries rank the blocks that had left the window before the step, and that layer's
+    attended K/V are rebuilt with the top ones (as many as it had), in slots.
     Llama layout."""
 
     def __init__(self, model, window: int, sinks: int, block: int, attend: int) -> None:
@@ -243,6 +247,7 @@ class RetrievalReference(WindowReference):
         self.chosen: list[list[int]] = [[] for _ in range(n)]
         self.queries: list[torch.Tensor | None] = [None] * n
         self.scored = 0  # blocks at the last scoring
+        self._live: tuple[Any, int, int, int, int] | None = None  # the step being run
         self._hooks = [lay.self_attn.register_forward_pre_hook(self._capture(i), with_kwargs=True)
                        for i, lay in enumerate(model.model.layers)]
 
@@ -254,11 +259,37 @@ class RetrievalReference(WindowReference):
             cos, sin = kwargs["position_embeddings"]
             q = module.q_proj(h).view(*h.shape[:-1], -1, module.head_dim).transpose(1, 2)
             self.queries[i] = apply_rotary_pos_emb(q, q, cos, sin)[0]
+            if self._live is not None and q.shape[-2] > 1 and self.chosen[i]:
+                self._choose_in_step(i)
         return hook
+
+    def _choose_in_step(self, i: int) -> None:
+        """A step of several tokens: layer ``i``'s own queries choose its blocks among those
+        that had left the window before the step, and its attended K/V are rebuilt."""
+        from kvfs.torch.blocks import next_slots, scale_layout, scoring_layout, selector
+        from kvfs.torch.retrieval import DEFAULT_SELECTOR
+
+        cache, s, ws, n, nb = self._live
+        b, o = self.block, self.sinks
+        sel = selector(DEFAULT_SELECTOR, b)
+        hk, hv = self.history(i)
+        reps, scale = sel.represent(hk[..., o:o + nb * b, :], b)
+        sc = None if scale is None else scale_layout(scale)[None]
+        scores = sel.scores(self.queries[i], scoring_layout(reps)[None], sc)[0]
+        top = set(torch.topk(scores, len(self.chosen[i])).indices.tolist())
+        self.chosen[i] = list(next_slots(tuple(self.chosen[i]), top))
+        parts = [(0, s)] + [(o + c * b, o + (c + 1) * b) for c in self.chosen[i]] + [(ws, n)]
+        lay = _layers(cache)[i]
+        lay.keys = torch.cat([hk[..., a:e, :] for a, e in parts], -2)
+        lay.values = torch.cat([hv[..., a:e, :] for a, e in parts], -2)
 
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
+
+    def scored_blocks(self, n: int) -> int:
+        """Blocks that have left the window after ``n`` tokens."""
+        return max(0, (self.window_from(n) - self.sinks) // self.block)
 
     def window_from(self, n: int) -> int:
         s = min(self.sinks, n)
@@ -283,7 +314,11 @@ class RetrievalReference(WindowReference):
                          torch.cat([hv[..., a:e, :] for a, e in parts], -2)))
         cache = DynamicCache(ddp_cache_data=data) if data[0] is not None else DynamicCache(config=self.model.config)
         pos = torch.arange(n, n + q, device=x.device).unsqueeze(0)
-        out = self.model(input_ids=x, position_ids=pos, cache=cache, use_cache=True)
+        self._live = (cache, s, ws, n, self.scored_blocks(n))
+        try:
+            out = self.model(input_ids=x, position_ids=pos, cache=cache, use_cache=True)
+        finally:
+            self._live = None
         for i, lay in enumerate(_layers(cache)):
             lk, lv = _kv(lay)
             self.hist_k[i].append(lk[..., -q:, :])
