@@ -269,13 +269,15 @@ class RetrievalReference(WindowReference):
         from kvfs.torch.blocks import next_slots, scale_layout, scoring_layout, selector
         from kvfs.torch.retrieval import DEFAULT_SELECTOR
 
+        query = self.queries[i]
+        assert self._live is not None and query is not None
         cache, s, ws, n, nb = self._live
         b, o = self.block, self.sinks
         sel = selector(DEFAULT_SELECTOR, b)
         hk, hv = self.history(i)
         reps, scale = sel.represent(hk[..., o:o + nb * b, :], b)
         sc = None if scale is None else scale_layout(scale)[None]
-        scores = sel.scores(self.queries[i], scoring_layout(reps)[None], sc)[0]
+        scores = sel.scores(query, scoring_layout(reps)[None], sc)[0]
         top = set(torch.topk(scores, len(self.chosen[i])).indices.tolist())
         self.chosen[i] = list(next_slots(tuple(self.chosen[i]), top))
         parts = [(0, s)] + [(o + c * b, o + (c + 1) * b) for c in self.chosen[i]] + [(ws, n)]
