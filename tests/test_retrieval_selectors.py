@@ -68,7 +68,7 @@ def test_resume_chooses_as_the_session_that_never_stopped(tmp_path, model, name,
     cold = tmp_path / "cold"
     (cold / "sessions").mkdir(parents=True)
     kw = dict(warm_options=WARM_OPTS, max_kv_len=8, retrieval_block=4,
-              retrieval_bytes=budget(model, 3, 4))
+              retrieval_bytes=budget(model, 3, 4), retrieval_share=0.0)  # as run() attends
     r = KVRouter(mount=str(cold), warm_root=str(tmp_path / "w1"), **kw)
     c = r.cache("s", model)
     outs = generate_turns(model, c, before, NEW)

@@ -49,6 +49,9 @@ def budget(model, blocks: int, block: int) -> int:
     return (blocks + FRESH_BLOCKS) * block * geometry(model).session_token_bytes
 
 
+GROW_SHARE, GROW_MOST = 0.25, 6
+
+
 def make_router(tmp_path: Path, model, **kw) -> KVRouter:
     cold = tmp_path / "cold"
     (cold / "sessions").mkdir(parents=True, exist_ok=True)
@@ -56,6 +59,8 @@ def make_router(tmp_path: Path, model, **kw) -> KVRouter:
     kw.setdefault("max_kv_len", 8)
     kw.setdefault("retrieval_block", 4)
     kw.setdefault("retrieval_bytes", budget(model, 3, kw["retrieval_block"]))
+    kw.setdefault("retrieval_share", GROW_SHARE)  # grows past 3 blocks as the session does
+    kw.setdefault("retrieval_max_bytes", budget(model, GROW_MOST, kw["retrieval_block"]))
     return KVRouter(mount=str(cold), warm_root=str(kw.pop("warm", tmp_path / "warm")), **kw)
 
 
@@ -117,6 +122,7 @@ def uninterrupted(tmp_path, model, turns, **kw) -> list[list[int]]:
     warm = WarmTier(cold_root=None, root=str(tmp_path / "warm-ref"), **WARM_OPTS)
     c = TieredCache(model, session_id="ref", warm=warm, max_kv_len=kw.get("window", 8),
                     retrieval=True, retrieval_block=4, retrieval_bytes=budget(model, 3, 4),
+                    retrieval_share=GROW_SHARE, retrieval_max_bytes=budget(model, GROW_MOST, 4),
                     rope_rerotate="reach", rope_reach=2048)
     out = [o[0].tolist() for o in generate_turns(model, c, turns, NEW)]
     c.close()
@@ -291,7 +297,27 @@ def test_meta_without_a_retrieval_entry_resumes(tmp_path, model):
     c = r.resume("s", model)
     assert c.retrieval.chosen[0] == () and c.retrieval.count[0] > 0
     continue_turns(model, c, conversation(BEFORE, outs), AFTER[:1])
-    assert len(c.retrieval.chosen[0]) == 3
+    assert len(c.retrieval.chosen[0]) == c.retrieval.attend_for(c.retrieval.count[0]) >= 3
+    r.close()
+
+
+def test_the_attended_blocks_grow_with_the_session_up_to_their_most(tmp_path, model):
+    """A share of the old blocks when it is more than the floor, never past the most: a
+    function of the block count alone, reached by a live session step by step."""
+    r = make_router(tmp_path, model)
+    c = r.cache("s", model)
+    ret = c.retrieval
+    assert (ret.attend, ret.share, ret.most) == (3, GROW_SHARE, GROW_MOST)
+    assert [ret.attend_for(n) for n in (0, 2, 3, 12, 13, 16, 20, 21, 24, 100)] == \
+        [0, 2, 3, 3, 4, 4, 5, 6, 6, 6]
+    outs = generate_turns(model, c, TURNS[:2], NEW)
+    ids, seen = conversation(TURNS[:2], outs), [len(ret.chosen[0])]
+    for t in TURNS[2:] + [prompt(200 + i, 12) for i in range(4)]:
+        out = continue_turns(model, c, ids, [t])
+        ids = torch.cat([ids, t, torch.tensor(out)], 1)
+        seen.append(len(ret.chosen[0]))
+        assert all(len(ch) == ret.attend_for(ret.count[0]) for ch in ret.chosen)
+    assert seen[0] <= 3 and max(seen) > 3 and seen == sorted(seen)
     r.close()
 
 

@@ -75,6 +75,11 @@ class Profile:
     retrieval_bytes: int = _spec("size", "device bytes of the old blocks one session attends per "
                                  "step, over all layers (the blocks per layer follow from the "
                                  "model's KV bytes per token)", min=0)
+    retrieval_share: float = _spec("fraction", "share of a session's old blocks attended when that "
+                                   "is more than retrieval_bytes holds (a budget that grows with "
+                                   "the session), up to retrieval_max_bytes")
+    retrieval_max_bytes: int = _spec("size", "device bytes the grown share may reach, one session "
+                                     "over all layers", min=0)
     keep_summary_rounds: int = _spec(
         "int", "previous rounds kept findable by their summary (ecommerce: 1)", min=0, max=1024)
     # warm tier
@@ -422,7 +427,7 @@ def load(name: str = "gov", overrides: dict[str, Any] | None = None,
 #: keys only agent processes use (the hot and RAM tiers): a mount refuses them as overrides
 AGENT_KEYS = frozenset({
     "max_kv_len", "device_watermark", "sink_tokens", "auto_recall", "recall_rounds", "rope_rerotate", "rope_reach",
-    "retrieval", "retrieval_block", "retrieval_bytes",
+    "retrieval", "retrieval_block", "retrieval_bytes", "retrieval_share", "retrieval_max_bytes",
     "keep_summary_rounds", "warm_shards", "shard_key", "warm_migrate_at", "lru_group",
     "warm_cap_bytes", "warm_root", "summary_dim", "writebehind", "writebehind_s",
     "writebehind_bytes",

@@ -103,7 +103,8 @@ class TieredCache(Cache):
                  rope_rerotate: bool | str = DEFAULT_ROPE_REROTATE,
                  rope_reach: int | None = None, retrieval: bool = DEFAULT_RETRIEVAL,
                  retrieval_block: int = DEFAULT_RETRIEVAL_BLOCK,
-                 retrieval_bytes: int | None = None) -> None:
+                 retrieval_bytes: int | None = None, retrieval_share: float = 0.0,
+                 retrieval_max_bytes: int | None = None) -> None:
         require_cache_keyword()
         if max_kv_len is not None and max_kv_len < 1:
             raise ValueError(f"max_kv_len must be >= 1 or None, got {max_kv_len}")
@@ -141,12 +142,15 @@ class TieredCache(Cache):
         self.retrieval: Retrieval | None = None
         self.retrieval_block = int(retrieval_block)
         if retrieval and max_kv_len is not None:
-            self.retrieval = self._make_retrieval(model_or_config, retrieval_block, retrieval_bytes)
+            self.retrieval = self._make_retrieval(model_or_config, retrieval_block, retrieval_bytes,
+                                                  retrieval_share, retrieval_max_bytes)
 
-    def _make_retrieval(self, model_or_config: Any, block: int, budget: int | None) -> Retrieval | None:
+    def _make_retrieval(self, model_or_config: Any, block: int, budget: int | None,
+                        share: float = 0.0, most_bytes: int | None = None) -> Retrieval | None:
         """The session's retrieval: ``budget`` device bytes of blocks (all layers),
         ``budget // (block * session_token_bytes)`` per layer, all attended but
-        :data:`~kvfs.torch.retrieval.FRESH_BLOCKS` kept for reuse."""
+        :data:`~kvfs.torch.retrieval.FRESH_BLOCKS` kept for reuse; with ``share``, that share
+        of the old blocks when it is more, up to ``most_bytes``."""
         if self.warm is None:
             raise ValueError("retrieval needs a warm tier (warm=...) to read old blocks from")
         if budget is None:
@@ -163,7 +167,10 @@ class TieredCache(Cache):
                 raise ValueError("retrieval needs the model (TieredCache(model, ...)): its "
                                  "attention is set up to report the queries")
             attention.install(model_or_config)
-        return Retrieval(self, block, attend)
+        most = attend
+        if share > 0 and most_bytes is not None:
+            most = max(attend, int(most_bytes) // (int(block) * self.geo.session_token_bytes) - FRESH_BLOCKS)
+        return Retrieval(self, block, attend, share=share if most > attend else 0.0, most=most)
 
     # --- the parts' state, read through the cache as before ------------------------------------
     spiller = Shown[Spiller | None]("spill", "spiller")

@@ -38,6 +38,7 @@ The rule (deterministic: a function of the tokens alone, never of timing):
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
@@ -93,14 +94,20 @@ KV = tuple[torch.Tensor, torch.Tensor]  # one block of one layer: K, V [1, H, bl
 class Retrieval:
     """One session's retrieval state (see the module docstring)."""
 
-    def __init__(self, cache: RetrievalHost, block: int, attend: int, select: str | None = None) -> None:
+    def __init__(self, cache: RetrievalHost, block: int, attend: int, select: str | None = None,
+                 share: float = 0.0, most: int | None = None) -> None:
         if block < 1 or attend < 1:
             raise ValueError(f"retrieval needs block >= 1 and at least one block attended, got "
                              f"block={block}, attend={attend}")
+        if not 0.0 <= share <= 1.0 or (most is not None and most < attend):
+            raise ValueError(f"retrieval share must be in [0, 1] and its most at least {attend} "
+                             f"blocks, got share={share}, most={most}")
         self.c = cache
         self.layout = BlockLayout(int(block), cache.sink_tokens, cache.geo)
         self.block = int(block)
-        self.attend = int(attend)
+        self.attend = int(attend)  # blocks attended per layer, at least (when there are)
+        self.share = float(share)  # ... or this share of the old blocks, when more
+        self.most = int(attend if most is None else most)  # ... up to this many
         self.keep = FRESH_BLOCKS  # blocks kept for reuse per layer, besides the chosen ones
         self.selector: Selector = selector(select or DEFAULT_SELECTOR, self.block)
         self.cols = self.selector.columns(self.block)  # representatives per block and KV head
@@ -147,13 +154,20 @@ class Retrieval:
             one += 4  # the scale
         return g.num_layers * g.num_kv_heads * self.cols * one
 
+    def attend_for(self, blocks: int) -> int:
+        """Blocks each layer attends when ``blocks`` have left the window: ``attend``, or
+        ``share`` of them when more, at most ``most`` (a function of the token count alone:
+        a resumed session attends as many as the live one)."""
+        grown = min(self.most, math.ceil(self.share * blocks)) if self.share else 0
+        return min(blocks, max(self.attend, grown))
+
     def step_growth(self, q: int) -> int:
         """Device bytes a step of ``q`` tokens may add at most: the chosen blocks, the blocks
         leaving the window kept for reuse, their centroids."""
         c, blk = self.c, self.block
         leaving = (c.window_from(c.seen + q) - c.window_from(c.seen)) // blk
         stb = c.geo.session_token_bytes
-        chosen = max(0, min(self.attend, self.count[0] + leaving) - len(self._on[0]))
+        chosen = max(0, self.attend_for(self.count[0] + leaving) - len(self._on[0]))
         kept = max(0, min(self.keep, len(self._kept[0]) + leaving + chosen) - len(self._kept[0]))
         cap = 0 if self._cents is None else self._cents.shape[-1] // self.cols
         need = self.count[0] + leaving
@@ -169,7 +183,8 @@ class Retrieval:
         return o + (base - o) // self.block * self.block
 
     def stats(self) -> dict[str, Any]:
-        return {"blocks": self.count[0], "attend": self.attend, "block": self.block,
+        return {"blocks": self.count[0], "attend": self.attend, "attend_most": self.most,
+                "attend_share": self.share, "block": self.block,
                 "selector": self.selector.name,
                 "attended_blocks": len(self.chosen[0]), "fetched_blocks": self.fetched_blocks,
                 "background_reads": self.background_reads, "fetch_waits": self.fetch_waits,
@@ -332,7 +347,7 @@ class Retrieval:
         scores = self.selector.scores(torch.cat(qs), self.scoring(), scale)  # [layers, n]: one matmul
         if excluded:
             scores[:, excluded] = float("-inf")
-        k = min(self.attend, n - len(excluded))
+        k = min(self.attend_for(n), n - len(excluded))
         tops = torch.topk(scores, k).indices.tolist() if k > 0 else [[]] * len(qs)
         for layer, top in enumerate(tops):
             top = set(top)
@@ -460,7 +475,7 @@ class Retrieval:
         self.written = need
         self._scored = (need, ())  # a live session scores whenever a block leaves its window
         self.chosen = chosen_from_meta(meta.get("retrieval"), self.layout, tokens, need,
-                                       min(self.attend, need), self.c.num_layers)
+                                       self.attend_for(need), self.c.num_layers)
         for layer in range(self.c.num_layers):
             self._on[layer] = self._read(layer, list(self.chosen[layer])) if self.chosen[layer] else {}
 

@@ -58,7 +58,8 @@ def hot_settings(prof: Any) -> dict[str, Any]:
     return {"sink_tokens": prof.sink_tokens, "auto_recall": prof.auto_recall,
             "recall_rounds": prof.recall_rounds, "rope_rerotate": prof.rope_rerotate,
             "rope_reach": prof.rope_reach, "retrieval": prof.retrieval,
-            "retrieval_block": prof.retrieval_block, "retrieval_bytes": prof.retrieval_bytes}
+            "retrieval_block": prof.retrieval_block, "retrieval_bytes": prof.retrieval_bytes,
+            "retrieval_share": prof.retrieval_share, "retrieval_max_bytes": prof.retrieval_max_bytes}
 
 
 class KVRouter:
@@ -68,7 +69,8 @@ class KVRouter:
     profile="gov")``. Values not given come from the profile (:mod:`kvfs.ops.profiles`:
     ``max_kv_len``, ``device_watermark``, ``summary_dim``, ``sink_tokens``, ``auto_recall``,
     ``recall_rounds``, ``rope_rerotate``, ``rope_reach``, ``retrieval``, ``retrieval_block``,
-    ``retrieval_bytes``, the warm tier's keys); explicit arguments win. ``warm=`` injects a
+    ``retrieval_bytes``, ``retrieval_share``, ``retrieval_max_bytes``, the warm tier's keys);
+    explicit arguments win. ``warm=`` injects a
     ready warm tier (tests, benchmarks); otherwise one ``WarmTier(cold_root=mount,
     root=warm_root or profile.warm_root, ...)`` is built and owned. ``retrieval=False`` is
     the one switch back to sinks + window only (retrieval needs the model's attention to
@@ -84,6 +86,7 @@ class KVRouter:
                  recall_rounds: int | None = None, rope_rerotate: bool | str | None = None,
                  rope_reach: int | None = None, retrieval: bool | None = None,
                  retrieval_block: int | None = None, retrieval_bytes: int | None = None,
+                 retrieval_share: float | None = None, retrieval_max_bytes: int | None = None,
                  max_pending_bytes: int = 64 << 20) -> None:
         info = mount_info(mount)
         # the mount's profile unless told otherwise: one set of settings for all tiers
@@ -102,6 +105,9 @@ class KVRouter:
         self.retrieval = hot["retrieval"] if retrieval is None else bool(retrieval)
         self.retrieval_block = hot["retrieval_block"] if retrieval_block is None else int(retrieval_block)
         self.retrieval_bytes = hot["retrieval_bytes"] if retrieval_bytes is None else int(retrieval_bytes)
+        self.retrieval_share = float(hot["retrieval_share"] if retrieval_share is None else retrieval_share)
+        self.retrieval_max_bytes = int(hot["retrieval_max_bytes"] if retrieval_max_bytes is None
+                                       else retrieval_max_bytes)
         # from the profile: "where the model allows"; asked for explicitly: refused otherwise
         self._rope_required = rope_rerotate is not None
         self._rope_ok: dict[str, bool] = {}  # model fingerprint -> its rotation is reproducible
@@ -196,7 +202,8 @@ class KVRouter:
             total = meta["tokens"]
             n = total - c.window_from(total) + min(total, self.sink_tokens)
             if c.retrieval is not None:
-                n += c.retrieval.attend * c.retrieval.block
+                ret = c.retrieval
+                n += ret.attend_for(ret.layout.blocks_before(c.window_from(total))) * ret.block
             self.reserve(c, n * c.geo.session_token_bytes)
             tb = c.geo.token_bytes
             if self._prefetch:
@@ -213,7 +220,13 @@ class KVRouter:
                            summary_dim=self.summary_dim, dtype=geometry(model).dtype,
                            rope_rerotate=self._rerotates(model), rope_reach=self.rope_reach,
                            retrieval=self.retrieval, retrieval_block=self.retrieval_block,
-                           retrieval_bytes=self.session_retrieval_bytes)
+                           retrieval_bytes=self.session_retrieval_bytes,
+                           retrieval_share=self.retrieval_share,
+                           retrieval_max_bytes=self._session_bytes(self.retrieval_max_bytes))
+
+    def _session_bytes(self, n: int) -> int:
+        """``n`` device bytes of one session's blocks, at most half the device budget."""
+        return n if self.budget is None else min(n, self.budget // 2)
 
     @property
     def session_retrieval_bytes(self) -> int:
@@ -304,6 +317,8 @@ class KVRouter:
                         summary_dim=src.summary_dim, dtype=src.geo.dtype, retrieval=ret is not None,
                         retrieval_block=ret.block if ret else src.retrieval_block,
                         retrieval_bytes=(ret.attend + ret.keep) * ret.block * src.geo.session_token_bytes
+                        if ret else None, retrieval_share=ret.share if ret else 0.0,
+                        retrieval_max_bytes=(ret.most + ret.keep) * ret.block * src.geo.session_token_bytes
                         if ret else None)
         c.fingerprint = src.fingerprint
         self.reserve(c, src.hot_bytes)
