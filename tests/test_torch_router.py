@@ -391,3 +391,45 @@ def test_budget_takes_idle_sinks_last_and_reads_them_back(tmp_path, model):
         alone = generate_turns(model, TieredCache(model, max_kv_len=window), qs[s], new)
         assert torch.equal(convs[s], conversation(qs[s], alone)), s
     r.close()
+
+
+def _tensors_of(cache) -> list:
+    """Every tensor reachable from a cache through kvfs objects and containers (not the model)."""
+    import gc
+    import weakref
+
+    seen, out, stack = set(), [], [cache]
+    while stack:
+        o = stack.pop()
+        if id(o) in seen or isinstance(o, (torch.nn.Module, type, str, bytes, int, float)):
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            out.append(weakref.ref(o))
+        elif isinstance(o, (dict, list, tuple)) or type(o).__module__.startswith(("kvfs", "collections")):
+            stack.extend(gc.get_referents(o))
+    return out
+
+
+def test_release_frees_the_sessions_tensors_without_the_cyclic_collector(tmp_path, model):
+    """A released session's device tensors (window, retrieval blocks and centroids) are
+    freed by ``release`` itself: its cache and parts refer to each other, so anything left
+    in them would wait for the cyclic collector, outside the budget's account."""
+    import gc
+
+    r = make_router(tmp_path, profile="gov", retrieval=True)
+    c = r.cache("s", model)
+    generate_turns(model, c, [prompt(i, 40) for i in range(3)], 4)
+    assert c.retrieval is not None and c.retrieval.device_bytes > 0  # blocks left the window
+    held = _tensors_of(c)
+    assert len(held) > 10
+    gc.disable()
+    try:
+        r.release("s")
+        left = [w() for w in held if w() is not None]
+        # what may remain: constants of the model's rotation, not the session's K/V
+        assert sum(t.numel() * t.element_size() for t in left) < 1024, [tuple(t.shape) for t in left]
+        assert c.retrieval.device_bytes == 0
+    finally:
+        gc.enable()
+        r.close()

@@ -97,6 +97,9 @@ def run_profile(name: str, args: argparse.Namespace, argv: list[str]) -> dict[st
         return ", ".join(f"{k} {v / MiB:.1f}" for k, v in (p or {}).items())
     for m, p in [*rss["parts_at_min"].items(), ("end", rss["parts_end"])]:
         print(f"    at {m}{' min' if m != 'end' else ''}: {split(p)} MiB")
+    if (tr := rss.get("heap_trims")) and tr["trims"]:
+        print(f"    heap trims after releases (KVRouter.heap): {tr['trims']}, {tr['ms']:.0f} ms in all, the longest "
+              f"{tr['max_ms']:.1f} ms; RSS returned {tr['returned'] / MiB:.1f} MiB")
     for line in rss.get("heap_growth", []):
         print(f"    heap {line}")
     for note in res["notes"]:

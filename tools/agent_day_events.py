@@ -75,6 +75,7 @@ class DayEvents:
         self.offs["moves"] += old.watermark_moves
         self.offs["migrations"] += wu["migrations"]
         self.offs["promotions"] += wu["promotions"]
+        self._add_heap(old)
         self.router = self._open_router()
         self._drill_settings()
         ms = (time.perf_counter() - t) * 1e3

@@ -135,6 +135,7 @@ class DaySamples:
             if rss["parts_at_min"].get(m) is not None:
                 rss["parts_at_min"][m]["tensors"] = n
         rss["end_min"] = rows[-1].get("t", 0) / 60
+        rss["heap_trims"] = dict(self.trims)
         first = next(iter(rss["at_min"].values()), None)
         rss["growth_since_2min"] = rows[-1]["rss"] - first if first is not None else None
         snaps = self.__dict__.get("_snaps", {})

@@ -111,6 +111,7 @@ class Day(DayEvents, DaySamples):
         self.outside: dict[str, list[float]] = {}  # alerts outside the drills: rule -> hours
         self._mark: dict[str, Any] = {}
         self.offs = {"moves": 0, "migrations": 0, "promotions": 0}  # routers closed by restarts
+        self.trims = {"trims": 0, "ms": 0.0, "max_ms": 0.0, "returned": 0}  # the routers' heap trims
         self.m0 = self._mount_metrics() or {}
         self.ev0 = lib.local_histogram("warm_evict_latency")
 
@@ -176,7 +177,16 @@ class Day(DayEvents, DaySamples):
         for s in list(self.active):  # closing time: every session's history is checked
             self._retire(s)
         self.router.close()
+        self._add_heap(self.router)
         return self._results()
+
+    def _add_heap(self, r: Any) -> None:
+        """Count a closed router's heap trims (``KVRouter.heap``) in the day's."""
+        h, t = r.heap, self.trims
+        t["trims"] += h.trims
+        t["ms"] += h.trim_s * 1e3
+        t["max_ms"] = max(t["max_ms"], h.max_trim_s * 1e3)
+        t["returned"] += h.returned_bytes
 
     def _fill(self, now: float) -> None:
         target = max(1, round(self.peak * load_at(self.w, now / 3600)))

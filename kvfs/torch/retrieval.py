@@ -434,6 +434,14 @@ class Retrieval:
             self._kept[i].clear()
         return freed
 
+    def release(self) -> None:
+        """Forget every device tensor: the router dropped the session. The cache and its
+        parts refer to each other, so whatever they still hold would wait for Python's
+        cyclic collector, outside the budget (device memory on CUDA, heap on CPU)."""
+        self.release_device()
+        self._cents = self._scale = None
+        self._queries = [None] * len(self._queries)
+
     # --- storage ------------------------------------------------------------------------------
     def queue_records(self) -> None:
         """Queue the records of the blocks that left the window since the last call (all

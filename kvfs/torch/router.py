@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from kvfs.ops import metrics, profiles
+from kvfs.ops.heap import DEFAULT_INTERVAL_S, HeapTrimmer
 from kvfs.torch.cache import (
     TieredCache,
 )
@@ -75,6 +76,8 @@ class KVRouter:
     root=warm_root or profile.warm_root, ...)`` is built and owned. ``retrieval=False`` is
     the one switch back to sinks + window only (retrieval needs the model's attention to
     report its queries: :mod:`kvfs.torch.attention`, installed by :meth:`cache`).
+    ``heap_trim_s``: a :meth:`release` gives the C heap's free pages back to the kernel at
+    most this often (:mod:`kvfs.ops.heap`; 0: never).
     """
 
     def __init__(self, mount: str | None = None, device: str | torch.device = "cpu",
@@ -87,7 +90,7 @@ class KVRouter:
                  rope_reach: int | None = None, retrieval: bool | None = None,
                  retrieval_block: int | None = None, retrieval_bytes: int | None = None,
                  retrieval_share: float | None = None, retrieval_max_bytes: int | None = None,
-                 max_pending_bytes: int = 64 << 20) -> None:
+                 max_pending_bytes: int = 64 << 20, heap_trim_s: float = DEFAULT_INTERVAL_S) -> None:
         info = mount_info(mount)
         # the mount's profile unless told otherwise: one set of settings for all tiers
         self.profile = mount_profile(info) if profile is None else load_profile(profile)
@@ -139,6 +142,9 @@ class KVRouter:
         self._closed = False
         self._acked: dict[str, int] = {}
         self._warned_retrieval = False  # tokens recorded as acknowledged, per session
+        # a released session's tensors go back to malloc, which keeps the pages: hand them
+        # to the kernel now and then, or RSS stays at the busiest hour's (kvfs.ops.heap)
+        self.heap = HeapTrimmer(heap_trim_s)
         log.info("router: device=%s max_kv_len=%s sinks=%d auto_recall=%s(k=%d) retrieval=%s "
                  "(blocks of %d, %d B) budget=%s watermark=%.2f profile=%s", self.device,
                  self.max_kv_len, self.sink_tokens, self.auto_recall, self.recall_rounds,
@@ -280,9 +286,12 @@ class KVRouter:
         self.hot_budget.forget(session_id)
         for lay in c.tiered:
             lay.release()
+        if c.retrieval is not None:
+            c.retrieval.release()
         c.router = None
         metrics.hot_bytes.set(self.hot_total)
         metrics.hot_sessions.set(self.hot_session_count())
+        self.heap.maybe_trim()
 
     def fork(self, src_id: str, new_id: str, model: Any = None) -> TieredCache | None:
         """Copy session ``src_id`` to ``new_id`` so two continuations can be explored.
@@ -396,7 +405,7 @@ class KVRouter:
             "budget_bytes": self.budget, "limit_bytes": self.limit, "watermark": self.watermark,
             "sessions": len(self._sessions), "hot_sessions": self.hot_session_count(),
             "watermark_moves": self.watermark_moves, "move_ms_total": round(self.move_ms_total, 3),
-            "spill": self.spiller.stats(),
+            "spill": self.spiller.stats(), "heap": self.heap.stats(),
             "per_session": {sid: c.stats() for sid, c in self._sessions.items()},
         }
         if self._cuda:
