@@ -142,15 +142,18 @@ def fact_trials(tok: Any, n: int, small_talk: int = 30, seed: int = 0) -> list[T
 
 
 def variant(name: str) -> tuple[str, dict[str, Any]]:
-    """``profile[-window][+sel=S][+block=N][+bytes=M]`` (M in MiB): the profile and what
-    differs from its defaults (a retrieval selector, block size, device bytes)."""
+    """``profile[-window][+sel=S][+block=N][+bytes=M][+share=F][+step=prev]`` (M in MiB): the
+    profile and what differs from its defaults (a retrieval selector, block size, device
+    bytes, the share of old blocks the budget grows to, a turn attending the blocks the step
+    before chose instead of its own)."""
     base, *mods = name.split("+")
     opts: dict[str, Any] = {}
     for m in mods:
         k, _, v = m.partition("=")
-        if k not in ("sel", "block", "bytes"):
+        if k not in ("sel", "block", "bytes", "share", "step") or (k == "step" and v not in ("own", "prev")):
             raise ValueError(f"unknown configuration option {m!r} in {name!r}")
-        opts[k] = v if k == "sel" else int(v) << 20 if k == "bytes" else int(v)
+        opts[k] = (v if k in ("sel", "step") else int(v) << 20 if k == "bytes"
+                   else float(v) if k == "share" else int(v))
     return base, opts
 
 
@@ -182,6 +185,7 @@ class Configs:
                 profile=profile, warm_root=str(self.tmp / f"{self._warm_n}"),
                 retrieval=False if kind == "window" else None,
                 retrieval_block=opts.get("block"), retrieval_bytes=opts.get("bytes"),
+                retrieval_share=opts.get("share"),
                 warm_options={"shards": 16, "cap_bytes": 2 << 30})
         return self._routers[name]
 
@@ -191,16 +195,18 @@ class Configs:
 
         import kvfs.torch.retrieval as retrieval
 
-        sel = variant(name)[1].get("sel")
+        opts = variant(name)[1]
+        sel = opts.get("sel")
 
         @contextlib.contextmanager
         def ctx() -> Any:
-            old = retrieval.DEFAULT_SELECTOR
+            old, old_step = retrieval.DEFAULT_SELECTOR, retrieval.IN_STEP
             retrieval.DEFAULT_SELECTOR = sel or old
+            retrieval.IN_STEP = opts.get("step", "own") == "own"
             try:
                 yield
             finally:
-                retrieval.DEFAULT_SELECTOR = old
+                retrieval.DEFAULT_SELECTOR, retrieval.IN_STEP = old, old_step
         return ctx()
 
     def resume(self, name: str, sid: str) -> Any:

@@ -85,7 +85,8 @@ DEFAULT_SELECTOR = "int8-sum"
 
 #: A step of several tokens chooses its own blocks from its queries before it attends them
 #: (:meth:`Retrieval.splice`); chosen on the dev split of tools/memory_chats.py over the
-#: choice of the step before (docs/quality.md, "Held-out chats"). Off only to compare.
+#: choice of the step before (docs/quality.md, "Held-out chats"). Read when a session's
+#: retrieval is built; off only to compare (bench_memory's ``+step=prev``).
 IN_STEP = True
 
 KV = tuple[torch.Tensor, torch.Tensor]  # one block of one layer: K, V [1, H, block, D]
@@ -108,6 +109,7 @@ class Retrieval:
         self.attend = int(attend)  # blocks attended per layer, at least (when there are)
         self.share = float(share)  # ... or this share of the old blocks, when more
         self.most = int(attend if most is None else most)  # ... up to this many
+        self.in_step = IN_STEP  # a step of several tokens chooses its own blocks
         self.keep = FRESH_BLOCKS  # blocks kept for reuse per layer, besides the chosen ones
         self.selector: Selector = selector(select or DEFAULT_SELECTOR, self.block)
         self.cols = self.selector.columns(self.block)  # representatives per block and KV head
@@ -295,7 +297,7 @@ class Retrieval:
         ``at`` (where its blocks start in the attended keys), choose them from this step's
         own queries first (:meth:`splice`)."""
         splice = None
-        if at is not None and IN_STEP:
+        if at is not None and self.in_step:
             def splice(layer: int, query: torch.Tensor, key: torch.Tensor,
                        value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                 return self.splice(layer, query, key, value, at)
