@@ -313,6 +313,8 @@ class Retrieval:
         if k == 0 or n == 0 or self._cents is None:
             return key, value
         excluded = [b for b in self.c.recalled_blocks(self.layout) if b < n] if self.c.recalling else []
+        if n - len(excluded) < k:  # recalled rounds took the candidates: keep the choice
+            return key, value
         reps = self._cents[layer:layer + 1, ..., :self.cols * n]
         scale = None if self._scale is None else self._scale[layer:layer + 1, :, :self.cols * n]
         scores = self.selector.scores(query.detach(), reps, scale)[0]
