@@ -25,6 +25,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -120,6 +121,7 @@ class Channel:
         # fresh answer, before it is used: a caller's rules on whose files it may read
         self.check: Check | None = None
         self._idle: list[tuple[socket.socket, float]] = []  # with when it was last used
+        self._all: weakref.WeakSet[socket.socket] = weakref.WeakSet()  # idle or in use
         self._conns = 0
         self._cv = threading.Condition()
         self._closed = False
@@ -187,6 +189,7 @@ class Channel:
         finally:
             for fd in fds:
                 os.close(fd)
+        self._all.add(s)
         return s
 
     def _setup(self, _s: socket.socket) -> None:
@@ -291,13 +294,24 @@ class Channel:
         if getattr(self, "view", None) is not None:
             self.view.close()
 
+    def hang_up(self) -> None:
+        """Close the connections (the mount went away) and take no more; the reader stays
+        open for reads other threads are in the middle of (``close`` closes it)."""
+        with self._cv:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._cv.notify_all()
+        for s, _ in idle:
+            s.close()
+
     def abandon(self) -> None:
-        """In a forked child: close this process's copies of the descriptors without
-        taking a lock (another thread of the parent may have held one at the fork) and
-        without shutting a socket down (the parent still uses the connections). The
-        reader's threads did not come along: it is not used again."""
+        """In a forked child: close this process's copies of the descriptors -- the
+        connections idle or in use by the parent's threads at the fork -- without taking
+        a lock (one of those threads may have held it) and without shutting a socket down
+        (the parent still uses the connections). The reader's threads did not come along:
+        it is not used again."""
         self._closed = True
-        for s, _ in self._idle:
+        for s in list(self._all):
             s.close()
         self._idle = []
         if self.reader is not None:

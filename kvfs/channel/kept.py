@@ -67,6 +67,7 @@ class KeptChannel:
         self._ch: Channel | None = None
         self._pid = os.getpid()
         self._lock = threading.Lock()
+        self._retired: list[Channel] = []  # dropped after their mount went away
         self.opened = 0  # Channels opened: the first, then one per fork or restarted mount
 
     def channel(self) -> Channel:
@@ -81,15 +82,18 @@ class KeptChannel:
             return ch
 
     def _forked(self) -> None:
-        if self._ch is not None:
-            self._ch.abandon()
-        self._ch, self._pid = None, os.getpid()
+        for c in [*self._retired, *([self._ch] if self._ch is not None else [])]:
+            c.abandon()
+        self._ch, self._retired, self._pid = None, [], os.getpid()
 
     def _drop(self, broken: Channel) -> None:
+        """Stop using a channel whose mount went away. Its reader is closed only with the
+        handle (``forget``): another thread may be reading the volume with it right now."""
         with self._lock:
             if self._ch is broken:
                 self._ch = None
-        broken.close()
+                self._retired.append(broken)
+        broken.hang_up()
 
     def _run(self, call: Callable[[Channel], T], read_only: bool) -> T:
         ch = self.channel()
@@ -112,8 +116,9 @@ class KeptChannel:
         """Close the channel now (at exit; a test); the next request opens one again."""
         with self._lock:
             ch, self._ch = self._ch, None
-        if ch is not None:
-            ch.close()
+            gone, self._retired = self._retired, []
+        for c in [*gone, *([ch] if ch is not None else [])]:
+            c.close()
 
     # ------------------------------------------------------------------ Channel's face
     @property
