@@ -66,6 +66,9 @@ def test_a_second_open_in_one_process_reuses_the_client(kvfs):
         cold.close()  # a caller letting go: the channel stays open for the next
         assert h.channel() is ch and h.opened == 1
         assert _read(h, "a", "layer_0", 1000, off=5000) == data[5000:6000]
+        misses = h.cache.misses
+        h.drop_extents("a")  # what removing the session does: the next read asks again
+        assert _read(h, "a", "layer_0", 10) == data[:10] and h.cache.misses > misses
         clients = json.loads((kvfs.mountpoint / ".kvfs" / "stats").read_bytes())["fs"]["channel"]["clients"]
         assert clients == 1  # one connection served every request above
     finally:

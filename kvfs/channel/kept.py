@@ -133,6 +133,12 @@ class KeptChannel:
     def hello(self) -> dict[str, Any]:
         return self.channel().hello
 
+    def drop_extents(self, sid: str) -> None:
+        """Forget a session's kept extents (it is being removed); opens nothing."""
+        ch = self._ch
+        if ch is not None:
+            ch.cache.drop(sid)
+
     def stat(self, sid: str, small: tuple[str, ...] | list[str] = ()) -> P.SessionInfo | None:
         return self._run(lambda ch: ch.stat(sid, small), read_only=True)
 

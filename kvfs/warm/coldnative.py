@@ -84,7 +84,7 @@ class NativeCold:
         return self.files.list()
 
     def delete(self, sid: str) -> bool:
-        self.ch.cache.drop(sid)
+        self.ch.drop_extents(sid)
         return self.files.delete(sid)
 
     def prefetch(self, sid: str, streams: Iterable[int], start: int, end: int) -> int:
