@@ -19,9 +19,13 @@ Each measures kvfs's own client path and its peer interleaved in one run, on one
   (22 layers of 96 KiB) in one request with one durability point vs the same bytes
   appended to 22 ext4 files, each fsync'd (goal >= 1.5x); beside it the same through the
   FUSE face.
+- ``fresh_read``: a new client process reading sessions it has never seen (2,000
+  sessions of 4 layers, the page cache dropped once before the timed part): a 1 KiB piece
+  and a whole session through the process's kept channel vs open + pread + close of the
+  ext4 files, p50 and p99; it reports the channel's first and second open too.
 
 Each returns ``{"results": [...], "info": {...}}`` (bench_common). Alone:
-``python tools/bench_native.py [--quick] [--only read,piece,round]``.
+``python tools/bench_native.py [--quick] [--only read,piece,round,fresh]``.
 """
 
 from __future__ import annotations
@@ -38,7 +42,16 @@ from pathlib import Path
 from typing import Any
 
 import crc32c
-from bench_common import KiB, MiB, Result, bench_dir, drop_caches, fadvise_dontneed, kv_bytes
+from bench_common import (
+    KiB,
+    MiB,
+    Result,
+    bench_dir,
+    drop_caches,
+    fadvise_dontneed,
+    kv_bytes,
+    run_json_child,
+)
 from bench_mount import mounted
 
 log = logging.getLogger("bench.native")
@@ -183,15 +196,7 @@ def piece_read(quick: bool = False, workdir: str | None = None) -> dict[str, Any
     try:
         with mounted(vol, work / "mnt", sessions * layers * per_layer * 3 + 128 * MiB) as m:
             ms = m / "sessions"
-            for s in range(sessions):
-                sid = f"s{s:05d}"
-                (ms / sid).mkdir()
-                (peer / sid).mkdir(parents=True)
-                for layer in range(layers):
-                    b = kv_bytes(per_layer, seed=s * layers + layer)
-                    (ms / sid / f"layer_{layer}").write_bytes(b)
-                    (peer / sid / f"layer_{layer}").write_bytes(b)
-            os.sync()
+            _lay_sessions(ms, peer, sessions, layers, per_layer)
             ch = _channel(m)
             bare = _channel(m)  # keeps no extents: asks the mount each read
             try:
@@ -256,6 +261,124 @@ def piece_read(quick: bool = False, workdir: str | None = None) -> dict[str, Any
                       note="the same pieces through the mount").to_dict()]
     return {"results": results, "info": {"sessions": sessions, "layers": layers,
                                          "per_layer": per_layer, "drop": how}}
+
+
+def _lay_sessions(ms: Path, peer: Path, sessions: int, layers: int, per_layer: int) -> None:
+    """``sessions`` short sessions written through the mount at ``ms`` and, the same
+    bytes, as per-layer ext4 files under ``peer``; synced."""
+    for s in range(sessions):
+        sid = f"s{s:05d}"
+        (ms / sid).mkdir()
+        (peer / sid).mkdir(parents=True)
+        for layer in range(layers):
+            b = kv_bytes(per_layer, seed=s * layers + layer)
+            (ms / sid / f"layer_{layer}").write_bytes(b)
+            (peer / sid / f"layer_{layer}").write_bytes(b)
+    os.sync()
+
+
+# ------------------------------------------------------------------------ fresh client
+def fresh_read(quick: bool = False, workdir: str | None = None) -> dict[str, Any]:
+    """A new agent process reading sessions it has never seen: a 1 KiB piece by (session,
+    layer, offset) and a whole short session, through the process's kept channel
+    (``kvfs.channel.kept``: opened once, then asking the mount for each session's extents)
+    vs open + pread + close of per-layer ext4 files, the page cache dropped first."""
+    work = bench_dir(workdir) / "native_fresh"
+    _fresh(work)
+    sessions = 300 if quick else 2000
+    layers, per_layer = 4, 64 * KiB
+    samples = min(sessions // 2, 100 if quick else 400)
+    peer = work / "ext4" / "sessions"
+    vol = work / "vol"
+    try:
+        with mounted(vol, work / "mnt", sessions * layers * per_layer * 3 + 128 * MiB) as m:
+            _lay_sessions(m / "sessions", peer, sessions, layers, per_layer)
+            order = random.Random(13).sample(range(sessions), 2 * samples)
+            job = {"mount": str(m), "peer": str(peer), "volume": str(vol), "layers": layers,
+                   "per_layer": per_layer, "pieces": order[:samples], "wholes": order[samples:]}
+            got = run_json_child([__file__, "--child", json.dumps(job)])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    log.info("a new client's kept channel: first open %.2f ms, second %.1f us; finding the "
+             "socket: the root's xattr %.2f ms, /.kvfs/stats %.2f ms", got["first_open_ms"],
+             got["second_open_us"], got["xattr_ms"], got["stats_ms"])
+    note = (f"{sessions} sessions x {layers} layers of {per_layer // KiB} KiB; a new process, "
+            f"{samples} sessions it never read, one per sample; caches dropped before the "
+            f"timed part ({got['drop']}); its first channel open took "
+            f"{got['first_open_ms']:.2f} ms, a second {got['second_open_us']:.1f} us")
+    results = []
+    for what, label in (("piece", f"read one {PIECE // KiB} KiB piece by (session, layer, offset)"),
+                        ("whole", f"read a whole {layers}-layer session "
+                                  f"({layers * per_layer // KiB} KiB)")):
+        for stat in ("p50", "p99"):
+            results.append(Result(
+                "fresh", f"{label}, a new client, {sessions:,} sessions never seen, {stat}",
+                "kvfs native channel, kept client (extents asked per session)",
+                "ext4: open + pread + close by path", "ms",
+                {"subject": got[what]["native"], "peer": got[what]["ext4"]}, better="lower",
+                stat=stat, note=note).to_dict())
+    return {"results": results, "info": {"sessions": sessions, "layers": layers,
+                                         "per_layer": per_layer, "samples": samples,
+                                         "first_open_ms": got["first_open_ms"],
+                                         "second_open_us": got["second_open_us"],
+                                         "xattr_ms": got["xattr_ms"], "stats_ms": got["stats_ms"],
+                                         "drop": got["drop"]}}
+
+
+def _fresh_child(job: dict[str, Any]) -> dict[str, Any]:
+    """The timed part of ``fresh_read``, in a process that never used the mount."""
+    from kvfs.channel import kept
+
+    mnt, peer, layers, per_layer = job["mount"], Path(job["peer"]), job["layers"], job["per_layer"]
+    how = drop_caches([job["volume"]])  # (a user without root drops only the volume's pages)
+    t0 = time.perf_counter()
+    ch = kept(mnt)
+    t1 = time.perf_counter()
+    if kept(mnt) is not ch or ch is None:
+        raise RuntimeError(f"{mnt}: no kept native channel")
+    t2 = time.perf_counter()
+    # how the socket is found (the root's xattr) against how it was (rendering the stats)
+    os.getxattr(mnt, "user.kvfs.channel")
+    t3 = time.perf_counter()
+    (Path(mnt) / ".kvfs" / "stats").read_bytes()
+    t4 = time.perf_counter()
+    rng = random.Random(17)
+    vals: dict[str, dict[str, list[float]]] = {w: {"native": [], "ext4": []} for w in ("piece", "whole")}
+
+    def ext4(sid: str, names: list[str], off: int, n: int) -> bytes:
+        out = b""
+        for name in names:
+            fd = os.open(peer / sid / name, os.O_RDONLY)
+            try:
+                out += os.pread(fd, n, off)
+            finally:
+                os.close(fd)
+        return out
+
+    for what in ("piece", "whole"):
+        for i, s in enumerate(job[what + "s"]):
+            sid = f"s{s:05d}"
+            if what == "piece":
+                layer, off, n = rng.randrange(layers), rng.randrange(per_layer - PIECE), PIECE
+                names = [f"layer_{layer}"]
+                want = kv_bytes(per_layer, seed=s * layers + layer)[off:off + n]
+            else:
+                off, n = 0, per_layer
+                names = [f"layer_{x}" for x in range(layers)]
+                want = b"".join(kv_bytes(per_layer, seed=s * layers + x) for x in range(layers))
+            for arm in (("native", "ext4") if i % 2 == 0 else ("ext4", "native")):
+                bufs = [bytearray(n) for _ in names]
+                t = time.perf_counter()
+                if arm == "ext4":
+                    got = ext4(sid, names, off, n)
+                else:
+                    ch.read(sid, [(name, off, memoryview(b)) for name, b in zip(names, bufs, strict=True)])
+                    got = b"".join(bufs)
+                vals[what][arm].append((time.perf_counter() - t) * 1e3)
+                if got != want:
+                    raise RuntimeError(f"{arm}: wrong bytes for {sid} {names} @{off}")
+    return {**vals, "drop": how, "first_open_ms": (t1 - t0) * 1e3, "second_open_us": (t2 - t1) * 1e6,
+            "xattr_ms": (t3 - t2) * 1e3, "stats_ms": (t4 - t3) * 1e3}
 
 
 # ------------------------------------------------------------------------ figure 2
@@ -375,7 +498,7 @@ def channel_stream(cold_root: str, tmp: str, *, total_bytes: int = 87_000_000, l
             "dd_MBps": round(total / 1e6 / dmed, 1), "batch": batch}
 
 
-FIGURES = {"read": random_read, "piece": piece_read, "round": round_durable}
+FIGURES = {"read": random_read, "piece": piece_read, "round": round_durable, "fresh": fresh_read}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -385,8 +508,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default=",".join(FIGURES))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # fresh_read's new process
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if a.child:
+        print(json.dumps(_fresh_child(json.loads(a.child))))
+        return 0
     for f in a.only.split(","):
         r = FIGURES[f](quick=a.quick, workdir=a.out)
         for x in r["results"]:

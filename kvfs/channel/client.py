@@ -25,6 +25,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -44,8 +45,19 @@ CACHE_EXTENTS = 1 << 17  # extents kept in the cache (about 100 bytes each)
 WRITE_MAX = P.WRITE_MAX  # bytes of data per WRITE request (a bigger round is cut)
 
 
+CHANNEL_XATTR = "user.kvfs.channel"
+
+
 def channel_of(mount: str) -> dict[str, Any] | None:
-    """What the mount publishes about its channel (None: it serves none)."""
+    """What the mount publishes about its channel (None: it serves none): the root's
+    ``user.kvfs.channel`` (one small answer), else ``/.kvfs/stats`` (a kvfs before it;
+    rendering every counter costs the mount milliseconds)."""
+    try:
+        ch = json.loads(os.getxattr(mount, CHANNEL_XATTR))
+        if isinstance(ch, dict) and isinstance(ch.get("socket"), str):
+            return ch
+    except (OSError, ValueError):
+        pass
     try:
         with open(os.path.join(mount, ".kvfs", "stats"), "rb") as f:
             stats = json.loads(f.read())
@@ -54,6 +66,10 @@ def channel_of(mount: str) -> dict[str, Any] | None:
     fs = stats.get("fs") if isinstance(stats, dict) else None
     ch = fs.get("channel") if isinstance(fs, dict) else None
     return ch if isinstance(ch, dict) and isinstance(ch.get("socket"), str) else None
+
+
+# (session, its (mode, uid, gid), [(name, FileExtents | None)]): raises to refuse the answer
+Check = Callable[[str, tuple[int, int, int], list], None]
 
 
 class ExtentCache:
@@ -103,8 +119,9 @@ class Channel:
         self.mount, self.name = mount, name
         # called with (session, its (mode, uid, gid), [(name, FileExtents | None)]) on every
         # fresh answer, before it is used: a caller's rules on whose files it may read
-        self.check: Callable[[str, tuple[int, int, int], list], None] | None = None
+        self.check: Check | None = None
         self._idle: list[tuple[socket.socket, float]] = []  # with when it was last used
+        self._all: weakref.WeakSet[socket.socket] = weakref.WeakSet()  # idle or in use
         self._conns = 0
         self._cv = threading.Condition()
         self._closed = False
@@ -172,6 +189,7 @@ class Channel:
         finally:
             for fd in fds:
                 os.close(fd)
+        self._all.add(s)
         return s
 
     def _setup(self, _s: socket.socket) -> None:
@@ -276,6 +294,32 @@ class Channel:
         if getattr(self, "view", None) is not None:
             self.view.close()
 
+    def hang_up(self) -> None:
+        """Close the connections (the mount went away) and take no more; the reader stays
+        open for reads other threads are in the middle of (``close`` closes it)."""
+        with self._cv:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._cv.notify_all()
+        for s, _ in idle:
+            s.close()
+
+    def abandon(self) -> None:
+        """In a forked child: close this process's copies of the descriptors -- the
+        connections idle or in use by the parent's threads at the fork -- without taking
+        a lock (one of those threads may have held it) and without shutting a socket down
+        (the parent still uses the connections). The reader's threads did not come along:
+        it is not used again."""
+        self._closed = True
+        for s in list(self._all):
+            s.close()
+        self._idle = []
+        if self.reader is not None:
+            for fd in (self.reader.fd, self.reader.dfd):
+                if fd >= 0:
+                    os.close(fd)
+            self.reader = None
+
     # ------------------------------------------------------------------ requests
     def stat(self, sid: str, small: tuple[str, ...] | list[str] = ()) -> P.SessionInfo | None:
         """The session's attributes, files and the bytes of ``small`` files; None when
@@ -294,20 +338,22 @@ class Channel:
             info = got
         return info
 
-    def extents(self, sid: str, files: list[tuple[str, int, int]]
+    def extents(self, sid: str, files: list[tuple[str, int, int]], check: Check | None = None
                 ) -> tuple[tuple[int, int, int], list[FileExtents | None]]:
         """Fresh extents of (name, offset, length) (length < 0: to the end), kept in the
-        cache; FileNotFoundError when there is no such session."""
+        cache; FileNotFoundError when there is no such session. ``check``: the caller's
+        rules on the answer (else ``self.check``)."""
         if len(files) > P.NAMES_MAX:  # the mount's limit per request
             out = []
             for k in range(0, len(files), P.NAMES_MAX):
-                attrs, got = self.extents(sid, files[k:k + P.NAMES_MAX])
+                attrs, got = self.extents(sid, files[k:k + P.NAMES_MAX], check)
                 out += got
             return attrs, out
         attrs, out = P.parse_extents_reply(
             self._call(P.EXTENTS, [P.extents_request(sid, files)]), len(files))
-        if self.check is not None:
-            self.check(sid, attrs, [(name, fe) for (name, _, _), fe in zip(files, out, strict=True)])
+        check = check if check is not None else self.check
+        if check is not None:
+            check(sid, attrs, [(name, fe) for (name, _, _), fe in zip(files, out, strict=True)])
         for (name, _, _), fe in zip(files, out, strict=True):
             if fe is not None:
                 self.cache.put(sid, name, fe)
@@ -315,7 +361,8 @@ class Channel:
                 self.cache.drop(sid, name)
         return attrs, out
 
-    def read(self, sid: str, jobs: list[tuple[str, int, memoryview]]) -> None:
+    def read(self, sid: str, jobs: list[tuple[str, int, memoryview]],
+             check: Check | None = None) -> None:
         """Fill each ``out`` with bytes ``[off, off + len(out))`` of file ``name`` of the
         session: checked bytes or an error, never other bytes. FileNotFoundError for a
         missing session or file, ValueError for a range past the file's end."""
@@ -336,14 +383,14 @@ class Channel:
                     pass
         for attempt in range(READ_RETRIES):
             try:
-                reader.read(self._plan(sid, jobs, fresh=attempt > 0))
+                reader.read(self._plan(sid, jobs, fresh=attempt > 0, check=check))
                 return
             except Stale:
                 continue
         raise OSError(errno.EIO, f"{sid}: the ring moved under {READ_RETRIES} reads in a row")
 
-    def _plan(self, sid: str, jobs: list[tuple[str, int, memoryview]], fresh: bool
-              ) -> list[tuple[FileExtents, int, memoryview]]:
+    def _plan(self, sid: str, jobs: list[tuple[str, int, memoryview]], fresh: bool,
+              check: Check | None = None) -> list[tuple[FileExtents, int, memoryview]]:
         """Each job with extents that cover it: from the cache, else asked for (one request
         per round for every file missing; a range longer than one answer holds is split
         and the rest asked for in the next round)."""
@@ -365,7 +412,8 @@ class Channel:
                 lo_hi = span.setdefault(name, [off, off + len(out)])
                 lo_hi[0], lo_hi[1] = min(lo_hi[0], off), max(lo_hi[1], off + len(out))
             want = sorted(span)
-            _, got = self.extents(sid, [(n, span[n][0], span[n][1] - span[n][0]) for n in want])
+            _, got = self.extents(sid, [(n, span[n][0], span[n][1] - span[n][0]) for n in want],
+                                  check)
             by = dict(zip(want, got, strict=True))
             todo = []
             for name, off, out in need:

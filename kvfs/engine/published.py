@@ -81,6 +81,10 @@ class Published:
 
     def close(self) -> None:
         if self.fd >= 0:
+            # ended: a reader still mapping it (a client of a mount that stopped) finds no
+            # entry it holds readable (``holds``), so it asks the mount -- the next one --
+            # for extents again instead of trusting ones a new mount may have cut
+            self.words[_W_TAIL] = (1 << 64) - 1
             self.words.release()
             self._map.close()
             os.close(self.fd)

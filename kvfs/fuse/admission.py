@@ -112,6 +112,11 @@ class Admission:
             self._conns[conn] = peer.uid
         return 0
 
+    def admitted(self) -> int:
+        """Connections admitted and not yet released."""
+        with self._lock:
+            return len(self._conns)
+
     def release(self, conn: socket.socket) -> None:
         with self._lock:
             self._conns.pop(conn, None)

@@ -109,7 +109,8 @@ class ChannelServer:
         log.info("native channel on @%s", self.name)
 
     def info(self) -> dict[str, Any]:
-        return {"socket": "@" + self.name, "version": P.VERSION, **self.counts}
+        return {"socket": "@" + self.name, "version": P.VERSION, **self.counts,
+                "connections": self.policy.admitted()}
 
     def close(self) -> None:
         self._stop = True

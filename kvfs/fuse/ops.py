@@ -32,6 +32,7 @@ still gets ESTALE rather than cached bytes.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import stat
@@ -74,6 +75,7 @@ from .nodes import (
     FIXED_CHILDREN,
     GENERATED,
     KVFS_DIR,
+    ROOT,
     SESSIONS,
     STATS,
     Handle,
@@ -93,6 +95,7 @@ log = logging.getLogger("kvfs.fs")
 T = TypeVar("T")
 
 LEASE_XATTR = b"user.kvfs.lease"
+CHANNEL_XATTR = b"user.kvfs.channel"  # on the root: the native channel's socket (one small answer)
 FLUSH_AT = 1 << 20  # a file's write buffer is handed to the engine at this size
 ENTRY_MAX = 256 << 10  # cut into ring entries of at most this size (docs/mount.md)
 
@@ -548,7 +551,12 @@ class Operations(pyfuse3.Operations):
     @handler
     async def getxattr(self, inode: int, name: bytes, ctx: RequestContext) -> bytes:
         """``user.kvfs.lease`` of a session directory: the node that holds the session's
-        lease in the shared tier (what an agent refused with EBUSY names)."""
+        lease in the shared tier (what an agent refused with EBUSY names); ``user.kvfs.channel``
+        of the root: the native channel's socket and version, so a client finds it without
+        the mount rendering ``/.kvfs/stats``."""
+        if inode == ROOT and name == CHANNEL_XATTR and self.channel is not None:
+            info = self.channel.info()
+            return json.dumps({"socket": info["socket"], "version": info["version"]}).encode()
         if inode in FIXED or name != LEASE_XATTR:
             raise FUSEError(errno.ENODATA)
         key = self.key_of(inode)

@@ -20,7 +20,7 @@ import logging
 import stat
 from collections.abc import Iterable, Sequence
 
-from kvfs.channel import Channel, FileExtents
+from kvfs.channel import FileExtents, KeptChannel, kept
 from kvfs.channel import protocol as P
 from kvfs.session.backend import (
     APPEND,
@@ -35,7 +35,7 @@ from kvfs.session.backend import (
 from kvfs.session.formats import parse_incarnation
 from kvfs.session.names import INCARNATION, MAX_SMALL, layer_name, small_limit, stream_number
 
-from .cold import cold_errors, mount_info, refusal
+from .cold import cold_errors, refusal
 from .coldfiles import ColdStore, FdHold
 from .ids import WarmCorrupt, WarmError
 
@@ -47,28 +47,21 @@ class NativeCold:
 
     kind = "channel"
 
-    def __init__(self, files: ColdStore, ch: Channel) -> None:
+    def __init__(self, files: ColdStore, ch: KeptChannel) -> None:
         self.files, self.ch = files, ch
         self.root, self.dir, self.uid, self.shared = files.root, files.dir, files.uid, files.shared
-        ch.check = self._check_extents
 
     @classmethod
     def open(cls, files: ColdStore) -> NativeCold | None:
-        """Over the mount at ``files.root`` when it serves a channel this process may use."""
+        """Over the mount at ``files.root`` when it serves a channel this process may use
+        (the process's kept one: opened by the first backend, shared by the next)."""
         if files.shared:
             return None
-        try:
-            info = mount_info(files.root)
-        except OSError:
-            return None
-        channel = ((info or {}).get("fs") or {}).get("channel")
-        if not channel:
-            return None
-        ch = Channel.open(files.root, channel)
+        ch = kept(files.root)
         return cls(files, ch) if ch is not None else None
 
     def close(self) -> None:
-        self.ch.close()
+        self.ch.close()  # the process keeps the channel for its next user
         self.files.close()
 
     # ---- through the files: names and the lease --------------------------------------
@@ -91,7 +84,7 @@ class NativeCold:
         return self.files.list()
 
     def delete(self, sid: str) -> bool:
-        self.ch.cache.drop(sid)
+        self.ch.drop_extents(sid)
         return self.files.delete(sid)
 
     def prefetch(self, sid: str, streams: Iterable[int], start: int, end: int) -> int:
@@ -140,7 +133,7 @@ class NativeCold:
     def _read(self, sid: str, ranges: Sequence[Range], missing_is_empty: bool) -> None:
         jobs = [(layer_name(layer), off, out.data.cast("B")) for layer, off, out in ranges]
         try:
-            self.ch.read(sid, jobs)
+            self.ch.read(sid, jobs, self._check_extents)
         except FileNotFoundError as e:
             if missing_is_empty:
                 layer, off, out = ranges[0]
@@ -164,7 +157,7 @@ class NativeCold:
             raise WarmCorrupt(f"cold {sid}/{name} is over {MAX_SMALL} bytes: not one kvfs "
                               "writes; refused")
         out = bytearray(size)
-        self.ch.read(sid, [(name, 0, memoryview(out))])
+        self.ch.read(sid, [(name, 0, memoryview(out))], self._check_extents)
         return bytes(out)
 
     # ---- writes -----------------------------------------------------------------------
