@@ -14,8 +14,8 @@ The story, in order:
    budget of about two sessions and a small warm tier, so every tier is used;
 3. run several chat agents for several rounds (question, greedy answer, ``end_round``),
    printing the real text and the tier movement after each turn: each user says their name
-   and city first and, about 1,500 tokens of ChatML later (24 questions by default), asks
-   for the name, answered beside the full cache's answer to the same conversation;
+   and city first and asks for the name in the last round, answered beside the full cache's
+   answer to the same conversation;
 4. print a summary table per session and per tier, and ``ls -l`` the mount;
 5. fork one session (``router.fork``) and answer its next question on the branch: what the
    session would say if the process never stopped; close everything, resume the session in a
@@ -53,24 +53,6 @@ QUESTIONS = [
     "What color is the sky on a clear day?",
     "Which planet is closest to the sun?",
     "What is the capital of Japan?",
-    "How many days are in a leap year?",
-    "What do bees make?",
-    "What is the largest ocean on Earth?",
-    "How many continents are there?",
-    "What gas do plants take in from the air?",
-    "What is the boiling point of water in Celsius?",
-    "Who wrote Romeo and Juliet?",
-    "What is the tallest animal?",
-    "How many minutes are in an hour?",
-    "What is frozen water called?",
-    "Which instrument has 88 keys?",
-    "What is the main language spoken in Brazil?",
-    "How many sides does a hexagon have?",
-    "What is the closest star to Earth?",
-    "What do caterpillars turn into?",
-    "What is the capital of Canada?",
-    "Which metal is liquid at room temperature?",
-    "What is the largest planet in our solar system?",
 ]
 #: each agent's user says who they are in the first round and asks about it in the last
 USERS = [("Alice", "Lisbon"), ("Marco", "Toronto"), ("Priya", "Nairobi"), ("Johan", "Oslo"),
