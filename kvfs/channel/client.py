@@ -282,12 +282,7 @@ class Channel:
         return body
 
     def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            idle, self._idle = self._idle, []
-            self._cv.notify_all()
-        for s, _ in idle:
-            s.close()
+        self.hang_up()
         if self.reader is not None:
             self.reader.close()
             self.reader = None
