@@ -196,3 +196,25 @@ def test_concurrent_readers_and_one_writer_per_session(dirs):
         size = w.size(sid, 0)
         assert np.array_equal(w.read(sid, 0, 0, size), pattern(k, 0, size))
     w.close()
+
+
+def test_a_shard_touched_once_is_not_remembered(dirs):
+    """The tier keeps a lock per shard only while the shard has a file or a user: a day
+    of sessions each touched once must not leave one behind per shard."""
+    cold, root = dirs
+    with WarmTier(cold, root, shards=4096) as w:
+        store = w.store
+        for i in range(300):
+            assert w.where(f"never-{i}") is None  # a look at a session that is nowhere
+        assert len(store.slots()) == 0
+        for i in range(40):
+            w.append(f"s{i}", 0, blob(i, 256))
+        held = {s.shard for s in store.slots()}
+        assert len(held) == store.count_files() > 30  # the shards with files, and only those
+        for i in range(40):
+            w.delete(f"s{i}")
+        w.flush()
+        assert store.count_files() == 0  # dropped at once (unlinked in the background)
+        w.append("s0", 0, b"again")  # a forgotten shard comes back on use
+        assert bytes(w.read("s0", 0, 0, 5)) == b"again"
+        assert len(store.slots()) == 1

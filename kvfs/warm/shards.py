@@ -1,9 +1,9 @@
 """The shard files of one process's RAM tier: one lock per shard, mappings bounded.
 
 ``locked(sid)`` is how every access to a session's bytes starts: the session id checked,
-its shard's slot (made on first use) held locked, and the least recently used shards
-beyond ``max_open`` unmapped on the way (skipping any that are busy), so a process
-serving many sessions keeps a bounded number of mappings. ``load`` opens the files a
+its shard's slot (made on first use, forgotten once idle without a file) held locked, and
+the least recently used shards beyond ``max_open`` unmapped on the way (skipping any that
+are busy), so a process serving many sessions keeps a bounded number of mappings. ``load`` opens the files a
 process left at start-up (files of a dead process's making or dropping removed; older
 versions discarded: the tier is a cache; damaged files set aside). Owns no session state
 beyond what the files hold.
@@ -30,14 +30,18 @@ log = logging.getLogger("kvfs.warm")
 
 
 class Slot:
-    """One shard number in a WarmTier: its lock and its open file (None: no file)."""
+    """One shard number in a WarmTier: its lock, its open file (None: no file) and how
+    many callers hold it (counted under the store's lock: a slot without a file and
+    without users is forgotten, so a process that touched 65,536 shards once does not
+    keep 65,536 locks)."""
 
-    __slots__ = ("shard", "lock", "file")
+    __slots__ = ("shard", "lock", "file", "users")
 
     def __init__(self, shard: int) -> None:
         self.shard = shard
         self.lock = threading.RLock()
         self.file: ShardFile | None = None
+        self.users = 0
 
 
 class ShardStore:
@@ -63,17 +67,30 @@ class ShardStore:
             slot = self._slots.get(shard)
             if slot is None:
                 slot = self._slots[shard] = Slot(shard)
+            slot.users += 1
             self._mapped[shard] = None
             self._mapped.move_to_end(shard)
             over = list(itertools.islice(self._mapped, max(0, len(self._mapped) - self.max_open)))
-        with slot.lock:
-            for k in over:
-                self._try_unmap(k)
-            try:
-                yield slot
-            except OSError as e:  # every failure of the tier is a WarmError
-                where = e.filename if e.filename else f"warm tier {self.root}"
-                raise WarmError(f"{where!r}: {e.strerror or e}") from e
+        try:
+            with slot.lock:
+                for k in over:
+                    self._try_unmap(k)
+                try:
+                    yield slot
+                except OSError as e:  # every failure of the tier is a WarmError
+                    where = e.filename if e.filename else f"warm tier {self.root}"
+                    raise WarmError(f"{where!r}: {e.strerror or e}") from e
+        finally:
+            self._let_go(slot)
+
+    def _let_go(self, slot: Slot) -> None:
+        """One user of ``slot`` is done; an idle slot without a file is forgotten (no
+        thread holds or waits for its lock: each would have counted itself first)."""
+        with self._lock:
+            slot.users -= 1
+            if slot.users == 0 and slot.file is None and self._slots.get(slot.shard) is slot:
+                del self._slots[slot.shard]
+                self._mapped.pop(slot.shard, None)
 
     def _try_unmap(self, shard: int) -> None:
         slot = self._slots.get(shard)
@@ -83,11 +100,13 @@ class ShardStore:
             if slot.file is not None:
                 slot.file.unmap()
             with self._lock:
-                self._mapped.pop(shard, None)
+                if self._slots.get(shard) is slot:
+                    self._mapped.pop(shard, None)
         finally:
             slot.lock.release()
 
     def slots(self) -> list[Slot]:
+        """The slots known now (those with a file, and those in use)."""
         with self._lock:
             return list(self._slots.values())
 
@@ -116,13 +135,18 @@ class ShardStore:
             f.unmap(flush=False)
             self.rootdir.unlink(f.name)
             return
+        with self._lock:
+            slot.users += 1  # the slot (its lock) outlives the caller until the unlink
         pool.submit(self._discard, slot, f)
 
     def _discard(self, slot: Slot, f: ShardFile) -> None:
-        f.discard()  # unmapping a big mapping takes milliseconds too
-        with slot.lock, contextlib.suppress(OSError, WarmError):
-            if slot.file is None and self.rootdir.lstat(f.name).st_ino == f.ino:
-                self.rootdir.unlink(f.name)  # not a new file of this shard made meanwhile
+        try:
+            f.discard()  # unmapping a big mapping takes milliseconds too
+            with slot.lock, contextlib.suppress(OSError, WarmError):
+                if slot.file is None and self.rootdir.lstat(f.name).st_ino == f.ino:
+                    self.rootdir.unlink(f.name)  # not a new file of this shard made meanwhile
+        finally:
+            self._let_go(slot)
 
     def load(self) -> list[tuple[Slot, ShardFile]]:
         """Open the shard files found at start-up (module doc); WarmError when one was
