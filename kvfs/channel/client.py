@@ -21,6 +21,7 @@ import errno
 import json
 import logging
 import os
+import signal
 import socket
 import struct
 import threading
@@ -32,6 +33,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import kvfs.channel.protocol as P
+from kvfs.engine.catalog import CatalogView
 from kvfs.engine.direct import DirectReader, FileExtents, Stale
 from kvfs.engine.errors import BadSuperblock
 from kvfs.engine.format import SB_SLOT, Superblock
@@ -127,6 +129,10 @@ class Channel:
         self._closed = False
         self.reader: DirectReader | None = None
         self.hello: dict[str, Any] = {}
+        self.catalog: CatalogView | None = None
+        self._pidfd = -1  # the mount process (its exit ends every extent it published)
+        self._me = (os.geteuid(), os.getegid(), frozenset(os.getgroups()))
+        self.catalog_hits = 0
         first = self._connect()
         try:
             self._setup(first)
@@ -160,7 +166,7 @@ class Channel:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             s.connect("\0" + self.name)
-            _, uid, _ = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            pid, uid, _ = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
             owner = os.stat(self.mount).st_uid
             if uid not in (owner, 0):  # another user's socket squatting the name
                 raise PermissionError(f"the channel's server runs as uid {uid}, the mount's "
@@ -179,10 +185,12 @@ class Channel:
             if code:
                 raise OSError(code, f"the mount refused the channel: {os.strerror(code)}")
             hello = json.loads(bytes(body))
-            if hello.get("version") != P.VERSION or len(fds) != 1:
+            if hello.get("version") != P.VERSION or len(fds) not in (1, 2):
                 raise P.ProtocolError(f"channel version {hello.get('version')}, expected {P.VERSION}")
-            if not self.hello:  # the first connection keeps the published block
+            if not self.hello:  # the first connection keeps the published blocks
                 self.hello, self.view = hello, PublishedView(fds[0])
+                self.catalog = _catalog(fds[1]) if len(fds) > 1 else None
+                self._pidfd = _pidfd(pid)
         except BaseException:
             s.close()
             raise
@@ -288,6 +296,12 @@ class Channel:
             self.reader = None
         if getattr(self, "view", None) is not None:
             self.view.close()
+        if self.catalog is not None:
+            self.catalog.close()
+            self.catalog = None
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
 
     def hang_up(self) -> None:
         """Close the connections (the mount went away) and take no more; the reader stays
@@ -314,6 +328,9 @@ class Channel:
                 if fd >= 0:
                     os.close(fd)
             self.reader = None
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
 
     # ------------------------------------------------------------------ requests
     def stat(self, sid: str, small: tuple[str, ...] | list[str] = ()) -> P.SessionInfo | None:
@@ -367,22 +384,64 @@ class Channel:
         reader = self.reader
         if reader is None:
             raise OSError(errno.ENOTCONN, "the native channel's client is closed")
-        if len(jobs) == 1:  # the common read: extents kept, one entry (few steps)
+        stale = False  # what the cache or the catalog held was stale: ask the mount
+        if len(jobs) == 1:  # the common read: extents kept or published, one entry
             name, off, out = jobs[0]
-            fe = self.cache.get(sid, name, off, off + len(out))
+            fe = self.cache.get(sid, name, off, off + len(out)) or self._published(
+                sid, name, off, off + len(out), check)
             if fe is not None:
                 try:
                     reader.read([(fe, off, out)])
+                    self._mount_alive()
                     return
                 except Stale:
-                    pass
+                    stale = True
         for attempt in range(READ_RETRIES):
             try:
-                reader.read(self._plan(sid, jobs, fresh=attempt > 0, check=check))
+                reader.read(self._plan(sid, jobs, fresh=stale or attempt > 0, check=check))
+                self._mount_alive()
                 return
             except Stale:
                 continue
         raise OSError(errno.EIO, f"{sid}: the ring moved under {READ_RETRIES} reads in a row")
+
+    def _published(self, sid: str, name: str, a: int, b: int, check: Check | None
+                   ) -> FileExtents | None:
+        """``name``'s extents from the catalog when it holds them for ``[a, b)`` and shows
+        this process may read the file (else None: the mount is asked, and its answer
+        decides, errors included); kept in the cache."""
+        cat = self.catalog
+        got = cat.lookup(sid, name) if cat is not None else None
+        if got is None:
+            return None
+        attrs, fe = got
+        if fe is None or not fe.covers(a, b) or self.view.cuts(fe.sno) != fe.cuts:
+            return None
+        uid, gid, groups = self._me
+        if not (P.permits(uid, gid, groups, *attrs, P.X, is_dir=True)
+                and P.permits(uid, gid, groups, fe.mode, fe.uid, fe.gid, P.R)):
+            return None
+        check = check if check is not None else self.check
+        if check is not None:
+            try:
+                check(sid, attrs, [(name, fe)])
+            except Exception:  # the caller's rules refuse it: let the mount's answer say so
+                return None
+        self.cache.put(sid, name, fe)
+        self.catalog_hits += 1
+        return fe
+
+    def _mount_alive(self) -> None:
+        """After a read: the mount that published its extents was still running, so no
+        other mount of the volume can have cut or rewritten what was read (a killed
+        mount's blocks are never marked ended). ConnectionResetError otherwise."""
+        if self._pidfd >= 0:
+            try:
+                signal.pidfd_send_signal(self._pidfd, 0)
+            except ProcessLookupError:
+                raise ConnectionResetError(errno.ECONNRESET, "the mount exited") from None
+            except PermissionError:  # alive, another user's: no signal for us to send
+                pass
 
     def _plan(self, sid: str, jobs: list[tuple[str, int, memoryview]], fresh: bool,
               check: Check | None = None) -> list[tuple[FileExtents, int, memoryview]]:
@@ -394,7 +453,8 @@ class Channel:
         while todo:
             need: list[tuple[str, int, memoryview]] = []
             for name, off, out in todo:
-                fe = None if fresh else self.cache.get(sid, name, off, off + len(out))
+                fe = None if fresh else (self.cache.get(sid, name, off, off + len(out))
+                                         or self._published(sid, name, off, off + len(out), check))
                 if fe is None:
                     need.append((name, off, out))
                 else:
@@ -485,6 +545,22 @@ class Channel:
 
     def sync(self) -> None:
         self._call(P.SYNC, [])
+
+
+def _catalog(fd: int) -> CatalogView | None:
+    try:
+        return CatalogView(fd)
+    except (OSError, ValueError) as e:  # another layout, or a machine that reorders stores
+        log.info("the mount's catalog is not usable here (%s): extents are asked for", e)
+        return None
+
+
+def _pidfd(pid: int) -> int:
+    """A descriptor of the mount's process (-1 where the kernel has none: no check)."""
+    try:
+        return os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return -1
 
 
 def _open(s: socket.socket) -> bool:

@@ -27,6 +27,7 @@ SMALL_MAX = 1 << 20  # a small file STAT returns the bytes of
 # Limits on one request, checked before the mount allocates for it (docs/reliability.md,
 # "The native channel's limits"). A request over one is answered with the errno named and
 # changes nothing; the client keeps below them (it cuts rounds and name lists).
+R, W, X = 4, 2, 1  # permission bits asked for (``permits``)
 NAME_MAX = 255  # bytes of a session or file name (the engine's MAX_NAME)
 NAMES_MAX = 256  # files a STAT or EXTENTS request names, each at most once (EINVAL beyond)
 WRITE_MAX = 256 << 20  # data bytes of one WRITE (EMSGSIZE beyond)
@@ -351,3 +352,19 @@ def parse_write_reply(body: memoryview, n: int) -> tuple[list[tuple[int, int]], 
     res = [r.take(_RESULT) for _ in range(n)]
     (sync_errno,) = r.take(struct.Struct("<i"))
     return res, sync_errno
+
+
+def permits(uid: int, gid: int, groups: frozenset[int] | set[int], mode: int, owner: int,
+            group: int, want: int, is_dir: bool = False) -> bool:
+    """Whether the kernel's ``generic_permission`` grants ``want`` (R|W|X bits) of a file
+    or directory of ``mode``, ``owner``, ``group`` to ``uid`` (primary ``gid``, ``groups``):
+    the mount's rule for its clients, and a client's for what the catalog shows it."""
+    if uid == 0:  # CAP_DAC_OVERRIDE: all but executing a file no one may execute
+        return is_dir or not want & X or bool(mode & 0o111)
+    if uid == owner:
+        bits = mode >> 6
+    elif group == gid or group in groups:
+        bits = mode >> 3
+    else:
+        bits = mode
+    return bits & want == want

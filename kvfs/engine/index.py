@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 
 from .btree import BTree
 from .errors import Corrupt, IndexCorrupt
@@ -48,6 +49,9 @@ def _checkpoint_reader(fn):  # noqa: ANN001, ANN202
 class Index:
     def __init__(self, tree: BTree, hot_cap: int) -> None:
         self.hot_cap = hot_cap
+        # told the name of every session changed or dropped (under the state lock; must
+        # not wait): what the store publishes for other processes follows it
+        self.on_change: Callable[[str], None] | None = None
         self._clear(tree)
 
     def _clear(self, tree: BTree) -> None:
@@ -144,6 +148,8 @@ class Index:
                 self.names[old.name] = old.sno
 
     def dirty(self, s: Session) -> None:
+        if self.on_change is not None:
+            self.on_change(s.name)
         if not s.dirty:
             s.dirty = True
             self.remember(s)
@@ -155,6 +161,8 @@ class Index:
 
     def drop(self, s: Session) -> None:
         """Forget a session whose tombstone is written: bitmap now, tree keys at checkpoint."""
+        if self.on_change is not None:
+            self.on_change(s.name)
         self.set_live(s.sno, False)
         self.purge[s.sno] = s.name_hash
         self.pinned.pop(s.sno, None)

@@ -11,20 +11,22 @@ last, partly read block of each read are kept for the next reads.
 
 from __future__ import annotations
 
+import threading
 import time
 from bisect import bisect_right
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from .blocks import Table, decode_payload
+from .catalog import Catalog
+from .catalog import encode as encode_session
 from .direct import FileExtents
-from .errors import BadRange, Corrupt
+from .errors import BadRange, Corrupt, KVFSError
 from .format import T_DATA, Header
 from .published import Published
 from .records import FileRec, check_name
 
 if TYPE_CHECKING:
-    import threading
     from collections.abc import Callable
 
     from .index import Index
@@ -56,17 +58,82 @@ class ReadPath:
         self._decoded_bytes = 0
         self._tables: OrderedDict[int, tuple[Header, Table]] = OrderedDict()
         self.published: Published | None = None
+        self.catalog: Catalog | None = None
         self.on_cut: Callable[[int], None] | None = None  # told of every cut (must not wait)
+        self._pending: dict[str, None] = {}  # sessions whose catalog record is behind
+        self._later: dict[str, int] = {}  # ... and the first position not yet on the volume
+        self.changed = threading.Event()  # set when ``_pending`` gains a session
 
     # ------------------------------------------------------------ reads by other processes
     def publish(self) -> Published:
-        """The block readers in other processes map (``published``): made on first call,
-        then kept current by checkpoints (the durable tail) and cuts."""
+        """The blocks readers in other processes map (``published``, ``catalog``): made on
+        first call, then kept current by checkpoints (the durable tail), cuts and
+        ``publish_changes`` (the catalog's records of changed sessions)."""
         with self._lock:
             if self.published is None:
                 r = self.ring
                 self.published = Published(r.offset, r.size, r.durable_tail)
+                self.catalog = Catalog()
+                self.idx.on_change = self._changed
             return self.published
+
+    def _changed(self, session: str) -> None:
+        """Under the state lock: ``session`` changed; its record is rebuilt soon."""
+        self._pending[session] = None
+        if not self.changed.is_set():
+            self.changed.set()
+
+    def publish_changes(self, limit: int = 256) -> int:
+        """Rebuild the catalog records of up to ``limit`` changed sessions, the state lock
+        taken once per session (a writer waits for one record at most); returns how many
+        are still behind."""
+        if self.catalog is None:
+            return 0
+        with self._lock:
+            if self._later and self.catalog.fd >= 0:  # records wait for the write buffer
+                self.ring.flush()  # (a read asking the mount would flush it too)
+            for name, pos in list(self._later.items()):  # written out since: again
+                if self.ring.on_disk(pos):
+                    del self._later[name]
+                    self._pending[name] = None
+        for _ in range(limit):
+            with self._lock:
+                if not self._pending or self.catalog.fd < 0:  # none, or the store closed
+                    self.changed.clear()
+                    break
+                name = next(iter(self._pending))
+                del self._pending[name]
+                self._publish_one(name)
+        with self._lock:
+            return len(self._pending) + len(self._later)
+
+    def _publish_one(self, name: str) -> None:
+        """Under the state lock: ``name``'s record as the session is now, holding only
+        extents already on the volume (the rest follows once they are written)."""
+        assert self.catalog is not None and self.published is not None
+        try:
+            s = self._session(name)
+        except KVFSError:  # deleted, or unreadable: readers ask the mount
+            self.catalog.withdraw(name)
+            return
+        files = []
+        for f in s.files.values():
+            k = len(f.ext)
+            for i, e in enumerate(f.ext):
+                if not self.ring.on_disk(e[0]):
+                    k = i
+                    self._later[name] = min(self._later.get(name, e[0]), e[0])
+                    break
+            files.append((f.name, f.fno, (f.mode, f.uid, f.gid), f.off[:k], f.ext[:k]))
+        self.catalog.put(name, encode_session(name, s.sno, self.published.cuts(s.sno),
+                                              (s.mode, s.uid, s.gid), files))
+
+    def withdraw(self, session: str) -> None:
+        """Under the state lock: the catalog holds ``session`` no more until it is
+        published again (its permissions changed: readers must ask)."""
+        if self.catalog is not None:
+            self.catalog.withdraw(session)
+            self._changed(session)
 
     def mark_cut(self, sno: int) -> None:
         """Under the state lock: session ``sno`` lost bytes (truncate, delete, drop)."""
@@ -112,6 +179,8 @@ class ReadPath:
                 out.append(fe)
             if flush:
                 self.ring.flush()
+            if self.catalog is not None and s.name not in self.catalog:
+                self._changed(s.name)  # asked for: published for the next readers
             s.atime = time.time_ns()
             self.idx.touched(s)
             return (s.mode, s.uid, s.gid), out

@@ -35,6 +35,8 @@ def stats_of(store: StoreState) -> dict:
         "index": {"hot_sessions": len(store.idx.hot), "pinned_sessions": len(store.idx.pinned),
                   "tree": store.tree.stats(), "ring_only": store.ring_only},
         "quota": store.quota.stats(),
+        "catalog": None if store.catalog is None else {
+            "sessions": len(store.catalog), **store.catalog.counts},
         "counters": dict(store.counters),
         "compression_ratio": round(raw / st, 4) if st else 1.0,
         "recovery": None if rep is None else {

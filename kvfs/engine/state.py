@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from .btree import BTree
+    from .catalog import Catalog
     from .codec import Codec
     from .format import Superblock
     from .fsck_mark import FsckMark
@@ -56,6 +57,9 @@ class StoreState(Protocol):
 
     @property
     def published(self) -> Published | None: ...
+
+    @property
+    def catalog(self) -> Catalog | None: ...
 
     @property
     def needs_fsck(self) -> bool: ...

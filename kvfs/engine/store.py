@@ -67,6 +67,7 @@ from collections.abc import Callable
 
 from .appends import AppendPath
 from .btree import BTree, TreeRoot
+from .catalog import Catalog
 from .checkpoint import checkpoint_due, write_checkpoint
 from .codec import Codec
 from .direct import FileExtents
@@ -211,6 +212,8 @@ class Store:
                 self.vol.close()
                 if self.published is not None:  # readers keep their own mapping of it
                     self.published.close()
+                if self.catalog is not None:
+                    self.catalog.close()
 
     def crash(self) -> None:
         """Drop the fd as a killed process would: unflushed entries are lost. For tests."""
@@ -253,6 +256,21 @@ class Store:
     @property
     def published(self) -> Published | None:
         return self.reads.published
+
+    @property
+    def catalog(self) -> Catalog | None:
+        return self.reads.catalog
+
+    def publish_changes(self, limit: int = 256) -> int:
+        return self.reads.publish_changes(limit)
+
+    def wait_changes(self, timeout: float | None) -> bool:
+        """Until a session's catalog record is behind (True) or ``timeout`` passed."""
+        return self.reads.changed.wait(timeout)
+
+    def wake(self) -> None:
+        """Wake a thread in ``wait_changes`` (it is stopping)."""
+        self.reads.changed.set()
 
     def mark_cut(self, sno: int) -> None:
         self.reads.mark_cut(sno)
@@ -351,6 +369,7 @@ class Store:
             s.uid, s.gid = s.uid if uid is None else uid, s.gid if gid is None else gid
             self.emit_smeta(s)
             self.quota.move(old, s.uid, session_use(s))
+            self.reads.withdraw(name)  # readers elsewhere ask until it is published again
         self.idx.dirty(s)
 
     # ================================================================ files
@@ -398,6 +417,7 @@ class Store:
             f.mode = f.mode if mode is None else mode & 0o7777
             f.uid, f.gid = f.uid if uid is None else uid, f.gid if gid is None else gid
             self.emit_fmeta(s, f)
+            self.reads.withdraw(session)
         self.idx.dirty(s)
 
     # ================================================================ data

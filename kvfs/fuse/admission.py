@@ -32,7 +32,7 @@ PER_UID = 16  # connections of any one other uid
 FRAME_TIMEOUT_S = 10.0  # a frame begun must keep arriving: no recv or send waits longer
 BODY_CHUNK = 1 << 20  # a body is allocated as it arrives, this much at a time, not as announced
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
-R, W, X = 4, 2, 1
+R, W, X = P.R, P.W, P.X
 
 
 @dataclass(frozen=True)
@@ -44,15 +44,7 @@ class Peer:
 
     def may(self, mode: int, uid: int, gid: int, want: int, is_dir: bool = False) -> bool:
         """Whether the kernel's ``generic_permission`` would grant ``want`` (R|W|X bits)."""
-        if self.uid == 0:  # CAP_DAC_OVERRIDE: all but executing a file no one may execute
-            return is_dir or not want & X or bool(mode & 0o111)
-        if self.uid == uid:
-            bits = mode >> 6
-        elif gid == self.gid or gid in self.groups:
-            bits = mode >> 3
-        else:
-            bits = mode
-        return bits & want == want
+        return P.permits(self.uid, self.gid, self.groups, mode, uid, gid, want, is_dir)
 
 
 def recv_body(conn: socket.socket, n: int) -> memoryview:

@@ -6,7 +6,10 @@ reach the mount through FUSE like any program, and also through this Unix socket
 nobody can take it first, shown in ``/.kvfs/stats`` under ``channel``): they ask for a session's extents and read the blocks from the volume
 themselves (``kvfs.engine.direct``), and send a round's appends for every layer as one
 request with one durability point. The mount stays the only authority on names, extents
-and the ring, and the only writer of the volume. Protocol: ``kvfs.channel.protocol`` and
+and the ring, and the only writer of the volume. Beside the published block, the hello hands
+over the catalog (``kvfs.engine.catalog``): the sessions' extents, kept current by a
+thread here a few milliseconds after each change, so a client reads most files without
+asking at all. Protocol: ``kvfs.channel.protocol`` and
 docs/mount.md.
 
 Who may use it is decided as the kernel would decide for the files: the peer's uid, gid
@@ -37,6 +40,7 @@ import secrets
 import socket
 import stat
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -57,6 +61,8 @@ from .ops import Operations
 log = logging.getLogger("kvfs.channel")
 
 BIND_TRIES = 8  # random socket names tried before the mount gives up serving
+PUBLISH_DELAY_S = 0.02  # a changed session's catalog record is rebuilt this long after
+PUBLISH_RETRY_S = 0.2  # records behind (or waiting for the ring's buffer) retried this often
 
 class ChannelServer:
     """The listening socket, its accept thread and one thread per client (module doc)."""
@@ -106,6 +112,9 @@ class ChannelServer:
         t = threading.Thread(target=self._accept, name="kvfs-channel", daemon=True)
         t.start()
         self._threads.append(t)
+        t = threading.Thread(target=self._publish, name="kvfs-catalog", daemon=True)
+        t.start()
+        self._threads.append(t)
         log.info("native channel on @%s", self.name)
 
     def info(self) -> dict[str, Any]:
@@ -114,6 +123,7 @@ class ChannelServer:
 
     def close(self) -> None:
         self._stop = True
+        self.store.wake()
         socks = self.policy.stop() + ([self._sock] if self._sock is not None else [])
         for s in socks:
             try:
@@ -147,6 +157,21 @@ class ChannelServer:
                                  name="kvfs-channel-client", daemon=True)
             self._threads = [x for x in self._threads if x.is_alive()] + [t]
             t.start()
+
+    def _publish(self) -> None:
+        """Keep the catalog current: the records of changed sessions rebuilt a few
+        milliseconds after the change (a burst of appends costs one rebuild)."""
+        behind = 0
+        while not self._stop:
+            self.store.wait_changes(PUBLISH_RETRY_S if behind else 1.0)
+            if self._stop:
+                return
+            time.sleep(PUBLISH_DELAY_S)
+            try:
+                behind = self.store.publish_changes()
+            except Exception:  # the catalog is a shortcut: readers ask the mount meanwhile
+                log.exception("publishing the catalog failed")
+                behind = 1
 
     def _turn_away(self, conn: socket.socket, code: int) -> None:
         """One reply header with the errno, then closed: the accept thread never waits."""
@@ -253,7 +278,10 @@ class ChannelServer:
         doc = {"version": P.VERSION, "volume": self.volume, "uuid": self.store.volume_id,
                "generation": pub.generation, "entry_max": self.ops.buffers.entry_max,
                "idle_s": self.policy.idle_s}
-        return [json.dumps(doc).encode()], [pub.reader_fd()]
+        fds = [pub.reader_fd()]
+        if self.store.catalog is not None:
+            fds.append(self.store.catalog.reader_fd())
+        return [json.dumps(doc).encode()], fds
 
     def _session_ok(self, peer: Peer, attrs: tuple[int, int, int], want: int) -> None:
         if not peer.may(attrs[0], attrs[1], attrs[2], want, is_dir=True):
