@@ -97,41 +97,40 @@ def encode(name: str, sno: int, cuts: int, attrs: tuple[int, int, int],
     return words.tobytes()
 
 
-def decode(blob: bytes | memoryview, session: str, file: str) -> tuple[
+_BLOB = struct.Struct("=9q")  # magic, words, sno, cuts, mode, uid, gid, files, name bytes
+_FILE = struct.Struct("=6q")  # name bytes, fno, mode, uid, gid, extents
+
+
+def decode(blob: bytes, session: str, file: str) -> tuple[
         tuple[int, int, int], FileExtents | None] | None:
     """From a blob: the session's (mode, uid, gid) and ``file``'s extents (None: the session
     has no such file); None when the blob is not ``session``'s or does not parse."""
-    w = array("q")
-    w.frombytes(blob[:len(blob) // 8 * 8])
+    size = len(blob)
     try:
-        if w[0] != BLOB_MAGIC or w[1] != len(w):
+        magic, words, sno, cuts, mode, uid, gid, nfiles, nlen = _BLOB.unpack_from(blob, 0)
+        sb = session.encode("utf-8", "surrogateescape")
+        if magic != BLOB_MAGIC or words * 8 != size or nlen != len(sb) or not blob.startswith(sb, 72):
             return None
-        sno, cuts, attrs, nfiles, nlen = w[2], w[3], (w[4], w[5], w[6]), w[7], w[8]
-        i = 9 + -(-nlen // 8)
-        if bytes(blob[72:72 + nlen]) != session.encode("utf-8", "surrogateescape"):
-            return None
+        attrs = (mode, uid, gid)
         want = file.encode("utf-8", "surrogateescape")
+        i = 72 + -(-nlen // 8) * 8
         for _ in range(nfiles):
-            flen, fno, mode, uid, gid, n = w[i:i + 6]
-            nw = -(-flen // 8)
-            if not 0 <= n <= len(w) or not 0 <= flen <= 8 * len(w):
+            flen, fno, fmode, fuid, fgid, n = _FILE.unpack_from(blob, i)
+            j = i + 48 + -(-flen // 8) * 8
+            if not (0 <= flen and 0 <= n and j + 40 * n <= size):
                 return None
-            at = 8 * (i + 6)
-            if bytes(blob[at:at + flen]) == want:
-                o = i + 6 + nw
-                off = list(w[o:o + n])
-                e = w[o + n:o + 5 * n]
-                if len(e) != 4 * n:
-                    return None
-                ext = list(zip(e[0::4], e[1::4], e[2::4], e[3::4], strict=True))
-                fe = FileExtents(sno, fno, 0, cuts, 0, 0, off, ext, mode, uid, gid)
+            if flen == len(want) and blob.startswith(want, i + 48):
+                off = list(struct.unpack_from(f"={n}q", blob, j))
+                flat = iter(struct.unpack_from(f"={4 * n}q", blob, j + 8 * n))
+                ext = list(zip(flat, flat, flat, flat, strict=True))
+                fe = FileExtents(sno, fno, 0, cuts, 0, 0, off, ext, fmode, fuid, fgid)
                 if n:
                     fe.lo, fe.hi = off[0], off[-1] + ext[-1][2]
                     fe.size = fe.hi
                 return attrs, fe
-            i += 6 + nw + 5 * n
+            i = j + 40 * n
         return attrs, None
-    except (IndexError, ValueError):
+    except struct.error:
         return None
 
 
