@@ -145,7 +145,7 @@ def _requests(m) -> int:
 def _published(ch: Channel, sid: str, name: str, size: int, timeout: float = 10) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        got = ch.catalog.lookup(sid, name)
+        got = ch.locator.catalog.lookup(sid, name)
         if got is not None and got[1] is not None and got[1].hi >= size:
             return
         time.sleep(0.01)
@@ -162,7 +162,7 @@ def test_a_new_client_reads_published_sessions_without_asking(make_mount):
             want[(f"s{i}", f"layer_{k}")] = data = os.urandom(5000 + 997 * k)
             (d / f"layer_{k}").write_bytes(data)
     ch = Channel.open(str(m.mountpoint))
-    assert ch is not None and ch.catalog is not None
+    assert ch is not None and ch.locator.catalog is not None
     try:
         for (sid, name), data in want.items():
             _published(ch, sid, name, len(data))
@@ -175,7 +175,7 @@ def test_a_new_client_reads_published_sessions_without_asking(make_mount):
         ch.read("s3", [(f"layer_{k}", 0, memoryview(b)) for k, b in enumerate(bufs)])
         assert [bytes(b) for b in bufs] == [want[("s3", f"layer_{k}")] for k in range(3)]
         assert _requests(m) == before  # not one extents request
-        assert ch.catalog_hits >= len(want)
+        assert ch.locator.catalog_hits >= len(want)
         # what the catalog does not show goes to the mount: past the published end, a
         # missing file, a missing session (its errors are the mount's)
         with open(m.sessions / "s0" / "layer_0", "ab") as f:
@@ -190,11 +190,11 @@ def test_a_new_client_reads_published_sessions_without_asking(make_mount):
         # a session this process may not read, by what the catalog shows, is asked for
         os.chmod(m.sessions / "s1", 0o700)
         _published(ch, "s1", "layer_0", 5000)
-        hits = ch.catalog_hits
-        ch._me = (4321, 4321, frozenset())
+        hits = ch.locator.catalog_hits
+        ch.locator.me = (4321, 4321, frozenset())
         ch.cache.drop("s1")
         ch.read("s1", [("layer_0", 0, memoryview(bytearray(10)))])  # the mount says yes (root)
-        assert ch.catalog_hits == hits
+        assert ch.locator.catalog_hits == hits
     finally:
         ch.close()
 
@@ -347,7 +347,7 @@ def test_reads_through_the_catalog_race_appends_cuts_deletes_and_laps(make_mount
     try:
         assert not failures, failures[:5]
         laps = doc["store"]["volume"]["head"] // doc["store"]["volume"]["capacity"]
-        hits = sum(r.catalog_hits for r in readers)
+        hits = sum(r.locator.catalog_hits for r in readers)
         assert stats["reads"] > 200 and stats["cuts"] > 20, stats
         assert laps >= 2, doc["store"]["volume"]
         assert hits > stats["reads"] // 10, (hits, stats)  # the catalog served many of them

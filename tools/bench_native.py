@@ -394,7 +394,7 @@ def _fresh_child(job: dict[str, Any]) -> dict[str, Any]:
                 vals[what][arm].append((time.perf_counter() - t) * 1e3)
                 if got != want:
                     raise RuntimeError(f"{arm}: wrong bytes for {sid} {names} @{off}")
-    return {**vals, "drop": how, "catalog_hits": ch.channel().catalog_hits, "first_open_ms": (t1 - t0) * 1e3, "second_open_us": (t2 - t1) * 1e6,
+    return {**vals, "drop": how, "catalog_hits": ch.channel().locator.catalog_hits, "first_open_ms": (t1 - t0) * 1e3, "second_open_us": (t2 - t1) * 1e6,
             "xattr_ms": (t3 - t2) * 1e3, "stats_ms": (t4 - t3) * 1e3}
 
 

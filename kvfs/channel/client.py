@@ -7,10 +7,12 @@ None -- the caller uses the files -- when any of that fails: no channel (an olde
 ``--no-channel``, a shared mount), another machine or namespace, a user that may not read
 the volume. The volume is never opened writable here: appends go to the mount.
 
-Reads ask the mount for extents (one request for every file a read needs), keep them
-(``ExtentCache``, checked against the published cut counts before use) and read the
-volume with ``kvfs.engine.direct.DirectReader``; a read the published state says may be
-stale is retried with fresh extents. Writes send a round's changes of every file as one
+Reads find a file's extents without a request where they can (``extents.Locator``: the
+extents kept from earlier answers, then the mount's catalog), else ask the mount (one
+request for every file a read needs), and read the volume with
+``kvfs.engine.direct.DirectReader``; a read the published state says may be stale is
+retried with fresh extents from the mount. After each read the mount's process must still
+run (a pidfd). Writes send a round's changes of every file as one
 request, with one durability point when asked. Thread-safe: a few connections are kept
 and taken one per request. Errors are ``OSError`` with the mount's errno.
 """
@@ -27,12 +29,12 @@ import struct
 import threading
 import time
 import weakref
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import kvfs.channel.protocol as P
+from kvfs.channel.extents import Check, Locator
 from kvfs.engine.catalog import CatalogView
 from kvfs.engine.direct import DirectReader, FileExtents, Stale
 from kvfs.engine.errors import BadSuperblock
@@ -43,7 +45,6 @@ log = logging.getLogger("kvfs.channel")
 
 MAX_CONNS = 4  # requests in flight at once from one process
 READ_RETRIES = 32  # reads redone with fresh extents before giving up
-CACHE_EXTENTS = 1 << 17  # extents kept in the cache (about 100 bytes each)
 WRITE_MAX = P.WRITE_MAX  # bytes of data per WRITE request (a bigger round is cut)
 
 
@@ -70,50 +71,6 @@ def channel_of(mount: str) -> dict[str, Any] | None:
     return ch if isinstance(ch, dict) and isinstance(ch.get("socket"), str) else None
 
 
-# (session, its (mode, uid, gid), [(name, FileExtents | None)]): raises to refuse the answer
-Check = Callable[[str, tuple[int, int, int], list], None]
-
-
-class ExtentCache:
-    """(session, file) -> ``FileExtents``, least recently used out past ``CACHE_EXTENTS``
-    extents in all. An entry is used only while its session's published cut count is
-    what it was when fetched (``get``)."""
-
-    def __init__(self, view: PublishedView, limit: int = CACHE_EXTENTS) -> None:
-        self.view, self.limit = view, limit
-        self._d: OrderedDict[tuple[str, str], FileExtents] = OrderedDict()
-        self._n = 0
-        self._lock = threading.Lock()
-        self.hits = self.misses = 0
-
-    def get(self, sid: str, name: str, a: int, b: int) -> FileExtents | None:
-        with self._lock:
-            fe = self._d.get((sid, name))
-            if fe is None or not fe.covers(a, b) or self.view.cuts(fe.sno) != fe.cuts:
-                self.misses += 1
-                return None
-            self._d.move_to_end((sid, name))
-            self.hits += 1
-            return fe
-
-    def put(self, sid: str, name: str, fe: FileExtents) -> None:
-        with self._lock:
-            old = self._d.pop((sid, name), None)
-            if old is not None:
-                self._n -= len(old.ext)
-            self._d[(sid, name)] = fe
-            self._n += len(fe.ext)
-            while self._n > self.limit and len(self._d) > 1:
-                _, gone = self._d.popitem(last=False)
-                self._n -= len(gone.ext)
-
-    def drop(self, sid: str, name: str | None = None) -> None:
-        with self._lock:
-            keys = [k for k in self._d if k[0] == sid and (name is None or k[1] == name)]
-            for k in keys:
-                self._n -= len(self._d.pop(k).ext)
-
-
 class Channel:
     """One process's connections to a mount's native channel (see the module doc)."""
 
@@ -129,10 +86,8 @@ class Channel:
         self._closed = False
         self.reader: DirectReader | None = None
         self.hello: dict[str, Any] = {}
-        self.catalog: CatalogView | None = None
+        self._catalog: CatalogView | None = None  # handed over by the first hello
         self._pidfd = -1  # the mount process (its exit ends every extent it published)
-        self._me = (os.geteuid(), os.getegid(), frozenset(os.getgroups()))
-        self.catalog_hits = 0
         first = self._connect()
         try:
             self._setup(first)
@@ -142,7 +97,8 @@ class Channel:
             raise
         self._idle.append((first, time.monotonic()))
         self._conns = 1  # connections open, idle or in use
-        self.cache = ExtentCache(self.view)
+        self.locator = Locator(self.view, self._catalog)
+        self.cache = self.locator.cache
         self.entry_max = int(self.hello.get("entry_max") or 256 << 10)
         # a kept connection idle for half the mount's timeout is closed here, before it is
         self.keep_idle_s = float(self.hello.get("idle_s") or P.IDLE_TIMEOUT_S) / 2
@@ -189,7 +145,7 @@ class Channel:
                 raise P.ProtocolError(f"channel version {hello.get('version')}, expected {P.VERSION}")
             if not self.hello:  # the first connection keeps the published blocks
                 self.hello, self.view = hello, PublishedView(fds[0])
-                self.catalog = _catalog(fds[1]) if len(fds) > 1 else None
+                self._catalog = _catalog(fds[1]) if len(fds) > 1 else None
                 self._pidfd = _pidfd(pid)
         except BaseException:
             s.close()
@@ -296,9 +252,11 @@ class Channel:
             self.reader = None
         if getattr(self, "view", None) is not None:
             self.view.close()
-        if self.catalog is not None:
-            self.catalog.close()
-            self.catalog = None
+        if getattr(self, "locator", None) is not None:
+            self.locator.close()
+        elif self._catalog is not None:  # the set-up failed before the locator
+            self._catalog.close()
+        self._catalog = None
         if self._pidfd >= 0:
             os.close(self._pidfd)
             self._pidfd = -1
@@ -387,8 +345,7 @@ class Channel:
         stale = False  # what the cache or the catalog held was stale: ask the mount
         if len(jobs) == 1:  # the common read: extents kept or published, one entry
             name, off, out = jobs[0]
-            fe = self.cache.get(sid, name, off, off + len(out)) or self._published(
-                sid, name, off, off + len(out), check)
+            fe = self.locator.find(sid, name, off, off + len(out), check or self.check)
             if fe is not None:
                 try:
                     reader.read([(fe, off, out)])
@@ -404,32 +361,6 @@ class Channel:
             except Stale:
                 continue
         raise OSError(errno.EIO, f"{sid}: the ring moved under {READ_RETRIES} reads in a row")
-
-    def _published(self, sid: str, name: str, a: int, b: int, check: Check | None
-                   ) -> FileExtents | None:
-        """``name``'s extents from the catalog when it holds them for ``[a, b)`` and shows
-        this process may read the file (else None: the mount is asked, and its answer
-        decides, errors included); kept in the cache."""
-        cat = self.catalog
-        got = cat.lookup(sid, name) if cat is not None else None
-        if got is None:
-            return None
-        attrs, fe = got
-        if fe is None or not fe.covers(a, b) or self.view.cuts(fe.sno) != fe.cuts:
-            return None
-        uid, gid, groups = self._me
-        if not (P.permits(uid, gid, groups, *attrs, P.X, is_dir=True)
-                and P.permits(uid, gid, groups, fe.mode, fe.uid, fe.gid, P.R)):
-            return None
-        check = check if check is not None else self.check
-        if check is not None:
-            try:
-                check(sid, attrs, [(name, fe)])
-            except Exception:  # the caller's rules refuse it: let the mount's answer say so
-                return None
-        self.cache.put(sid, name, fe)
-        self.catalog_hits += 1
-        return fe
 
     def _mount_alive(self) -> None:
         """After a read: the mount that published its extents was still running, so no
@@ -453,8 +384,8 @@ class Channel:
         while todo:
             need: list[tuple[str, int, memoryview]] = []
             for name, off, out in todo:
-                fe = None if fresh else (self.cache.get(sid, name, off, off + len(out))
-                                         or self._published(sid, name, off, off + len(out), check))
+                fe = None if fresh else self.locator.find(sid, name, off, off + len(out),
+                                                          check or self.check)
                 if fe is None:
                     need.append((name, off, out))
                 else:

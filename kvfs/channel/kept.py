@@ -31,7 +31,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import kvfs.channel.protocol as P
-from kvfs.channel.client import Channel, Check, ExtentCache, channel_of
+from kvfs.channel.client import Channel, channel_of
+from kvfs.channel.extents import Check, ExtentCache
 from kvfs.engine.direct import DirectReader, FileExtents
 
 log = logging.getLogger("kvfs.channel")
