@@ -45,7 +45,6 @@ imports anything above the engine.
 from __future__ import annotations
 
 import collections
-import fcntl
 import itertools
 import mmap
 import os
@@ -55,7 +54,7 @@ from array import array
 from collections.abc import Iterable
 
 from .direct import FileExtents
-from .published import F_SEAL_FUTURE_WRITE
+from .published import sealed_block
 from .records import name_hash
 
 MAGIC = struct.unpack("=Q", b"KVFSCAT1")[0]
@@ -144,11 +143,7 @@ class Catalog:
         self.nslots, self.arena = slots, arena
         self.base = (HEADER_WORDS + SLOT_WORDS * slots) * 8  # the arena's first byte
         size = self.base + arena
-        self.fd = os.memfd_create("kvfs-catalog", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        os.ftruncate(self.fd, size)
-        self._map = mmap.mmap(self.fd, size)
-        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-                    | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
+        self.fd, self._map = sealed_block("kvfs-catalog", size)
         self.words = memoryview(self._map).cast("Q")
         self.bytes = memoryview(self._map)
         self._names: list[str | None] = [None] * slots  # the session in each slot

@@ -42,17 +42,27 @@ _CUTS = 512
 SIZE = (_CUTS + BUCKETS) * 8
 
 
+def sealed_block(name: str, size: int) -> tuple[int, mmap.mmap]:
+    """A memfd of ``size`` bytes and its read-write mapping here, sealed: a reader can
+    neither reopen it writable (/proc/PID/fd) to forge what it says, nor shrink it under a
+    mapping; only this mapping writes. Readers get ``reader_fd`` descriptors of it."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        m = mmap.mmap(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+                    | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, m
+
+
 class Published:
     """The writer's side: a memfd holding the block (``fd``), mapped read-write here."""
 
     def __init__(self, ring_offset: int, ring_size: int, durable_tail: int) -> None:
-        self.fd = os.memfd_create("kvfs-published", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        os.ftruncate(self.fd, SIZE)
-        self._map = mmap.mmap(self.fd, SIZE)
-        # sealed: a reader cannot reopen it writable (/proc/PID/fd) to forge the tail or
-        # the cuts, nor shrink it under a mapping; only this mapping writes
-        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-                    | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
+        self.fd, self._map = sealed_block("kvfs-published", SIZE)  # nobody forges the tail or cuts
         self.words = memoryview(self._map).cast("Q")
         w = self.words
         w[_W_VER] = VERSION | BUCKETS << 32
