@@ -342,7 +342,7 @@ class Channel:
         reader = self.reader
         if reader is None:
             raise OSError(errno.ENOTCONN, "the native channel's client is closed")
-        stale = False  # what the cache or the catalog held was stale: ask the mount
+        ask = False  # the cache and the catalog were looked at already: ask the mount
         if len(jobs) == 1:  # the common read: extents kept or published, one entry
             name, off, out = jobs[0]
             fe = self.locator.find(sid, name, off, off + len(out), check or self.check)
@@ -352,10 +352,11 @@ class Channel:
                     self._mount_alive()
                     return
                 except Stale:
-                    stale = True
+                    pass
+            ask = True
         for attempt in range(READ_RETRIES):
             try:
-                reader.read(self._plan(sid, jobs, fresh=stale or attempt > 0, check=check))
+                reader.read(self._plan(sid, jobs, fresh=ask or attempt > 0, check=check))
                 self._mount_alive()
                 return
             except Stale:
