@@ -11,6 +11,7 @@ last, partly read block of each read are kept for the next reads.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from bisect import bisect_right
@@ -35,10 +36,14 @@ if TYPE_CHECKING:
     from .types import Observer
     from .volume import VolumeFile
 
+log = logging.getLogger(__name__)
+
 DECODED_CACHE = 32 << 20  # bytes of decoded blocks kept for sequential small reads
 TABLE_CACHE = 4096  # block tables kept: a read of a known entry reads just its blocks
 READ_AHEAD = 4 << 20  # bytes advised ahead of a sequential reader
 READ_GAP = 64 << 10  # a file's next entry this close after the last is "sequential" on disk
+PUBLISH_DELAY_S = 0.02  # a changed session's catalog record is rebuilt this long after
+PUBLISH_RETRY_S = 0.2  # records behind (or waiting for the ring's buffer) retried this often
 READ_RETRIES = 64  # lookups a read may redo because reclaim moved its entries meanwhile
 EXTENTS_MAX = 4096  # extents of one file per ``extents`` answer (a range beyond: ask again)
 
@@ -63,6 +68,8 @@ class ReadPath:
         self._pending: dict[str, None] = {}  # sessions whose catalog record is behind
         self._later: dict[str, int] = {}  # ... and the first position not yet on the volume
         self.changed = threading.Event()  # set when ``_pending`` gains a session
+        self._keeper: threading.Thread | None = None
+        self._stopping = False
 
     # ------------------------------------------------------------ reads by other processes
     def publish(self) -> Published:
@@ -75,7 +82,33 @@ class ReadPath:
                 self.published = Published(r.offset, r.size, r.durable_tail)
                 self.catalog = Catalog()
                 self.idx.on_change = self._changed
+                self._keeper = threading.Thread(target=self._keep_current, name="kvfs-catalog",
+                                                daemon=True)
+                self._keeper.start()
             return self.published
+
+    def _keep_current(self) -> None:
+        """The catalog's thread: each changed session's record rebuilt ``PUBLISH_DELAY_S``
+        after the change (a burst of appends costs one rebuild)."""
+        behind = 0
+        while not self._stopping:
+            self.changed.wait(PUBLISH_RETRY_S if behind else 1.0)
+            if self._stopping:
+                return
+            time.sleep(PUBLISH_DELAY_S)
+            try:
+                behind = self.publish_changes()
+            except Exception:  # the catalog is a shortcut: readers ask the mount meanwhile
+                log.exception("publishing the catalog failed")
+                behind = 1
+
+    def stop_publishing(self) -> None:
+        """Stop the catalog's thread (the store is closing; no state lock held)."""
+        self._stopping = True
+        self.changed.set()
+        if self._keeper is not None:
+            self._keeper.join(timeout=5)
+            self._keeper = None
 
     def _changed(self, session: str) -> None:
         """Under the state lock: ``session`` changed; its record is rebuilt soon."""

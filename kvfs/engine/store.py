@@ -202,6 +202,7 @@ class Store:
         return store
 
     def close(self) -> None:
+        self.reads.stop_publishing()  # before the locks: its thread may be waiting for them
         with self.writer_lock, self.state_lock:
             if self.vol.fd < 0:
                 return
@@ -217,6 +218,7 @@ class Store:
 
     def crash(self) -> None:
         """Drop the fd as a killed process would: unflushed entries are lost. For tests."""
+        self.reads.stop_publishing()
         self.vol.close()
 
     # ================================================================ lookups
@@ -261,16 +263,6 @@ class Store:
     def catalog(self) -> Catalog | None:
         return self.reads.catalog
 
-    def publish_changes(self, limit: int = 256) -> int:
-        return self.reads.publish_changes(limit)
-
-    def wait_changes(self, timeout: float | None) -> bool:
-        """Until a session's catalog record is behind (True) or ``timeout`` passed."""
-        return self.reads.changed.wait(timeout)
-
-    def wake(self) -> None:
-        """Wake a thread in ``wait_changes`` (it is stopping)."""
-        self.reads.changed.set()
 
     def mark_cut(self, sno: int) -> None:
         self.reads.mark_cut(sno)

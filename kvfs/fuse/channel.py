@@ -7,8 +7,8 @@ nobody can take it first, shown in ``/.kvfs/stats`` under ``channel``): they ask
 themselves (``kvfs.engine.direct``), and send a round's appends for every layer as one
 request with one durability point. The mount stays the only authority on names, extents
 and the ring, and the only writer of the volume. Beside the published block, the hello hands
-over the catalog (``kvfs.engine.catalog``): the sessions' extents, kept current by a
-thread here a few milliseconds after each change, so a client reads most files without
+over the catalog (``kvfs.engine.catalog``): the sessions' extents, kept current by the
+store a few milliseconds after each change, so a client reads most files without
 asking at all. Protocol: ``kvfs.channel.protocol`` and
 docs/mount.md.
 
@@ -40,7 +40,6 @@ import secrets
 import socket
 import stat
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -61,8 +60,6 @@ from .ops import Operations
 log = logging.getLogger("kvfs.channel")
 
 BIND_TRIES = 8  # random socket names tried before the mount gives up serving
-PUBLISH_DELAY_S = 0.02  # a changed session's catalog record is rebuilt this long after
-PUBLISH_RETRY_S = 0.2  # records behind (or waiting for the ring's buffer) retried this often
 
 class ChannelServer:
     """The listening socket, its accept thread and one thread per client (module doc)."""
@@ -112,9 +109,6 @@ class ChannelServer:
         t = threading.Thread(target=self._accept, name="kvfs-channel", daemon=True)
         t.start()
         self._threads.append(t)
-        t = threading.Thread(target=self._publish, name="kvfs-catalog", daemon=True)
-        t.start()
-        self._threads.append(t)
         log.info("native channel on @%s", self.name)
 
     def info(self) -> dict[str, Any]:
@@ -123,7 +117,6 @@ class ChannelServer:
 
     def close(self) -> None:
         self._stop = True
-        self.store.wake()
         socks = self.policy.stop() + ([self._sock] if self._sock is not None else [])
         for s in socks:
             try:
@@ -157,21 +150,6 @@ class ChannelServer:
                                  name="kvfs-channel-client", daemon=True)
             self._threads = [x for x in self._threads if x.is_alive()] + [t]
             t.start()
-
-    def _publish(self) -> None:
-        """Keep the catalog current: the records of changed sessions rebuilt a few
-        milliseconds after the change (a burst of appends costs one rebuild)."""
-        behind = 0
-        while not self._stop:
-            self.store.wait_changes(PUBLISH_RETRY_S if behind else 1.0)
-            if self._stop:
-                return
-            time.sleep(PUBLISH_DELAY_S)
-            try:
-                behind = self.store.publish_changes()
-            except Exception:  # the catalog is a shortcut: readers ask the mount meanwhile
-                log.exception("publishing the catalog failed")
-                behind = 1
 
     def _turn_away(self, conn: socket.socket, code: int) -> None:
         """One reply header with the errno, then closed: the accept thread never waits."""
