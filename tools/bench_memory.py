@@ -142,13 +142,17 @@ def fact_trials(tok: Any, n: int, small_talk: int = 30, seed: int = 0) -> list[T
 
 
 def variant(name: str) -> tuple[str, dict[str, Any]]:
-    """``profile[-window][+sel=S][+block=N][+bytes=M][+share=F][+step=prev]`` (M in MiB): the
-    profile and what differs from its defaults (a retrieval selector, block size, device
-    bytes, the share of old blocks the budget grows to, a turn attending the blocks the step
-    before chose instead of its own)."""
+    """``profile[-window][+sel=S][+block=N][+bytes=M][+share=F][+step=prev][+live]`` (M in
+    MiB): the profile and what differs from its defaults (a retrieval selector, block size,
+    device bytes, the share of old blocks the budget grows to, a turn attending the blocks the
+    step before chose instead of its own; ``live``: the session is neither resumed nor forked
+    where the chat's family would, the twin a resumed or forked session is compared with)."""
     base, *mods = name.split("+")
     opts: dict[str, Any] = {}
     for m in mods:
+        if m == "live":
+            opts["live"] = True
+            continue
         k, _, v = m.partition("=")
         if k not in ("sel", "block", "bytes", "share", "step") or (k == "step" and v not in ("own", "prev")):
             raise ValueError(f"unknown configuration option {m!r} in {name!r}")

@@ -45,8 +45,11 @@ def run_chat(model: Any, tok: Any, configs: Configs, name: str, chat: Any, rende
     was the most likely)``: what greedy decoding would have written, and how close it was)."""
     import torch
 
+    from bench_memory import variant
+
     cache, sid = configs.session(name)
     sids = [sid]
+    live = variant(name)[1].get("live", False) if name != "full" else True
     ids: list[int] = []
     answers: list[Any] = []
 
@@ -60,9 +63,11 @@ def run_chat(model: Any, tok: Any, configs: Configs, name: str, chat: Any, rende
         with torch.no_grad():
             for i, rnd in enumerate(rendered.rounds):
                 feed(rnd)
-                if i == chat.break_after and chat.family == "d":
+                if live or i != chat.break_after:
+                    continue
+                if chat.family == "d":
                     cache = configs.resume(name, sid) or cache
-                elif i == chat.break_after and chat.family == "e":
+                elif chat.family == "e":
                     got = configs.fork(name, sid)
                     if got is not None:
                         cache, new = got
@@ -135,6 +140,44 @@ def chat_rows(records: list[dict[str, Any]], names: list[str]) -> list[dict[str,
                          "logprob": mean_logprob(rs),
                          "ci95": [lo, hi] if base else None})
     return rows
+
+
+def twin_rows(records: list[dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:
+    """Per configuration ``X`` run beside its twin ``X+live``, family and length: of the
+    questions of resumed (d) or forked (e) chats, how many got the very answer the session
+    that stayed live got on the same chat, and each one's correct count."""
+    by: dict[tuple[str, str, int, int], dict[str, Any]] = {}
+    for r in records:
+        by[(r["config"], r["chat"], r["format"] == "plain", r["question"])] = r
+    rows = []
+    for name in names:
+        twin = f"{name}+live"
+        if name == "full" or twin not in names:
+            continue
+        cells: dict[tuple[str, int, str], list[int]] = {}
+        for (cfg, chat, plain, q), r in by.items():
+            t = by.get((twin, chat, plain, q))
+            if cfg != name or t is None or r["family"] not in ("d", "e"):
+                continue
+            c = cells.setdefault((r["family"], r["length"], r["format"]), [0, 0, 0, 0])
+            c[0] += 1
+            c[1] += r["answer"] == t["answer"]
+            c[2] += r["verdict"] == "correct"
+            c[3] += t["verdict"] == "correct"
+        rows += [{"config": name, "family": f, "length": n, "format": fmt, "questions": c[0],
+                  "same_answer": c[1], "correct": c[2], "correct_live": c[3]}
+                 for (f, n, fmt), c in sorted(cells.items())]
+    return rows
+
+
+def print_twins(rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        return
+    print("\nresumed (d) and forked (e) sessions against their live twins (the same chats)")
+    print(f"  {'family':>6} {'tokens':>6} {'format':>6} {'config':>28}  same answer  correct  live twin")
+    for r in rows:
+        print(f"  {r['family']:>6} {r['length']:>6} {r['format']:>6} {r['config']:>28}  "
+              f"{r['same_answer']:>4}/{r['questions']:<6} {r['correct']:>7}  {r['correct_live']:>9}")
 
 
 def chat_plot(records: list[dict[str, Any]], names: list[str], path: str) -> None:
@@ -244,10 +287,12 @@ def chats_report(model: Any, tok: Any, names: list[str], args: Any) -> dict[str,
     rows = chat_rows(records, names)
     print_rows(rows, f"held-out chats, {args.split} split, {args.trials} per cell, "
                      f"{time.time() - t0:.0f} s")
+    twins = twin_rows(records, names)
+    print_twins(twins)
     if args.plot:
         chat_plot(records, names, args.plot)
         log.info("plot written to %s", args.plot)
-    return {"split": args.split, "rows": rows, "records": records}
+    return {"split": args.split, "rows": rows, "twins": twins, "records": records}
 
 
 def merge(paths: list[str], plot: str | None = None) -> list[dict[str, Any]]:
@@ -264,6 +309,7 @@ def merge(paths: list[str], plot: str | None = None) -> list[dict[str, Any]]:
         names += [n for n in dict.fromkeys(r["config"] for r in got) if n not in names]
     rows = chat_rows(records, names)
     print_rows(rows, f"held-out chats, {len(paths)} runs merged")
+    print_twins(twin_rows(records, names))
     if plot:
         chat_plot(records, names, plot)
     return rows
