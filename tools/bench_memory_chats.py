@@ -24,7 +24,7 @@ import logging
 import time
 from typing import Any
 
-from bench_memory import Configs
+from bench_memory import Configs, variant
 
 log = logging.getLogger("bench.memory")
 
@@ -44,8 +44,6 @@ def run_chat(model: Any, tok: Any, configs: Configs, name: str, chat: Any, rende
     step, and each question gives ``(log-probability of the answer's tokens, whether each
     was the most likely)``: what greedy decoding would have written, and how close it was)."""
     import torch
-
-    from bench_memory import variant
 
     cache, sid = configs.session(name)
     sids = [sid]
