@@ -20,7 +20,12 @@ The story, in order:
 5. fork one session (``router.fork``) and answer its next question on the branch: what the
    session would say if the process never stopped; close everything, resume the session in a
    *new process* from the mount and check it answers identically;
-6. unmount (``fusermount3 -u``) and clean up.
+6. memory in a real chat: each agent holds a ~1,500-token customer-service chat in SmolLM2's
+   own chat template (``tools/memory_chats.py``, its dev split's shop chats) where the user
+   gave an order number early among other numbers; at the end the user asks for it, the
+   reply starts "The order number is" (as the memory benchmark forces it), and the demo
+   prints the agent's answer beside the full cache's answer to the same conversation;
+7. unmount (``fusermount3 -u``) and clean up.
 
 Exit status 0 when the resumed session continued identically. ``--resume-child`` is the
 second process of step 5 (internal).
@@ -97,12 +102,12 @@ def questions_of(j: int) -> list[str]:
     return QUESTIONS[j % len(QUESTIONS):] + QUESTIONS[:j % len(QUESTIONS)]
 
 
-def answer(model, tok, cache, ids):
+def answer(model, tok, cache, ids, max_new: int = ANSWER):
     """Greedy answer to ``ids`` (the whole conversation); returns (new ids, answer text)."""
     import torch
 
     out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
-                         max_new_tokens=ANSWER, do_sample=False)
+                         max_new_tokens=max_new, do_sample=False)
     return out, tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
 
 
@@ -247,6 +252,66 @@ def list_mount(cold: Path, sid: str) -> None:
         print(json.dumps(m))
 
 
+# --------------------------------------------------------------------------- memory in a chat
+def order_chats(tok, n: int, length: int = 1500) -> list[Any]:
+    """``n`` shop chats of about ``length`` tokens whose one fact is the order number, given
+    in the first 40 % of the chat (the memory benchmark's dev split: any chat of this kind
+    would do)."""
+    import memory_chats as mc
+
+    out = []
+    for trial in range(400):
+        chat = mc.generate(tok, "dev", "a", length, trial)
+        if (chat.domain == "shop" and chat.info["kinds"] == ["number"] and chat.depths[0] <= 0.4
+                and chat.questions[0].text.endswith("order number is?")):
+            out.append(chat)
+            if len(out) == n:
+                break
+    return out
+
+
+def support_chats(args: argparse.Namespace, cold: Path, warm: Path) -> tuple[int, int]:
+    """Each agent holds a long ChatML chat and is asked for the order number its user gave
+    early; (answers with the number: kvfs, full cache)."""
+    import memory_chats as mc
+    import torch
+
+    model, tok = build_model()
+    router = make_router(cold, warm, None, 64 << 20)
+    hits = [0, 0]
+    try:
+        for j, chat in enumerate(order_chats(tok, args.sessions)):
+            sid = f"support-{j:02d}"
+            rendered = mc.render(tok, chat, "chatml")
+            cache = router.cache(sid, model, fresh=True)
+            ids: list[int] = []
+            with torch.no_grad():
+                for rnd in rendered.rounds:  # as an agent feeds a chat: a step a round
+                    model(input_ids=torch.tensor([rnd]), cache=cache, use_cache=True)
+                    cache.end_round()
+                    ids += rnd
+            q, prefix = rendered.questions[0]  # the reply starts "The order number is"
+            x = torch.tensor([ids + q + prefix])
+            head = chat.questions[0].prefix
+            text = f"{head} {answer(model, tok, cache, x, mc.ANSWER_ROOM)[1]}"
+            ftext = f"{head} {answer(model, tok, None, x, mc.ANSWER_ROOM)[1]}"
+            want = chat.questions[0].want
+            ok = (mc.score(text, want) == "correct", mc.score(ftext, want) == "correct")
+            hits = [hits[0] + ok[0], hits[1] + ok[1]]
+            fact = rendered.rounds[:chat.fact_rounds[0]]
+            print(f"[{sid}] {len(ids)} tokens of chat; the user gave order number {want[0]} "
+                  f"{sum(map(len, fact))} tokens in ({chat.depths[0]:.0%}), among "
+                  f"{len(set(chat.values) - set(want))} other numbers, codes and prices\n"
+                  f"             Q: {chat.questions[0].text}\n"
+                  f"             kvfs (gov: {router.max_kv_len}-token window + sinks + retrieval) "
+                  f"answers: {text.splitlines()[0] if text else ''!r} ({'right' if ok[0] else 'wrong'})\n"
+                  f"             full cache (DynamicCache) answers: "
+                  f"{ftext.splitlines()[0] if ftext else ''!r} ({'right' if ok[1] else 'wrong'})")
+    finally:
+        router.close()
+    return hits[0], hits[1]
+
+
 # --------------------------------------------------------------------------- the resume
 def resume_child(spec: dict[str, Any]) -> None:
     """Second process: resume the session from the mount and continue one turn."""
@@ -310,6 +375,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{res['question']!r}: {child['text']!r}")
             print(f"same as the process that never stopped: {'YES' if ok else 'NO'}"
                   + ("" if ok else f" (expected {res['expected']})"))
+            print(f"\nmemory in a long chat: {args.sessions} agents, each holding a customer chat "
+                  "in SmolLM2's chat template ...")
+            kv_hits, full_hits = support_chats(args, vol.mnt, warm)
+            print(f"order number given back: kvfs {kv_hits} of {args.sessions}, the full cache "
+                  f"{full_hits} of {args.sessions}")
     finally:
         if args.keep:
             print(f"kept {base} and {warm}")

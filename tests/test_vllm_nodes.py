@@ -1,0 +1,99 @@
+"""Two serving nodes over one shared tier: a conversation held through node A's server is
+continued through node B's, from the KV that A stored.
+
+Two mounts with ``--shared`` over a real local Redis Cluster (the fixture of
+tests/test_agent_shared.py), the tiny model of tests/test_vllm.py, ``kvfs-serve`` on each
+node with the same server key (``key_file``: session names map to the same directories),
+the stock ``openai`` client naming the conversation by ``user``, as a load balancer in front
+of two servers would pass it through. The servers run one after the other: A serves two
+turns and exits (its drain stores the last one), B serves the third.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from kvfs.mount_runner import HAVE_FUSE, Mount
+from kvfs.shared.testing import Cluster
+from kvfs.vllm.testing import VLLMServer, have_vllm, model_dir
+
+pytestmark = [
+    pytest.mark.mount, pytest.mark.slow, pytest.mark.timeout(900),
+    pytest.mark.skipif(not HAVE_FUSE, reason="needs /dev/fuse"),
+    pytest.mark.skipif(not have_vllm(), reason="no .venv-vllm: make vllm-env builds it"),
+]
+
+BLOCK = 32
+USER = ["Tell me about the harbour at dawn.", "What did the fishermen bring back?",
+        "And the price of the catch that morning?"]
+
+
+def chat(server: VLLMServer, messages: list[dict], user: str | None = None) -> tuple[list[int], str, dict]:
+    """One greedy turn: output ids, text, the reply's kv_transfer_params."""
+    client = openai.OpenAI(base_url=server.base_url, api_key="none", timeout=120)
+    r = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0,
+                                       extra_body={"return_token_ids": True},
+                                       **({"user": user} if user else {}))
+    choice = r.choices[0]
+    return (list(choice.model_extra["token_ids"]), choice.message.content or "",
+            (r.model_extra or {}).get("kv_transfer_params") or {})
+
+
+def shared_stats(m: Mount) -> dict:
+    return json.loads((m.root / ".kvfs" / "stats").read_text())["shared"]
+
+
+def pushed(m: Mount, timeout: float = 60.0) -> dict:
+    """Node ``m``'s shared-tier stats once nothing is queued for the tier and no lease is held."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = shared_stats(m)
+        if (s["queued_bytes"] == 0 and s["tier_leases_held"] == 0) or time.monotonic() > deadline:
+            return s
+        time.sleep(0.2)
+
+
+def test_node_b_continues_the_conversation_node_a_stored(make_mount: Callable[..., Mount],
+                                                         cluster: Cluster, tmp_path: Path) -> None:
+    opts = (*cluster.mount_args(), "-o", "shared_lease_s=4s", "-o", "shared_fsync_wait_s=5s")
+    a, b = make_mount("a", size="256M", extra=opts), make_mount("b", size="256M", extra=opts)
+    model = model_dir(tmp_path / "model")
+    key = str(tmp_path / "state" / "vllm.key")  # one server key for the deployment
+
+    def server(m: Mount, name: str) -> VLLMServer:
+        return VLLMServer(model, tmp_path / f"{name}.log", block_size=BLOCK,
+                          kvfs_serve={"mount": m.mountpoint, "key_file": key})
+
+    sa = server(a, "a").start()
+    try:
+        messages: list[dict] = []
+        for text in USER[:2]:
+            messages.append({"role": "user", "content": text})
+            _, reply, params = chat(sa, messages, user="agent-7")
+            assert params.get("session") == "agent-7", params
+            messages.append({"role": "assistant", "content": reply})
+        messages.append({"role": "user", "content": USER[2]})
+        ref, _, ref_params = chat(sa, messages)  # no session: vLLM's own prefix cache
+        assert "session" not in ref_params
+    finally:
+        assert sa.stop() == 0, sa.log_tail()
+    stats = pushed(a)
+    assert stats["queued_bytes"] == 0 and stats["pushed_bytes"] > 0, stats
+    assert stats["tier_leases_held"] == 0, stats  # A's server exited: the session is free
+
+    sb = server(b, "b").start()
+    try:
+        out, _, params = chat(sb, messages, user="agent-7")
+        assert params["kvfs_loaded_tokens"] > 0, (params, sb.log_tail())  # A's KV, not a prefill
+        assert out == ref, "node B continued with other tokens than the uninterrupted run"
+        assert params["kvfs_stored_tokens"] > params["kvfs_loaded_tokens"]  # B extended it
+    finally:
+        assert sb.stop() == 0, sb.log_tail()
+    assert shared_stats(b)["fetched_bytes"] > 0  # read from the tier, not the volume
