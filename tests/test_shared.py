@@ -269,6 +269,31 @@ def test_one_lease_two_nodes(cluster: Cluster) -> None:
         b.close()
 
 
+def test_a_rewrite_by_the_next_owner_is_no_lost_write(cluster: Cluster) -> None:
+    """Node a writes and hands the session over; b rewrites it shorter (as a session whose
+    history changed is rewritten) and hands it back: a's next tenure syncs cleanly, for b's
+    rewrite lost none of what a vouched for."""
+    a = SharedTier(cluster.urls, node_id="node-a", secret=SECRET, chunk_bytes=C, timeout_s=1.0)
+    b = SharedTier(cluster.urls, node_id="node-b", secret=SECRET, chunk_bytes=C, timeout_s=1.0)
+    try:
+        a.acquire("hand")
+        a.append("hand", "layer_0", 0, b"x" * 100)
+        a.put_meta("hand", b'{"tokens": 100}')
+        a.sync("hand")
+        assert a.release("hand") and b.acquire("hand") is True
+        b.truncate("hand", "layer_0", 40)
+        b.put_meta("hand", b'{"tokens": 40}')
+        b.sync("hand")
+        assert b.release("hand") and a.acquire("hand") is True
+        a.append("hand", "layer_0", 40, b"y" * 10)
+        a.sync("hand")  # no SharedLost: the shorter file and the new meta are b's, not a loss
+        assert a.read("hand", "layer_0", 0, 1 << 10) == b"x" * 40 + b"y" * 10
+        assert a.get_meta("hand") == b'{"tokens": 40}'
+    finally:
+        a.close()
+        b.close()
+
+
 def test_unreachable_cluster(cluster: Cluster, tier: SharedTier) -> None:
     port = free_ports(1)[0]
     t0 = time.monotonic()

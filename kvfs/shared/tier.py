@@ -154,8 +154,14 @@ class SharedTier:
         self._leases.renew(self._keys(session))
 
     def release(self, session: str) -> bool:
-        """Give the lease up (a clean hand-over: the next owner's acquire is no takeover)."""
-        return self._leases.release(self._keys(session), self.chunk_bytes)
+        """Give the lease up (a clean hand-over: the next owner's acquire is no takeover).
+        What this node wrote is no longer its to vouch for: the next owner may rewrite it,
+        and a later ``sync`` of this node's next tenure must not call that a lost write."""
+        done = self._leases.release(self._keys(session), self.chunk_bytes)
+        with self._lock:
+            self._written.pop(session, None)
+            self._meta_head.pop(session, None)
+        return done
 
     def lease_owner(self, session: str) -> str | None:
         """The node that holds the session's lease now (None: nobody, or a value no node
