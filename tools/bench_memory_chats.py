@@ -208,7 +208,7 @@ def chat_plot(records: list[dict[str, Any]], names: list[str], path: str) -> Non
 
 def run_chats(model: Any, tok: Any, names: list[str], split: str, families: list[str],
               lengths: list[int], trials: int, formats: list[str], new_tokens: int,
-              forced: bool = False, jsonl: str | None = None) -> list[dict[str, Any]]:
+              forced: bool = False, jsonl: str | None = None, first: int = 0) -> list[dict[str, Any]]:
     """Every chat of the cells, in every format, under every configuration: one record a
     question (also appended to ``jsonl`` as each chat ends, when given)."""
     import json
@@ -218,7 +218,7 @@ def run_chats(model: Any, tok: Any, names: list[str], split: str, families: list
     configs = Configs(model, names, mounted=True)
     records = []
     try:
-        for chat in mc.chats(tok, split, families, lengths, trials):
+        for chat in mc.chats(tok, split, families, lengths, trials, first):
             for fmt in formats:
                 rendered = mc.render(tok, chat, fmt)
                 verdicts = []
@@ -253,6 +253,9 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--split", choices=["dev", "test"], default="dev",
                    help="chats: dev (choose on it) or test (report only)")
     p.add_argument("--trials", type=int, default=40, help="chats per family and length")
+    p.add_argument("--first-trial", type=int, default=0,
+                   help="chats: start at this trial of each cell (split a run over processes; "
+                        "--merge their --records)")
     p.add_argument("--lengths", default="500,1000,1900", help="chats: target tokens")
     p.add_argument("--families", default="a,b,c,d,e", help="chats: families (a-e)")
     p.add_argument("--format", choices=["chatml", "plain", "both"], default="both")
@@ -281,7 +284,8 @@ def chats_report(model: Any, tok: Any, names: list[str], args: Any) -> dict[str,
     lengths = [int(x) for x in args.lengths.split(",")]
     t0 = time.time()
     records = run_chats(model, tok, names, args.split, args.families.split(","), lengths,
-                        args.trials, formats, max(args.new_tokens, 12), args.forced, args.records)
+                        args.trials, formats, max(args.new_tokens, 12), args.forced, args.records,
+                        args.first_trial)
     rows = chat_rows(records, names)
     print_rows(rows, f"held-out chats, {args.split} split, {args.trials} per cell, "
                      f"{time.time() - t0:.0f} s")

@@ -367,8 +367,12 @@ def measured_depth(size: Sizer, chat: Chat, r: int) -> float:
     return round((size.start + sum(sizes[:r])) / (size.start + sum(sizes)), 3)
 
 
-def chats(tok: Any, split: str, families: Sequence[str], lengths: Sequence[int], trials: int) -> list[Chat]:
-    return [generate(tok, split, f, n, t) for f in families for n in lengths for t in range(trials)]
+def chats(tok: Any, split: str, families: Sequence[str], lengths: Sequence[int], trials: int,
+          first: int = 0) -> list[Chat]:
+    """Chats ``first`` .. ``first + trials - 1`` of every cell (a run split over processes
+    takes a range each)."""
+    return [generate(tok, split, f, n, t) for f in families for n in lengths
+            for t in range(first, first + trials)]
 
 
 # --- rendering --------------------------------------------------------------------------------
