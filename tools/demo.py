@@ -122,14 +122,13 @@ def make_router(cold: Path, warm: Path, budget: int | None, warm_cap: int):
                     warm_options={"cap_bytes": warm_cap, "group": 1, "shards": 256})
 
 
-def run_agents(args: argparse.Namespace, cold: Path, warm: Path) -> dict[str, Any]:
+def run_agents(args: argparse.Namespace, cold: Path, warm: Path, model, tok) -> dict[str, Any]:
     import torch
 
     from kvfs.ops import profiles
     from kvfs.torch import geometry
     from kvfs.torch.router import hot_settings
 
-    model, tok = build_model()
     geo = geometry(model)
     stb = geo.session_token_bytes
     prof = profiles.load("gov")
@@ -270,13 +269,12 @@ def order_chats(tok, n: int, length: int = 1500) -> list[Any]:
     return out
 
 
-def support_chats(args: argparse.Namespace, cold: Path, warm: Path) -> tuple[int, int]:
+def support_chats(args: argparse.Namespace, cold: Path, warm: Path, model, tok) -> tuple[int, int]:
     """Each agent holds a long ChatML chat and is asked for the order number its user gave
     early; (answers with the number: kvfs, full cache)."""
     import memory_chats as mc
     import torch
 
-    model, tok = build_model()
     router = make_router(cold, warm, None, 64 << 20)
     hits = [0, 0]
     try:
@@ -307,6 +305,7 @@ def support_chats(args: argparse.Namespace, cold: Path, warm: Path) -> tuple[int
                   f"answers: {text.splitlines()[0] if text else ''!r} ({'right' if ok[0] else 'wrong'})\n"
                   f"             full cache (DynamicCache) answers: "
                   f"{ftext.splitlines()[0] if ftext else ''!r} ({'right' if ok[1] else 'wrong'})")
+            router.delete(sid)  # the chat is over: its ~70 MB leave the demo's small volume
     finally:
         router.close()
     return hits[0], hits[1]
@@ -358,8 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     ok = False
     try:
+        model, tok = build_model()
         with Volume(base, use_mount) as vol:
-            res = run_agents(args, vol.mnt, warm)
+            res = run_agents(args, vol.mnt, warm, model, tok)
             list_mount(vol.mnt, res["sid"])
             print(f"\nresuming {res['sid']} ({res['seen']} tokens) in a new process ...")
             spec = {"cold": str(vol.mnt), "warm": str(warm), "sid": res["sid"], "conv": res["conv"],
@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
                   + ("" if ok else f" (expected {res['expected']})"))
             print(f"\nmemory in a long chat: {args.sessions} agents, each holding a customer chat "
                   "in SmolLM2's chat template ...")
-            kv_hits, full_hits = support_chats(args, vol.mnt, warm)
+            kv_hits, full_hits = support_chats(args, vol.mnt, warm, model, tok)
             print(f"order number given back: kvfs {kv_hits} of {args.sessions}, the full cache "
                   f"{full_hits} of {args.sessions}")
     finally:
