@@ -127,6 +127,8 @@ def chat_rows(records: list[dict[str, Any]], names: list[str]) -> list[dict[str,
         base = sum(ref.values())
         for name in names:
             rs = by.get(name, [])
+            if not rs:  # runs merged: a configuration that did not run this cell
+                continue
             both = sum(r["verdict"] == "correct" and ref.get((r["chat"], r["question"]), False)
                        for r in rs)
             lo, hi = wilson(both, base)
