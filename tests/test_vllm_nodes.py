@@ -26,6 +26,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
+from kvfs.fuse.remote import REFRESH_S
 from kvfs.mount_runner import HAVE_FUSE, Mount
 from kvfs.shared.testing import Cluster
 from kvfs.vllm.testing import VLLMServer, have_vllm, model_dir
@@ -104,6 +105,9 @@ def test_turns_alternate_between_two_live_servers(make_mount: Callable[..., Moun
             if turn:  # every turn after the first continues from the other node's KV
                 assert params["kvfs_loaded_tokens"] > 0, (turn, node, params)
             stored(mounts[node], "agent-9", params["kvfs_stored_tokens"])
+            # a mount re-checks a session another node writes at most every REFRESH_S: a
+            # turn sent sooner may find the turn before it missing (and recompute it)
+            time.sleep(REFRESH_S + 0.2)
             messages.append({"role": "assistant", "content": reply})
 
         # one turn sent to both nodes at once: one store wins the lease, the other is refused
@@ -129,6 +133,7 @@ def test_turns_alternate_between_two_live_servers(make_mount: Callable[..., Moun
         assert servers["a"].stop() == 0, servers["a"].log_tail()
         stats = pushed(mounts["a"])
         assert stats["queued_bytes"] == 0 and stats["tier_leases_held"] == 0, stats
+        time.sleep(REFRESH_S + 0.2)
         servers["b"].reset_prefix_cache()  # b served the last turn itself: only kvfs has it now
         out, _, params = chat(servers["b"], messages, user="agent-9")
         ref, _, _ = chat(servers["b"], messages)
