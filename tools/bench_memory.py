@@ -364,17 +364,18 @@ def profile_perplexity(model: Any, ids: Any, configs: Configs, round_every: int)
     return {name: {"ppl": p, "ratio": p / full} for name, (p, _) in got.items()}
 
 
-def step_cost(model: Any, configs: Configs, tokens: int, steps: int, round_tokens: int = 64
-              ) -> dict[str, Any]:
-    """Median decode step of a ``tokens``-token session with retrieval (gov) and without
-    (gov-window), stepped in turn after the same prefill (rounds of ``round_tokens``)."""
+def step_cost(model: Any, configs: Configs, tokens: int, steps: int, round_tokens: int = 64,
+              subject: str = "gov") -> dict[str, Any]:
+    """Median decode step of a ``tokens``-token session with retrieval (``subject``: gov or
+    a variant of it) and without (gov-window), stepped in turn after the same prefill
+    (rounds of ``round_tokens``)."""
     import statistics
 
     import torch
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(100, model.config.vocab_size - 100, (1, tokens + steps), generator=g)
-    names = ["gov", "gov-window"]
+    names = [subject, "gov-window"]
     caches, releases = {}, []
     for name in names:
         caches[name], release = configs.cache(name)
@@ -391,13 +392,13 @@ def step_cost(model: Any, configs: Configs, tokens: int, steps: int, round_token
                     t0 = time.perf_counter()
                     model(input_ids=ids[:, t:t + 1], cache=caches[name], use_cache=True)
                     times[name].append((time.perf_counter() - t0) * 1e3)
-        ret = caches["gov"].retrieval
+        ret = caches[subject].retrieval
         info = {"blocks_attended": ret.attended_tokens // ret.block if ret else 0}
     finally:
         for release in releases:
             release()
-    on, off = statistics.median(times["gov"]), statistics.median(times["gov-window"])
-    return {"tokens": tokens, "steps": steps, "step_ms_retrieval": on, "step_ms_window": off,
+    on, off = statistics.median(times[subject]), statistics.median(times["gov-window"])
+    return {"config": subject, "tokens": tokens, "steps": steps, "step_ms_retrieval": on, "step_ms_window": off,
             "ratio": on / off, **info}
 
 
@@ -478,11 +479,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nperplexity, {ids.shape[1]} tokens token by token (ratio to the full cache)")
             for n, r in out["perplexity"].items():
                 print(f"  {n:>16}: {r['ppl']:.2f} ({r['ratio']:.2f}x)")
-        if not args.chats and not args.no_cost and {"gov", "gov-window"} <= set(names):
-            out["cost"] = step_cost(model, configs, 512 if args.quick else 2048, 32 if args.quick else 64)
-            c = out["cost"]
-            print(f"\ndecode step, {c['tokens']}-token session: retrieval {c['step_ms_retrieval']:.1f} ms, "
-                  f"window only {c['step_ms_window']:.1f} ms ({c['ratio']:.2f}x)")
+        subjects = [n for n in names if n == "gov" or n.startswith("gov+")]
+        if not args.chats and not args.no_cost and subjects and "gov-window" in names:
+            costs = [step_cost(model, configs, 512 if args.quick else 2048, 32 if args.quick else 64,
+                               subject=n) for n in subjects]
+            out["cost"] = costs
+            for c in costs:
+                print(f"\ndecode step, {c['tokens']}-token session: {c['config']} (retrieval, "
+                      f"{c['blocks_attended']} blocks) {c['step_ms_retrieval']:.1f} ms, window only "
+                      f"{c['step_ms_window']:.1f} ms ({c['ratio']:.2f}x)")
     finally:
         configs.close()
     if args.json:

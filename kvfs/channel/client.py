@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import kvfs.channel.protocol as P
-from kvfs.channel.extents import Check, Locator
+from kvfs.channel.extents import Check, ExtentCache, Locator
 from kvfs.engine.catalog import CatalogView
 from kvfs.engine.direct import DirectReader, FileExtents, Stale
 from kvfs.engine.errors import BadSuperblock
@@ -98,10 +98,14 @@ class Channel:
         self._idle.append((first, time.monotonic()))
         self._conns = 1  # connections open, idle or in use
         self.locator = Locator(self.view, self._catalog)
-        self.cache = self.locator.cache
         self.entry_max = int(self.hello.get("entry_max") or 256 << 10)
         # a kept connection idle for half the mount's timeout is closed here, before it is
         self.keep_idle_s = float(self.hello.get("idle_s") or P.IDLE_TIMEOUT_S) / 2
+
+    @property
+    def cache(self) -> ExtentCache:
+        """The extents this client kept (the locator's)."""
+        return self.locator.cache
 
     @classmethod
     def open(cls, mount: str, info: dict[str, Any] | None = None) -> Channel | None:

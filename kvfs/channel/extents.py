@@ -69,7 +69,6 @@ class ExtentCache:
                 self._n -= len(self._d.pop(k).ext)
 
 
-
 class Locator:
     """A client's extents without a request (module doc): ``cache`` first, then the
     catalog (None: the mount handed none, or this machine may not use it). ``me``: the

@@ -263,7 +263,6 @@ class Store:
     def catalog(self) -> Catalog | None:
         return self.reads.catalog
 
-
     def mark_cut(self, sno: int) -> None:
         self.reads.mark_cut(sno)
 

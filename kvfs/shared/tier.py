@@ -158,10 +158,14 @@ class SharedTier:
         What this node wrote is no longer its to vouch for: the next owner may rewrite it,
         and a later ``sync`` of this node's next tenure must not call that a lost write."""
         done = self._leases.release(self._keys(session), self.chunk_bytes)
+        self._forget_writes(session)
+        return done
+
+    def _forget_writes(self, session: str) -> None:
+        """This node no longer vouches for what it wrote to ``session`` (``sync``'s check)."""
         with self._lock:
             self._written.pop(session, None)
             self._meta_head.pop(session, None)
-        return done
 
     def lease_owner(self, session: str) -> str | None:
         """The node that holds the session's lease now (None: nobody, or a value no node
@@ -314,9 +318,7 @@ class SharedTier:
             if owner is not None or attempt == 2:
                 raise SessionBusy(session, owner or "?", int(res[2]))
         self._leases.discard(session)
-        with self._lock:
-            self._written.pop(session, None)
-            self._meta_head.pop(session, None)
+        self._forget_writes(session)
         self.stamps.forget(session)
         self._capacity.forget(session)
         return int(res[1]) > 0
