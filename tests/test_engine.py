@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -261,6 +262,44 @@ def test_full_volume_is_enospc_and_loses_nothing(vol):
     s.crash()
     s = Store.open(vol)
     assert s.read("s", "f", 0, 10**9) == data[: len(data) // 2] + b"more"
+    s.close()
+
+
+def test_a_full_ring_refuses_at_once_until_space_is_freed_or_a_session_goes_idle(vol):
+    """A trip round a ring of live data frees nothing; until a cut or the retention says
+    otherwise, the next write needing room is refused without another trip (which would
+    copy the whole ring forward again)."""
+    now = [time.time()]
+    s = Store.create(vol, 8 * MB, StoreConfig(retention_s=3600), clock=lambda: now[0])
+
+    def fill(name: str) -> None:
+        with pytest.raises(NoSpace):
+            for _ in range(1000):
+                s.append(name, "f", s.file_stat(name, "f").size, os.urandom(128 * 1024))
+
+    for name in ("a", "b"):
+        s.create_session(name)
+        s.create_file(name, "f")
+    s.append("b", "f", 0, os.urandom(2 * MB))
+    fill("a")
+    trips, copied = s.counters["reclaims"], s.counters["copied_forward"]
+    size = s.file_stat("a", "f").size
+    for _ in range(3):
+        with pytest.raises(NoSpace, match="volume full"):
+            s.append("a", "f", size, os.urandom(128 * 1024))
+    assert s.counters["full_refusals"] == 3
+    assert (s.counters["reclaims"], s.counters["copied_forward"]) == (trips, copied)
+    assert s.file_stat("a", "f").size == size
+    s.truncate("a", "f", size // 2)  # a cut: room may be had again
+    s.append("a", "f", size // 2, os.urandom(128 * 1024))
+    fill("a")
+    refused = s.counters["full_refusals"]
+    with pytest.raises(NoSpace):
+        s.append("a", "f", s.file_stat("a", "f").size, os.urandom(128 * 1024))
+    assert s.counters["full_refusals"] == refused + 1
+    now[0] += 2 * 3600  # b is idle past the retention: the next trip drops it
+    s.append("a", "f", s.file_stat("a", "f").size, os.urandom(128 * 1024))
+    assert s.list_sessions() == ["a"] and s.counters["dropped_sessions"] == 1
     s.close()
 
 

@@ -6,11 +6,18 @@ bytes), or live in an idle session (the whole session is dropped: tombstone firs
 part of a session). With ``evict_when_full`` a second pass drops sessions at the tail
 regardless of retention, like a cache. The new tail is made durable by a checkpoint
 before the head may write over the space behind it.
+
+A trip that finds only live data within the retention copies the whole ring forward and
+gains nothing (seconds of the single writer on a large volume). Until something is cut
+(a truncate, a deletion, a drop: ``counters["cuts"]``) or the least recently used session
+it met leaves the retention, another trip would do the same: ``Full`` remembers that, and
+a write needing as much room meanwhile is refused at once (``counters["full_refusals"]``).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .blocks import Encoded, decode_payload, encode_entries, parse_table
@@ -27,6 +34,19 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TOMBSTONE_RESERVE = 16 << 10
+FULL_RECHECK_S = 60.0  # a full ring is tried again at least this often (metadata superseded)
+
+
+@dataclass
+class Full:
+    """A trip round the ring that freed too little: nothing was droppable."""
+
+    cuts: int  # ``counters["cuts"]`` when it ended
+    room: int  # the ring's room then
+    need: int  # the room it was for (a smaller need gets a trip of its own: pads and
+    # superseded metadata may free a little)
+    until: float  # ``clock()`` when the least recently used live session met leaves retention
+    why: str
 
 
 def reclaim(store: StoreState, need: int, keep: Session | None = None) -> None:
@@ -34,12 +54,20 @@ def reclaim(store: StoreState, need: int, keep: Session | None = None) -> None:
     ring = store.ring
     if need > ring.size // 2:
         raise NoSpace(f"a write of {need} bytes cannot fit a ring of {ring.size}")
+    full = store.ring_full
+    if full is not None and (store.counters["cuts"] != full.cuts or ring.room() > full.room
+                             or store.clock() >= full.until):
+        full = store.ring_full = None
+    if full is not None and need >= full.need:
+        store.counters["full_refusals"] += 1
+        raise NoSpace(full.why)
     target = min(ring.size // 2, max(need, ring.size // 8))  # reclaim in large steps
     evict = False
     budget = ring.used() + ring.size // 4  # one trip round the ring, then give up
     store.counters["reclaims"] += 1
+    oldest = [float("inf")]  # last use (s) of the least recently used live session met
     while ring.room() < need:
-        moved = _step(store, target, evict, keep.sno if keep is not None else -1)
+        moved = _step(store, target, evict, keep.sno if keep is not None else -1, oldest)
         budget -= moved
         store.checkpoint()  # the new tail is durable before the head passes the old one
         if ring.room() >= need:
@@ -48,15 +76,19 @@ def reclaim(store: StoreState, need: int, keep: Session | None = None) -> None:
             if store.cfg.evict_when_full and not evict:
                 evict, budget = True, ring.used() + ring.size // 4
                 continue
-            raise NoSpace(f"volume full: {ring.used()} of {ring.size} ring bytes hold live data "
-                          "of sessions within retention")
+            why = (f"volume full: {ring.used()} of {ring.size} ring bytes hold live data of "
+                   "sessions within retention")
+            until = min(oldest[0] + store.cfg.retention_s, store.clock() + FULL_RECHECK_S)
+            store.ring_full = Full(store.counters["cuts"], ring.room(),
+                                   need if full is None else min(need, full.need), until, why)
+            raise NoSpace(why)
 
 
 def _in_retention(store: StoreState, s: Session) -> bool:
     return s.last_use_ns() >= (store.clock() - store.cfg.retention_s) * 1e9
 
 
-def _step(store: StoreState, target: int, evict: bool, keep: int) -> int:
+def _step(store: StoreState, target: int, evict: bool, keep: int, oldest: list[float]) -> int:
     ring = store.ring
     start_tail = ring.tail
     report = ScanReport()
@@ -64,7 +96,7 @@ def _step(store: StoreState, target: int, evict: bool, keep: int) -> int:
     for item in ring.scan(ring.tail, ring.head, report):
         h = item.hdr
         ring.tail = h.pos  # pads and corrupt regions before it are dead
-        if not _handle(store, item, evict, keep):
+        if not _handle(store, item, evict, keep, oldest):
             done = False
             break
         ring.tail = h.pos + h.size
@@ -76,8 +108,10 @@ def _step(store: StoreState, target: int, evict: bool, keep: int) -> int:
     return ring.tail - start_tail
 
 
-def _handle(store: StoreState, item: ScanItem, evict: bool, keep: int = -1) -> bool:
-    """Copy forward or drop what is live in one tail entry; False when there is no room."""
+def _handle(store: StoreState, item: ScanItem, evict: bool, keep: int = -1,
+            oldest: list[float] | None = None) -> bool:
+    """Copy forward or drop what is live in one tail entry; False when there is no room.
+    ``oldest[0]``: lowered to the last use (seconds) of a live session copied forward."""
     h = item.hdr
     if h.type not in (T_DATA, T_SMETA, T_FMETA):
         return True  # truncations and tombstones only matter for older entries, also gone
@@ -97,6 +131,8 @@ def _handle(store: StoreState, item: ScanItem, evict: bool, keep: int = -1) -> b
         return True
     if s.sno != keep and (evict or not _in_retention(store, s)):  # never the one being written
         return _drop(store, s, evicted=evict)
+    if oldest is not None and s.sno != keep:
+        oldest[0] = min(oldest[0], s.last_use_ns() / 1e9)
     meta: bytes | None = None  # a metadata entry's payload, as the index says now
     data: list[tuple[int, Encoded]] = []  # a data entry's live parts: (extent, entry)
     if h.type == T_SMETA:

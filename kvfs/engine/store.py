@@ -104,7 +104,7 @@ from .quota import (
     session_use,
 )
 from .reads import ReadPath
-from .reclaim import reclaim
+from .reclaim import Full, reclaim
 from .records import (
     MAX_FNO,
     MAX_RECORD,
@@ -141,6 +141,7 @@ class Store:
                                            config.quota_index_share, config.shared,
                                            config.index_fill, sb.tree_pages // 2, sb.ring_size))
         self.full_at: int | None = None  # index estimate when the tree last could not take it
+        self.ring_full: Full | None = None  # a reclaim that found nothing to free (reclaim.py)
         self.codec = Codec(config.compression, config.zstd_level, config.min_ratio, config.plane_split)
         self.append_codec = Codec("none") if config.compress_on_copy else self.codec
         self.next_sno = sb.next_sno
@@ -158,7 +159,8 @@ class Store:
         self.fsck_mark = FsckMark(sb.flags)
         self.counters = dict(appends=0, reads=0, raw_written=0, stored_written=0, copied_forward=0,
                              reclaims=0, checkpoints=0, corrupt_reads=0, dropped_sessions=0,
-                             evicted_sessions=0, full_scans=0, read_retries=0)
+                             evicted_sessions=0, full_scans=0, read_retries=0, cuts=0,
+                             full_refusals=0)
         self.appends = AppendPath(self.state_lock, self.ring, self.append_codec, self.max_entry_raw,
                                   self.counters, self.quota, self.idx, self.observer,
                                   self._admit, self._ensure_room)
@@ -264,6 +266,7 @@ class Store:
         return self.reads.catalog
 
     def mark_cut(self, sno: int) -> None:
+        self.counters["cuts"] += 1  # ring space may be free again (reclaim.Full)
         self.reads.mark_cut(sno)
 
     def drop_caches(self) -> None:
