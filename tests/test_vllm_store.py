@@ -271,6 +271,42 @@ def test_worker_loads_checks_ids_and_saves(root) -> None:
         w.close()
 
 
+def test_worker_reads_ahead_and_fails_only_the_request_whose_layer_is_short(root) -> None:
+    """Loads of more layers than the worker reads ahead: two requests, one session's layer 5
+    cut short. That request's blocks are reported failed; the other's every layer is exact."""
+    from kvfs.vllm.scheduler import LoadJob, StepPlan
+    from kvfs.vllm.worker import READ_AHEAD, WorkerSide
+
+    geo = KVGeometry(num_layers=READ_AHEAD + 3, num_kv_heads=2, head_dim=4, dtype=torch.float32)
+    st = SessionStore(str(root), "sha256:aa", geo, summary_dim=8, key=KEY)
+    g = torch.Generator().manual_seed(3)
+    kvs = {}
+    for sid in ("good", "short"):
+        kvs[sid] = [torch.randn(12, 2, 2, 4, generator=g).view(torch.uint8).numpy().reshape(-1)
+                    for _ in range(geo.num_layers)]
+        st.append_turn(sid, np.arange(500, 512), kvs[sid], 0, None)
+    layer5 = root / "sessions" / st.session_dir("short", None) / "layer_5"
+    os.truncate(layer5, layer5.stat().st_size // 2)
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros((8, 2, 4, 8))
+              for i in range(geo.num_layers)}
+    w = WorkerSide(st)
+    try:
+        w.register(caches, 4, _cpu_like_writer)
+        ids = list(range(500, 512))
+        w.start_loads(StepPlan(loads=[LoadJob("a", [6, 2, 4], parts_of("good", 8, 0, 12), ids),
+                                      LoadJob("b", [1, 3, 5], parts_of("short", 8, 0, 12), ids)]))
+        for name in caches:
+            w.wait_layer(name)
+        w.wait_loads()
+        assert w.load_errors() == {1, 3, 5}
+        for i in range(geo.num_layers):
+            got = w.layout.gather(caches[f"model.layers.{i}.self_attn.attn"], [6, 2, 4], 0, 12)
+            assert got.contiguous().view(torch.uint8).numpy().tobytes() == kvs["good"][i].tobytes()
+        assert w.loaded_tokens == 12
+    finally:
+        w.close()
+
+
 def test_scheduler_offers_agreeing_blocks_and_plans_loads_and_saves(root) -> None:
     st = SessionStore(str(root), "sha256:aa", GEO, summary_dim=8, key=KEY)
     ids = list(range(100, 120))

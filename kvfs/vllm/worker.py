@@ -22,6 +22,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -35,6 +36,7 @@ from kvfs.warm import WarmError
 
 log = logging.getLogger("kvfs.vllm")
 
+READ_AHEAD = 4  # layers read ahead of the one being scattered into vLLM's blocks
 _LAYER_NO = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
 
@@ -61,6 +63,7 @@ class WorkerSide:
         self._lock = threading.Lock()
         self._saver = threading.Thread(target=self._save_loop, name="kvfs-vllm-save", daemon=True)
         self._saver.start()
+        self._readers = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="kvfs-vllm-read")
         self.loaded_tokens = 0
         self.saved_tokens = 0
         self.saves = 0
@@ -103,19 +106,31 @@ class WorkerSide:
         """Layer by layer, every job. A session's ids are checked before the first layer
         and again before the last layer is released: a session rewritten meanwhile (an
         edited history stored by another request or process writes its ids before it cuts
-        the layers) fails the load, and vLLM recomputes, never attends the wrong KV."""
+        the layers) fails the load, and vLLM recomputes, never attends the wrong KV.
+
+        The reads of the next ``READ_AHEAD`` layers run on the reader threads while this
+        one is scattered: the reads wait on the disk (or, on a mount with ``--shared``, on
+        the cluster for a session another node stored), each in its own file."""
         assert self.layout is not None
         live = [j for j in jobs if self._ids_agree(j)]
         for job in jobs:
             if job not in live:
                 self._failed(job, "its stored ids changed")
+        last = len(self.caches) - 1
+        ahead: dict[int, dict[int, Future[np.ndarray]]] = {}
+
+        def read_ahead(layer: int) -> None:
+            if layer <= last:
+                ahead[layer] = {id(j): self._readers.submit(self._read_layer, j, layer) for j in live}
         try:
-            last = len(self.caches) - 1
+            for layer in range(min(READ_AHEAD, last + 1)):
+                read_ahead(layer)
             for layer, (cache, ev) in enumerate(zip(self.caches, self._events, strict=True)):
+                reads = ahead.pop(layer)
+                read_ahead(layer + READ_AHEAD)
                 for job in list(live):
                     try:
-                        raw = np.concatenate([self.store.read(name, layer, a, a + n)
-                                              for name, a, _, n in job.parts])
+                        raw = reads[id(job)].result()
                         tm = torch.from_numpy(raw).view(self.geo.dtype).view(
                             job.end - job.start, 2, self.geo.num_kv_heads, self.geo.head_dim)
                         self.layout.scatter(cache, job.block_ids, job.start, tm)
@@ -127,8 +142,15 @@ class WorkerSide:
                 ev.set()
             self.loaded_tokens += sum(j.end - j.start for j in live)
         finally:
+            for reads in ahead.values():  # a failed job's reads ahead: not waited for
+                for f in reads.values():
+                    f.cancel()
             for ev in self._events:
                 ev.set()
+
+    def _read_layer(self, job: LoadJob, layer: int) -> np.ndarray:
+        parts = [self.store.read(name, layer, a, a + n) for name, a, _, n in job.parts]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def _ids_agree(self, job: LoadJob) -> bool:
         if job.expect is None:  # prefix entries: named by their ids, never rewritten
@@ -226,6 +248,7 @@ class WorkerSide:
 
     def close(self, timeout: float = 60.0) -> None:
         self.wait_loads()
+        self._readers.shutdown(wait=True, cancel_futures=True)
         self._saves.put(None)
         self._saver.join(timeout)
         log.info("kvfs.vllm: %d tokens loaded; %d turns stored (%d tokens) in %.1f s",
