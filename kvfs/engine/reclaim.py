@@ -10,14 +10,13 @@ before the head may write over the space behind it.
 A trip that finds only live data within the retention copies the whole ring forward and
 gains nothing (seconds of the single writer on a large volume). Until something is cut
 (a truncate, a deletion, a drop: ``counters["cuts"]``) or the least recently used session
-it met leaves the retention, another trip would do the same: ``Full`` remembers that, and
+it met leaves the retention, another trip would do the same: ``FullRing`` remembers that, and
 a write needing as much room meanwhile is refused at once (``counters["full_refusals"]``).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .blocks import Encoded, decode_payload, encode_entries, parse_table
@@ -26,6 +25,7 @@ from .format import F_COPY, T_DATA, T_DELS, T_FMETA, T_SMETA, T_TRUNC, entry_siz
 from .quota import file_use, session_use
 from .records import FileRec, Session, fmeta_payload, smeta_payload
 from .ring import RingFull, ScanItem, ScanReport
+from .types import FullRing
 
 if TYPE_CHECKING:
     from .format import Header
@@ -35,18 +35,6 @@ log = logging.getLogger(__name__)
 
 TOMBSTONE_RESERVE = 16 << 10
 FULL_RECHECK_S = 60.0  # a full ring is tried again at least this often (metadata superseded)
-
-
-@dataclass
-class Full:
-    """A trip round the ring that freed too little: nothing was droppable."""
-
-    cuts: int  # ``counters["cuts"]`` when it ended
-    room: int  # the ring's room then
-    need: int  # the room it was for (a smaller need gets a trip of its own: pads and
-    # superseded metadata may free a little)
-    until: float  # ``clock()`` when the least recently used live session met leaves retention
-    why: str
 
 
 def reclaim(store: StoreState, need: int, keep: Session | None = None) -> None:
@@ -79,7 +67,7 @@ def reclaim(store: StoreState, need: int, keep: Session | None = None) -> None:
             why = (f"volume full: {ring.used()} of {ring.size} ring bytes hold live data of "
                    "sessions within retention")
             until = min(oldest[0] + store.cfg.retention_s, store.clock() + FULL_RECHECK_S)
-            store.ring_full = Full(store.counters["cuts"], ring.room(),
+            store.ring_full = FullRing(store.counters["cuts"], ring.room(),
                                    need if full is None else min(need, full.need), until, why)
             raise NoSpace(why)
 

@@ -22,9 +22,8 @@ if TYPE_CHECKING:
     from .index import Index
     from .published import Published
     from .quota import Ledger
-    from .reclaim import Full
     from .ring import Ring, ScanReport
-    from .types import StoreConfig
+    from .types import FullRing, StoreConfig
     from .volume import VolumeFile
 
 
@@ -44,7 +43,7 @@ class StoreState(Protocol):
     readonly: bool
     next_sno: int
     full_at: int | None  # index estimate when the tree last could not take it
-    ring_full: Full | None  # the last reclaim that found nothing to free, while it holds
+    ring_full: FullRing | None  # the last reclaim that found nothing to free, while it holds
     last_ckpt: float
     open_report: ScanReport | None
     full_scan_why: str

@@ -104,7 +104,7 @@ from .quota import (
     session_use,
 )
 from .reads import ReadPath
-from .reclaim import Full, reclaim
+from .reclaim import reclaim
 from .records import (
     MAX_FNO,
     MAX_RECORD,
@@ -119,7 +119,7 @@ from .records import (
 from .recovery import recover
 from .reporting import stats_of, usage_of
 from .ring import Ring, ScanReport
-from .types import FileStat, NullObserver, Observer, SessionStat, StoreConfig, Usage
+from .types import FileStat, FullRing, NullObserver, Observer, SessionStat, StoreConfig, Usage
 from .volume import VolumeFile
 
 log = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ class Store:
                                            config.quota_index_share, config.shared,
                                            config.index_fill, sb.tree_pages // 2, sb.ring_size))
         self.full_at: int | None = None  # index estimate when the tree last could not take it
-        self.ring_full: Full | None = None  # a reclaim that found nothing to free (reclaim.py)
+        self.ring_full: FullRing | None = None  # a reclaim that found nothing to free (reclaim.py)
         self.codec = Codec(config.compression, config.zstd_level, config.min_ratio, config.plane_split)
         self.append_codec = Codec("none") if config.compress_on_copy else self.codec
         self.next_sno = sb.next_sno

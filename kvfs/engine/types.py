@@ -111,3 +111,16 @@ class Usage:
     raw_bytes_written: int = 0
     stored_bytes_written: int = 0
     extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class FullRing:
+    """A reclaim trip round the ring that freed too little: nothing was droppable
+    (``reclaim.reclaim`` refuses a write needing as much room while it holds)."""
+
+    cuts: int  # ``counters["cuts"]`` when it ended
+    room: int  # the ring's room then
+    need: int  # the room it was for (a smaller need gets a trip of its own: pads and
+    # superseded metadata may free a little)
+    until: float  # ``clock()`` when the least recently used live session met leaves retention
+    why: str
