@@ -67,8 +67,8 @@ def reclaim(store: StoreState, need: int, keep: Session | None = None) -> None:
             why = (f"volume full: {ring.used()} of {ring.size} ring bytes hold live data of "
                    "sessions within retention")
             until = min(oldest[0] + store.cfg.retention_s, store.clock() + FULL_RECHECK_S)
-            store.ring_full = FullRing(store.counters["cuts"], ring.room(),
-                                   need if full is None else min(need, full.need), until, why)
+            smallest = need if full is None else min(need, full.need)
+            store.ring_full = FullRing(store.counters["cuts"], ring.room(), smallest, until, why)
             raise NoSpace(why)
 
 

@@ -266,7 +266,7 @@ class Store:
         return self.reads.catalog
 
     def mark_cut(self, sno: int) -> None:
-        self.counters["cuts"] += 1  # ring space may be free again (reclaim.Full)
+        self.counters["cuts"] += 1  # ring space may be free again (types.FullRing)
         self.reads.mark_cut(sno)
 
     def drop_caches(self) -> None:

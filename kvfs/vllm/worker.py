@@ -142,7 +142,7 @@ class WorkerSide:
                 ev.set()
             self.loaded_tokens += sum(j.end - j.start for j in live)
         finally:
-            for reads in ahead.values():  # a failed job's reads ahead: not waited for
+            for reads in ahead.values():  # reads no layer will take (an error above): not waited for
                 for f in reads.values():
                     f.cancel()
             for ev in self._events:
