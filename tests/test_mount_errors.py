@@ -103,6 +103,16 @@ def test_full_volume_is_enospc_and_keeps_data(make_mount, tmp_path: Path) -> Non
                 os.fsync(f.fileno())
                 synced = pos
     assert e.value.errno == errno.ENOSPC
+    # the engine remembers the trip round the ring that freed nothing: more writes are
+    # refused without another (each would copy every live byte forward again); a first
+    # new file's small record may still get a trip of its own
+    expect_errno(errno.ENOSPC, (m.sessions / "fill" / "more").write_bytes, stream[:1 << 20])
+    before = m.stats()["store"]["counters"]
+    for k in range(3):
+        expect_errno(errno.ENOSPC, (m.sessions / "fill" / f"more{k}").write_bytes, stream[:1 << 20])
+    after = m.stats()["store"]["counters"]
+    assert after["reclaims"] == before["reclaims"]
+    assert after["full_refusals"] >= before["full_refusals"] + 3
     assert (m.sessions / "keep" / "layer_0").read_bytes() == keep
     filled = (m.sessions / "fill" / "layer_0").read_bytes()
     assert len(filled) >= synced > 0 and filled == stream[:len(filled)]

@@ -12,6 +12,7 @@ gains nothing (seconds of the single writer on a large volume). Until something 
 (a truncate, a deletion, a drop: ``counters["cuts"]``) or the least recently used session
 it met leaves the retention, another trip would do the same: ``FullRing`` remembers that, and
 a write needing as much room meanwhile is refused at once (``counters["full_refusals"]``).
+The room a trip leaves is no sign of space freed: copying forward moves it up and down.
 """
 
 from __future__ import annotations
@@ -43,8 +44,7 @@ def reclaim(store: StoreState, need: int, keep: Session | None = None) -> None:
     if need > ring.size // 2:
         raise NoSpace(f"a write of {need} bytes cannot fit a ring of {ring.size}")
     full = store.ring_full
-    if full is not None and (store.counters["cuts"] != full.cuts or ring.room() > full.room
-                             or store.clock() >= full.until):
+    if full is not None and (store.counters["cuts"] != full.cuts or store.clock() >= full.until):
         full = store.ring_full = None
     if full is not None and need >= full.need:
         store.counters["full_refusals"] += 1
@@ -68,7 +68,7 @@ def reclaim(store: StoreState, need: int, keep: Session | None = None) -> None:
                    "sessions within retention")
             until = min(oldest[0] + store.cfg.retention_s, store.clock() + FULL_RECHECK_S)
             smallest = need if full is None else min(need, full.need)
-            store.ring_full = FullRing(store.counters["cuts"], ring.room(), smallest, until, why)
+            store.ring_full = FullRing(store.counters["cuts"], smallest, until, why)
             raise NoSpace(why)
 
 

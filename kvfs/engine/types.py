@@ -119,7 +119,6 @@ class FullRing:
     (``reclaim.reclaim`` refuses a write needing as much room while it holds)."""
 
     cuts: int  # ``counters["cuts"]`` when it ended
-    room: int  # the ring's room then
     need: int  # the room it was for (a smaller need gets a trip of its own: pads and
     # superseded metadata may free a little)
     until: float  # ``clock()`` when the least recently used live session met leaves retention

@@ -11,10 +11,9 @@ bounds on them:
   be stored fails at write() with ENOSPC, not later at close. Past either bound the other
   files' buffers are flushed first (largest first), then this file's; if the bound still
   does not hold, this write goes straight through to the engine: stored before it is
-  acknowledged, or taken back and answered with the engine's error. After the engine refused an append for want of space, writes that
-would need it are refused with ENOSPC for ``FULL_RETRY_S`` without asking it again (each
-refusal costs the engine a trip round the ring on the single worker), or until space is
-freed through the mount (``space_freed``).
+  acknowledged, or taken back and answered with the engine's error. On a full volume the
+  engine itself answers at once what its last trip round the ring could not place
+  (``kvfs.engine.reclaim``), whichever face asks.
 
 The buffers reach the ``Store`` solely through ``call`` (the layer's single worker), and
 only while the inode still names its file (``on_live``): bytes of an unlinked or replaced
@@ -48,7 +47,6 @@ T = TypeVar("T")
 
 MAX_PENDING = 256 << 20  # default bound on the mount's unflushed bytes
 ENTRY_OVERHEAD = 1024  # ring bytes an entry may take beyond its payload (header, alignment)
-FULL_RETRY_S = 1.0  # after the engine said "full", new bytes are refused this long untried
 
 
 def default_max_pending() -> int:
@@ -161,12 +159,7 @@ class WriteBuffers:
         self._by_ino: dict[int, Pending] = {}
         self._total = [0]  # bytes buffered over every file (each Tail keeps it)
         self._headroom: int | None = None  # free ring bytes at the last look, less the reserve
-        self._full_until = 0.0  # trio clock: until then a full engine is not asked again
         self.shared: Local | None = None  # told what reached the engine (``remote.Remote``), if set
-
-    def space_freed(self) -> None:
-        """A file or session was deleted or truncated: the engine may have room again."""
-        self._full_until = 0.0
 
     def get(self, ino: int) -> Pending | None:
         return self._by_ino.get(ino)
@@ -244,8 +237,6 @@ class WriteBuffers:
             if p is None:
                 p = self._by_ino[node.ino] = Pending(node, st.size, Tail(self._total), quota=room)
         if not self._fits(n):
-            if trio.current_time() < self._full_until:
-                raise errors.NoSpace("volume full")
             await self._make_room(p, n)
         async with p.lock:
             if node.unlinked:
@@ -360,8 +351,6 @@ class WriteBuffers:
             q.base += done
             if done and self.shared is not None:  # stored: now it may be replicated
                 self.shared.stored(node.key, base, data if done == len(data) else data[:done])
-            if isinstance(err, errors.NoSpace):
-                self._full_until = trio.current_time() + FULL_RETRY_S
             if err is None:
                 continue
             if not isinstance(err, Stale):

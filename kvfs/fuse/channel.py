@@ -397,12 +397,10 @@ class ChannelServer:
         s, name = self.store, it.name
         if it.kind == P.TRUNCATE:
             s.truncate(session, name, it.arg)
-            self.ops.buffers.space_freed()
             return it.arg
         if it.kind == P.REPLACE:
             if size:
                 s.truncate(session, name, 0)
-                self.ops.buffers.space_freed()
             size = 0
         elif it.arg != size:
             raise errors.NotAppend(f"{session}/{name}: append expected size {it.arg}, it is {size}")
@@ -419,7 +417,6 @@ class ChannelServer:
         if it.kind in (P.TRUNCATE, P.REPLACE):
             await buffers.truncate(node, it.arg if it.kind == P.TRUNCATE else 0)
             ops.cut(node)
-            buffers.space_freed()
             if it.kind == P.TRUNCATE:
                 return it.arg
         else:

@@ -63,7 +63,6 @@ class Namespace:
 
         await self.fs.call(remove)
         self.fs.inodes.unlink_session(sname)
-        self.fs.buffers.space_freed()
         await self.fs.drop_pages()
 
     async def unlink(self, parent_inode: int, name: bytes, ctx: RequestContext) -> None:
@@ -86,7 +85,6 @@ class Namespace:
             log.warning("unlink %s: %d unflushed bytes of an open file dropped", shown(key),
                         dropped)
         last.size += dropped  # the size its readers saw
-        self.fs.buffers.space_freed()
         self.fs.inodes.unlink(key, last)
         await self.fs.drop_pages()
 

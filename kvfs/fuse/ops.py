@@ -351,7 +351,6 @@ class Operations(pyfuse3.Operations):
             finally:
                 await self.shared.end(key[0])
             self._cut(node)
-            self.buffers.space_freed()
         elif len(key) == 2:  # written bytes land first, so e.g. tar's futimens sticks
             await self.buffers.flush(node)
         if change.any():
