@@ -8,6 +8,7 @@ log if it died), and unmounts with ``fusermount3 -u``, checking the exit code. `
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -85,6 +86,23 @@ class Mount:
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else "(no log)"
+
+    def stats(self) -> dict:
+        """The mount's ``/.kvfs/stats``."""
+        return json.loads((self.root / ".kvfs" / "stats").read_text())
+
+    def pushed(self, timeout: float = 60.0) -> dict:
+        """The shared-tier stats once nothing is queued for the cluster and no session
+        lease is held (a mount with ``--shared``); MountFailed after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.stats()["shared"]
+            if st["queued_bytes"] == 0 and st["queued_sessions"] == 0 and not st["tier_leases_held"]:
+                return st
+            if time.monotonic() > deadline:
+                raise MountFailed(f"{self.mountpoint}: not pushed to the shared tier in "
+                                  f"{timeout} s: {st}")
+            time.sleep(0.05)
 
     def stop(self, how: str = "fusermount") -> int:
         """Unmount (``fusermount`` or ``sigterm``), wait for the process; its exit code."""

@@ -59,26 +59,11 @@ def make_session(m: Mount, name: str, acked: bytes, layer: bytes) -> Path:
     return s
 
 
-def shared_stats(m: Mount) -> dict:
-    return json.loads((m.root / ".kvfs" / "stats").read_text())["shared"]
-
-
-def settle(m: Mount) -> None:
-    """Node ``m``'s queue pushed and its lease handed back."""
-    deadline = time.monotonic() + 10
-    while True:
-        st = shared_stats(m)
-        if st["queued_bytes"] == 0 and st["queued_sessions"] == 0 and not st["tier_leases_held"]:
-            return
-        assert time.monotonic() < deadline, st
-        time.sleep(0.05)
-
-
 def test_same_size_rewrite_on_a_is_read_on_b(node: Callable[..., Mount]) -> None:
     a, b = node("a"), node("b")
     layer = os.urandom(300_000)
     s = make_session(a, "same-size", OLD, layer)
-    settle(a)
+    a.pushed(10.0)
     sb = b.sessions / "same-size"
     assert (sb / ".acked").read_bytes() == OLD  # read through: B holds a copy now
     assert (sb / "layer_0").read_bytes() == layer
@@ -86,14 +71,14 @@ def test_same_size_rewrite_on_a_is_read_on_b(node: Callable[..., Mount]) -> None
     rewrite(s / ".acked", NEW)  # same size, other bytes
     layer2 = os.urandom(len(layer))
     rewrite(s / "layer_0", layer2)  # a retried turn: cut, then the same length again
-    settle(a)
+    a.pushed(10.0)
     time.sleep(REFRESH)
     assert (sb / ".acked").read_bytes() == NEW
     assert (sb / "layer_0").read_bytes() == layer2
     # and back the other way: B rewrites, A reads
     time.sleep(REFRESH)
     rewrite(sb / ".acked", OLD)
-    settle(b)
+    b.pushed(10.0)
     time.sleep(REFRESH)
     assert (s / ".acked").read_bytes() == OLD
     assert (s / "layer_0").read_bytes() == layer2
@@ -105,7 +90,7 @@ def test_remounted_node_serves_the_other_nodes_rewrite(node: Callable[..., Mount
     s = make_session(a, "after-crash", OLD, layer)
     mine = os.urandom(100_000)  # a file only A writes: its copy stays A's after the crash
     rewrite(s / "layer_1", mine)
-    settle(a)
+    a.pushed(10.0)
     assert (s / ".acked").read_bytes() == OLD
     held = os.open(s / ".acked", os.O_WRONLY | os.O_APPEND)  # A holds the lease at the kill
     a.kill()  # kill -9 of A's mount: nothing of it unmounts cleanly
@@ -117,7 +102,7 @@ def test_remounted_node_serves_the_other_nodes_rewrite(node: Callable[..., Mount
     rewrite(sb / ".acked", NEW)  # after A's lease expires: a takeover
     layer2 = os.urandom(150_000)  # shorter than A's copy: a cut made elsewhere
     rewrite(sb / "layer_0", layer2)
-    settle(b)
+    b.pushed(10.0)
 
     a.start()  # the remount after the crash (recovery)
     assert (s / ".acked").read_bytes() == NEW
@@ -125,7 +110,7 @@ def test_remounted_node_serves_the_other_nodes_rewrite(node: Callable[..., Mount
     assert (s / "layer_0").read_bytes() == layer2
     assert (s / "layer_1").read_bytes() == mine
     # B's two files read through again; layer_1's version is A's own: served from A's volume
-    assert shared_stats(a)["fetched_bytes"] == len(NEW) + len(layer2)
+    assert a.stats()["shared"]["fetched_bytes"] == len(NEW) + len(layer2)
     log = a.log_text()
     assert "of another content version" in log, log[-3000:]
 
@@ -138,11 +123,11 @@ def test_damaged_version_refetches_never_serves_stale(node: Callable[..., Mount]
     a, b = node("a"), node("b")
     name = f"damaged-{damage}"
     s = make_session(a, name, OLD, os.urandom(1000))
-    settle(a)
+    a.pushed(10.0)
     sb = b.sessions / name
     assert (sb / ".acked").read_bytes() == OLD
     rewrite(s / ".acked", NEW)
-    settle(a)
+    a.pushed(10.0)
     k = SessionKeys(name)
     r = cluster.client(cluster.master_of_key(k.vers))
     raw = r.hget(k.vers, ".acked")

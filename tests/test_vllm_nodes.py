@@ -54,20 +54,6 @@ def chat(server: VLLMServer, messages: list[dict], user: str | None = None) -> t
             (r.model_extra or {}).get("kv_transfer_params") or {})
 
 
-def shared_stats(m: Mount) -> dict:
-    return json.loads((m.root / ".kvfs" / "stats").read_text())["shared"]
-
-
-def pushed(m: Mount, timeout: float = 60.0) -> dict:
-    """Node ``m``'s shared-tier stats once nothing is queued for the tier and no lease is held."""
-    deadline = time.monotonic() + timeout
-    while True:
-        s = shared_stats(m)
-        if (s["queued_bytes"] == 0 and s["tier_leases_held"] == 0) or time.monotonic() > deadline:
-            return s
-        time.sleep(0.2)
-
-
 def stored(m: Mount, sid: str, tokens: int, timeout: float = 60.0) -> dict:
     """meta.json of ``sid`` on ``m`` once it claims ``tokens``, and pushed to the tier."""
     deadline = time.monotonic() + timeout
@@ -76,7 +62,7 @@ def stored(m: Mount, sid: str, tokens: int, timeout: float = 60.0) -> dict:
             meta = json.loads((m.sessions / sid / "meta.json").read_text())
         except (FileNotFoundError, ValueError):
             meta = {}
-        if meta.get("tokens") == tokens and pushed(m, 0.0)["queued_bytes"] == 0:
+        if meta.get("tokens") == tokens and m.stats()["shared"]["queued_bytes"] == 0:
             return meta
         if time.monotonic() > deadline:
             return meta
@@ -122,8 +108,8 @@ def test_turns_alternate_between_two_live_servers(make_mount: Callable[..., Moun
             t.join(timeout=300)
         assert set(got) == {"a", "b"} and got["a"][0] == got["b"][0]  # the same reply on both
         for n in "ab":
-            pushed(mounts[n])
-        refused = sum(shared_stats(m)["busy_refusals"] for m in mounts.values())
+            mounts[n].pushed()
+        refused = sum(m.stats()["shared"]["busy_refusals"] for m in mounts.values())
         logs = "".join((tmp_path / f"{n}.log").read_text(errors="replace") for n in "ab")
         # at most one store lost the race, and it said so; none was cut or mixed (below)
         assert refused <= 1 and (refused == 0 or "storing its KV in session" in logs), refused
@@ -131,7 +117,7 @@ def test_turns_alternate_between_two_live_servers(make_mount: Callable[..., Moun
         messages.append({"role": "user", "content": USER[5]})
 
         assert servers["a"].stop() == 0, servers["a"].log_tail()
-        stats = pushed(mounts["a"])
+        stats = mounts["a"].pushed()
         assert stats["queued_bytes"] == 0 and stats["tier_leases_held"] == 0, stats
         time.sleep(REFRESH_S + 0.2)
         servers["b"].reset_prefix_cache()  # b served the last turn itself: only kvfs has it now
@@ -140,7 +126,7 @@ def test_turns_alternate_between_two_live_servers(make_mount: Callable[..., Moun
         assert out == ref and params["kvfs_loaded_tokens"] > 0, params
         meta = stored(mounts["b"], "agent-9", params["kvfs_stored_tokens"])
         assert meta.get("tokens") == params["kvfs_stored_tokens"], meta  # whole, nothing cut
-        assert shared_stats(mounts["b"])["fetched_bytes"] > 0  # A's turns came from the tier
+        assert mounts["b"].stats()["shared"]["fetched_bytes"] > 0  # A's turns came from the tier
     finally:
         for s in servers.values():
             s.stop()

@@ -343,7 +343,7 @@ def nodes_figure(model: Path, out: Path, n: int) -> dict:
                 c.complete(WARM_UP, 4, salt="warm-up")
             convs = [turns(900 + i, 1500, 160, 4) for i in range(n)]
             histories = [hold(a, c, 48, session=f"node-{i}") for i, c in enumerate(convs)]
-            _pushed(mounts["a"])
+            mounts["a"].pushed(120.0)
             time.sleep(REFRESH_S + 0.2)  # a mount re-checks a session written elsewhere this often
             t_kv, t_re, loaded = next_turns(b, histories, turns(11, 64, 64, n), "node")
         finally:
@@ -358,16 +358,6 @@ def nodes_figure(model: Path, out: Path, n: int) -> dict:
                f"prompt, {min(x for x, _ in loaded)}-{max(x for x, _ in loaded)} loaded)",
                med(t_kv), med(t_re), "s", "<= 0.3x", r <= 0.3 and all(x > 0 for x, _ in loaded))
 
-
-def _pushed(m: Mount, timeout: float = 120.0) -> None:
-    """Wait until mount ``m`` has pushed everything it holds to the shared tier."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = json.loads((m.root / ".kvfs" / "stats").read_text())["shared"]
-        if s["queued_bytes"] == 0 and s["tier_leases_held"] == 0:
-            return
-        time.sleep(0.2)
-    raise RuntimeError(f"{m.mountpoint}: not pushed to the shared tier in {timeout} s")
 
 
 def one_node_figures(model: Path, out: Path, only: str | None, quick: bool,
