@@ -421,8 +421,8 @@ def test_release_frees_the_sessions_tensors_without_the_cyclic_collector(tmp_pat
     c = r.cache("s", model)
     generate_turns(model, c, [prompt(i, 40) for i in range(3)], 4)
     assert c.retrieval is not None and c.retrieval.device_bytes > 0  # blocks left the window
-    held = _tensors_of(c)
-    assert len(held) > 10
+    held = _tensors_of(c)  # the walk finds at least the retrieval's tensors
+    assert sum(w().numel() * w().element_size() for w in held) > c.retrieval.device_bytes
     gc.disable()
     try:
         r.release("s")

@@ -38,7 +38,7 @@ class MovableRetrieval(Protocol):
     """The part of a session's retrieval that budget moves, refill and resume touch."""
 
     @property
-    def attended_tokens(self) -> int: ...
+    def refill_tokens(self) -> int: ...
     def missing(self) -> bool: ...
     def refill(self) -> None: ...
     def release_device(self) -> int: ...
@@ -94,7 +94,7 @@ class Moves:
         if missing <= 0 and not rec and ret is None:
             self.check = False
             return
-        n_rec = sum(b - a for a, b in rec) + (ret.attended_tokens if ret is not None else 0)
+        n_rec = sum(b - a for a, b in rec) + (ret.refill_tokens if ret is not None else 0)
         if h.router is not None:
             h.router.reserve(h, (missing + n_rec) * h.geo.session_token_bytes)
         if h.spiller is not None:

@@ -360,15 +360,21 @@ class TieredLayer(DynamicLayer):
         if self.recall_keys is not None and self.recall_values is not None:
             ks.append(self.recall_keys)
             vs.append(self.recall_values)
+        joined = None
         if c.retrieval is not None:
-            rk, rv = c.retrieval.step_kv(self.idx)
-            ks += rk
-            vs += rv
+            if not ks and key_states.shape[-2] == 1:  # a decode step: the blocks' own buffer
+                joined = c.retrieval.joined(self.idx, full_k, full_v, p)
+            if joined is None:
+                rk, rv = c.retrieval.step_kv(self.idx)
+                ks += rk
+                vs += rv
             # this layer's queries choose the next step's blocks (and, in a step of several
             # tokens, its own: spliced in after the sinks and recalled rounds)
             at = p + (0 if self.recall_keys is None else self.recall_keys.shape[-2])
             c.retrieval.expect(self.idx, at if key_states.shape[-2] > 1 else None)
-        if ks:  # sinks, recalled rounds, retrieved blocks, window, input
+        if joined is not None:  # sinks, retrieved blocks, window, input: one slice
+            full_k, full_v = joined
+        elif ks:  # sinks, recalled rounds, retrieved blocks, window, input
             full_k = torch.cat([full_k[:, :, :p], *ks, full_k[:, :, p:]], dim=-2)
             full_v = torch.cat([full_v[:, :, :p], *vs, full_v[:, :, p:]], dim=-2)
         if self.idx == c.summary_layer:

@@ -3,7 +3,9 @@
 Owns, for one :class:`~kvfs.torch.cache.TieredCache`: the representatives of every block that
 has left the window (on the device, per layer: by default each key quantized to int8, else the
 centroids or Quest's bounds of :mod:`kvfs.torch.blocks`), the blocks each
-layer attends and their K/V on the device, blocks kept for reuse, the fetches that bring
+layer attends and their K/V on the device (in one buffer per layer with room for the sinks
+and the window, :mod:`kvfs.torch.attended`: a decode step attends a slice of it, no copy
+of the blocks), blocks kept for reuse, the fetches that bring
 newly chosen blocks up from the warm tier, the records of the ``key_centroids`` side stream and
 the ``retrieval`` entry of ``meta.json`` (:mod:`kvfs.torch.retrieval_store` reads them back).
 
@@ -47,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import kvfs.torch.attention as attention
+from kvfs.torch.attended import AttendedBlocks
 from kvfs.torch.blocks import (
     BlockLayout,
     Selector,
@@ -119,7 +122,10 @@ class Retrieval:
         self._scale: torch.Tensor | None = None  # [layers, H, cols * capacity] (quantized keys)
         self._queries: list[torch.Tensor | None] = [None] * n  # this step's, until the last layer
         self.chosen: list[tuple[int, ...]] = [()] * n  # blocks of the next step, in slot order
-        self._on: list[dict[int, KV]] = [{} for _ in range(n)]  # chosen blocks on the device
+        # chosen blocks on the device, in one buffer per layer with room for the sinks and for
+        # a decode step's window (it reaches back to the start of its block) and input
+        self._tail = (cache.max_kv_len or 0) + self.block
+        self._on = [AttendedBlocks(self.block, cache.sink_tokens, self._tail) for _ in range(n)]
         self._kept: list[OrderedDict[int, KV]] = [OrderedDict() for _ in range(n)]
         self._pending: list[Future | None] = [None] * n  # a read of chosen blocks from the mount
         self.written = 0  # blocks whose record is queued to the side stream
@@ -141,11 +147,17 @@ class Retrieval:
         return len(self.chosen[0]) * self.block
 
     @property
+    def refill_tokens(self) -> int:
+        """Tokens of device storage (all layers alike) a refill of the blocks the budget took
+        brings back: the blocks, and their buffer's room for the sinks and the window."""
+        return self.attended_tokens + self.c.sink_tokens + self._tail if self.attended_tokens else 0
+
+    @property
     def device_bytes(self) -> int:
         n = sum(t.numel() * t.element_size() for t in (self._cents, self._scale) if t is not None)
-        n += sum(k.numel() + v.numel() for d in (*self._on, *self._kept)
-                 for k, v in d.values()) * self.c.geo.itemsize
-        return n
+        n += sum(on.nbytes for on in self._on)
+        g = self.c.geo  # a kept block: K and V of block tokens
+        return n + sum(map(len, self._kept)) * 2 * g.num_kv_heads * self.block * g.head_dim * g.itemsize
 
     @property
     def rep_bytes(self) -> int:
@@ -164,8 +176,9 @@ class Retrieval:
         return min(blocks, max(self.attend, grown))
 
     def step_growth(self, q: int) -> int:
-        """Device bytes a step of ``q`` tokens may add at most: the chosen blocks, the blocks
-        leaving the window kept for reuse, their centroids."""
+        """Device bytes a step of ``q`` tokens may add at most: the chosen blocks (and, the first
+        time, their buffer's room for the sinks and the window), the blocks leaving the window
+        kept for reuse, their centroids."""
         c, blk = self.c, self.block
         leaving = (c.window_from(c.seen + q) - c.window_from(c.seen)) // blk
         stb = c.geo.session_token_bytes
@@ -174,7 +187,8 @@ class Retrieval:
         cap = 0 if self._cents is None else self._cents.shape[-1] // self.cols
         need = self.count[0] + leaving
         grown = need + max(8, need // 4) - cap if need > cap else 0
-        return (chosen + kept) * blk * stb + grown * self.rep_bytes
+        room = c.sink_tokens + self._tail if chosen and not self._on[0].nbytes else 0  # a new buffer's
+        return (room + (chosen + kept) * blk) * stb + grown * self.rep_bytes
 
     def window_from(self, seen: int, base: int) -> int:
         """Start of the window for ``seen`` tokens, ``base`` the start without blocks:
@@ -268,9 +282,24 @@ class Retrieval:
     # --- the attended blocks ------------------------------------------------------------------
     def step_kv(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """K and V pieces of the blocks ``layer`` attends in this step, in slot order."""
-        order = self.chosen[layer]
-        if not order:
+        if not self.chosen[layer]:
             return [], []
+        self._ready(layer)
+        return self._on[layer].pieces()
+
+    def joined(self, layer: int, full_k: torch.Tensor, full_v: torch.Tensor,
+               p: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A decode step's keys and values of ``layer``: the sinks (``full_k``'s first ``p``
+        tokens), the chosen blocks, the window and the input, as one slice of the buffer the
+        blocks live in (no copy of the blocks); None when no block is chosen."""
+        if not self.chosen[layer]:
+            return None
+        self._ready(layer)
+        return self._on[layer].around(full_k, full_v, p)
+
+    def _ready(self, layer: int) -> None:
+        """Every chosen block of ``layer`` on the device: wait for its read, read back what
+        the budget took."""
         fut = self._pending[layer]
         if fut is not None:
             if not fut.done():
@@ -282,15 +311,19 @@ class Retrieval:
             else:
                 self._settle(layer)
         on = self._on[layer]
-        if len(on) < len(order):  # the budget took them: read back (a refill)
-            on.update(self._read(layer, [b for b in order if b not in on]))
-        return [on[b][0] for b in order], [on[b][1] for b in order]
+        if not on.complete:  # the budget took them: read back (a refill)
+            self._land(layer, self._read(layer, [b for b in self.chosen[layer] if b not in on]))
+
+    def _land(self, layer: int, blocks: dict[int, KV]) -> None:
+        on = self._on[layer]
+        for b, kv in blocks.items():
+            on.put(b, kv)
 
     def _settle(self, layer: int) -> None:
         """Wait for ``layer``'s read from the mount; its blocks join the chosen ones."""
         fut, self._pending[layer] = self._pending[layer], None
         if fut is not None:
-            self._on[layer].update(fut.result())
+            self._land(layer, fut.result())
 
     def expect(self, layer: int, at: int | None = None) -> None:
         """Have this step's attention of ``layer`` hand its queries to :meth:`observe`; with
@@ -366,21 +399,22 @@ class Retrieval:
             self._settle(layer)
         old, on, kept = self.chosen[layer], self._on[layer], self._kept[layer]
         self.chosen[layer] = next_slots(old, top)
+        leaving = [(b, on.pop(b)) for b in old if b not in top and b in on]
+        on.arrange(self.chosen[layer])
         missing = []
         for b in top:
             if b in on:
                 continue
             if b in kept:
-                on[b] = kept.pop(b)
+                on.put(b, kept.pop(b))
             else:
                 missing.append(b)
-        for b in old:  # after taking from the kept ones: these go to their end
-            if b not in top and b in on:
-                self._keep_block(layer, b, on.pop(b))
+        for b, kv in leaving:  # after taking from the kept ones: these go to their end
+            self._keep_block(layer, b, kv)
         if not missing:
             return
         if self._in_ram(layer, missing):  # a copy from RAM: now, no thread
-            on.update(self._read(layer, missing))
+            self._land(layer, self._read(layer, missing))
         else:
             self._pending[layer] = layer_pool().submit(self._read, layer, missing)
             self.background_reads += 1
@@ -423,12 +457,12 @@ class Retrieval:
         """Read back the chosen blocks the budget took (before a step)."""
         for layer, ch in enumerate(self.chosen):
             on = self._on[layer]
-            if len(on) < len(ch) and self._pending[layer] is None:
-                on.update(self._read(layer, [b for b in ch if b not in on]))
+            if not on.complete and self._pending[layer] is None:
+                self._land(layer, self._read(layer, [b for b in ch if b not in on]))
 
     def release_device(self) -> int:
         """Free the chosen and kept blocks (read back before the next step); blocks freed."""
-        freed = sum(len(d) for d in (*self._on, *self._kept))
+        freed = sum(map(len, self._on)) + sum(map(len, self._kept))
         for i in range(len(self._on)):
             fut = self._pending[i]
             if fut is not None:
@@ -489,14 +523,17 @@ class Retrieval:
         self.chosen = chosen_from_meta(meta.get("retrieval"), self.layout, tokens, need,
                                        self.attend_for(need), self.c.num_layers)
         for layer in range(self.c.num_layers):
-            self._on[layer] = self._read(layer, list(self.chosen[layer])) if self.chosen[layer] else {}
+            self._on[layer] = AttendedBlocks(self.block, self.c.sink_tokens, self._tail)
+            self._on[layer].arrange(self.chosen[layer])
+            if self.chosen[layer]:
+                self._land(layer, self._read(layer, list(self.chosen[layer])))
 
     def copy_to(self, other: Retrieval) -> None:
         """Give ``other`` (a fork's, empty) this state: centroids, chosen and kept blocks."""
         for layer in range(self.c.num_layers):
             if self._pending[layer] is not None:
                 self._settle(layer)
-            other._on[layer] = {b: (k.clone(), v.clone()) for b, (k, v) in self._on[layer].items()}
+            other._on[layer] = self._on[layer].copy()
             other._kept[layer] = OrderedDict((b, (k.clone(), v.clone()))
                                              for b, (k, v) in self._kept[layer].items())
         other._cents = None if self._cents is None else self._cents.clone()

@@ -117,6 +117,8 @@ class LayerRetrieval(Protocol):
 
     def left_window(self, layer: int, first: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
     def step_kv(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]: ...
+    def joined(self, layer: int, full_k: torch.Tensor, full_v: torch.Tensor,
+               p: int) -> tuple[torch.Tensor, torch.Tensor] | None: ...
     def expect(self, layer: int, at: int | None = None) -> None: ...
 
 
@@ -135,6 +137,7 @@ class RetrievalHost(Protocol):
     geo: KVGeometry
     num_layers: int
     sink_tokens: int
+    max_kv_len: int | None
 
     @property
     def warm(self) -> WarmStore | None: ...
