@@ -330,8 +330,9 @@ class QuantizedKeys:
         hkv, d = reps.shape[-3], reps.shape[-2]
         layers = query.shape[0]
         q = query.reshape(layers * hkv, -1, d).float()
-        with _one_thread(q):
-            s = torch.bmm(q, reps.reshape(layers * hkv, d, -1).float())
+        r = reps.reshape(layers * hkv, d, -1)
+        with _one_thread(q):  # a layer at a time: its keys in float stay in the CPU's cache
+            s = torch.cat([torch.bmm(q[i:i + hkv], r[i:i + hkv].float()) for i in range(0, layers * hkv, hkv)])
         s = s * scale.reshape(layers * hkv, 1, -1)
         return _share(s, d, self.block, self.agg).reshape(layers, hkv, -1).sum(1)
 

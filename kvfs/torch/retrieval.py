@@ -440,10 +440,19 @@ class Retrieval:
         tb = c.geo.token_bytes
         if c.spiller is not None and warm.size(c.session_id, layer) < self.layout.span(max(blocks))[1] * tb:
             c.spiller.wait()  # still on its way to the warm tier
+        runs: list[list[int]] = []  # neighbouring blocks are read as one span
+        for b in sorted(blocks):
+            if runs and runs[-1][1] == b - 1:
+                runs[-1][1] = b
+            else:
+                runs.append([b, b])
         out = {}
-        for b in blocks:
-            a, e = self.layout.span(b)
-            out[b] = read_tokens(warm, c.session_id, layer, c.geo, a, e, dev, promote=False)
+        for i, (first, last) in enumerate(reversed(runs)):  # the last first: it checks the size
+            a, e = self.layout.span(first)[0], self.layout.span(last)[1]
+            k, v = read_tokens(warm, c.session_id, layer, c.geo, a, e, dev, promote=False, checked=i > 0)
+            for b in range(first, last + 1):
+                s = slice((b - first) * self.block, (b - first + 1) * self.block)
+                out[b] = (k[..., s, :], v[..., s, :])
         self.fetched_blocks += len(blocks)
         return out
 
