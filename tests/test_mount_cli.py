@@ -62,8 +62,16 @@ def test_stats_publish_the_profile_and_the_volume_identity(make_mount) -> None:
     assert stats["profile"]["name"] == "ecommerce" and stats["profile"]["max_kv_len"] == 12
     uuid = stats["store"]["volume"]["uuid"]
     assert len(uuid) == 32
+    # what an agent reads at open comes from the root's user.kvfs.mount: the same values
+    from kvfs.warm import mount_info
+
+    facts = json.loads(os.getxattr(m.root, "user.kvfs.mount"))
+    assert facts == mount_info(str(m.root))
+    assert facts["profile"] == stats["profile"] and facts["store"]["volume"]["uuid"] == uuid
+    assert facts["fs"]["direct_io"] == stats["fs"]["direct_io"] and facts["shared"] is stats["shared"] is None
     m.remount()
     assert json.loads((m.root / ".kvfs" / "stats").read_bytes())["store"]["volume"]["uuid"] == uuid
+    assert mount_info(str(m.root))["store"]["volume"]["uuid"] == uuid
 
 
 def test_already_mounted(kvfs: Mount, tmp_path: Path) -> None:

@@ -83,6 +83,9 @@ def stats(m: Mount) -> dict:
 
 def test_another_user_reads_nothing_through_any_node(node: Callable[..., Mount]) -> None:
     a, b, c = node("a"), node("b"), node("c")
+    from kvfs.warm import mount_info
+
+    assert mount_info(str(a.root))["shared"] is not None  # what tells an agent to take leases
     alice, bob = As(ALICE), As(BOB)
     try:
         s_a, s_b = f"{a.sessions}/al", f"{b.sessions}/al"

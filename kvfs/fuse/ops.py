@@ -96,6 +96,7 @@ T = TypeVar("T")
 
 LEASE_XATTR = b"user.kvfs.lease"
 CHANNEL_XATTR = b"user.kvfs.channel"  # on the root: the native channel's socket (one small answer)
+MOUNT_XATTR = b"user.kvfs.mount"  # on the root: what an agent takes from /.kvfs/stats at open
 FLUSH_AT = 1 << 20  # a file's write buffer is handed to the engine at this size
 ENTRY_MAX = 256 << 10  # cut into ring entries of at most this size (docs/mount.md)
 
@@ -552,10 +553,16 @@ class Operations(pyfuse3.Operations):
         """``user.kvfs.lease`` of a session directory: the node that holds the session's
         lease in the shared tier (what an agent refused with EBUSY names); ``user.kvfs.channel``
         of the root: the native channel's socket and version, so a client finds it without
-        the mount rendering ``/.kvfs/stats``."""
+        the mount rendering ``/.kvfs/stats``; ``user.kvfs.mount`` of the root: the part of
+        ``/.kvfs/stats`` an agent reads when it opens the mount (profile, volume identity,
+        direct I/O, whether a shared tier is on), in the same shape, without the counters."""
         if inode == ROOT and name == CHANNEL_XATTR and self.channel is not None:
             info = self.channel.info()
             return json.dumps({"socket": info["socket"], "version": info["version"]}).encode()
+        if inode == ROOT and name == MOUNT_XATTR:
+            return json.dumps({"profile": self.profile, "store": {"volume": {"uuid": self.store.volume_id}},
+                               "fs": {"direct_io": self.direct_io},
+                               "shared": {} if self.shared.enabled else None}, default=str).encode()
         if inode in FIXED or name != LEASE_XATTR:
             raise FUSEError(errno.ENODATA)
         key = self.key_of(inode)

@@ -33,11 +33,23 @@ from .ids import WarmBusy, WarmError
 log = logging.getLogger("kvfs.warm")
 
 
+MOUNT_XATTR = "user.kvfs.mount"
+
+
 def mount_info(root: str | None) -> dict[str, Any] | None:
-    """What a kvfs mount publishes in ``/.kvfs/stats`` (its profile, the volume's identity,
-    its shared tier and native channel); None for a plain directory or no mount."""
+    """What a kvfs mount publishes for the agents that open it: its profile, the volume's
+    identity, direct I/O, its shared tier (``/.kvfs/stats``'s shape). From the root's
+    ``user.kvfs.mount`` (one small answer), else ``/.kvfs/stats`` (a kvfs before it;
+    rendering every counter costs the mount milliseconds); None for a plain directory or
+    no mount."""
     if root is None:
         return None
+    try:
+        facts = json.loads(os.getxattr(root, MOUNT_XATTR))
+        if isinstance(facts, dict):
+            return facts
+    except (OSError, ValueError):
+        pass
     try:
         with open(os.path.join(root, ".kvfs", "stats"), "rb") as f:
             stats = json.loads(f.read())
