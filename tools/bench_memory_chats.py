@@ -36,13 +36,34 @@ def answer_ids(tok: Any, prefix: str, want: str) -> list[int]:
     return both[len(head):] if both[:len(head)] == head else enc(f" {want}")
 
 
+def fact_cover(cache: Any, rendered: Any, fact_round: int) -> list[int] | None:
+    """Where each layer's keys hold the fact's round when the answer begins (after the
+    question's step): 2 in the sinks or the window (a part of it), 1 among the blocks
+    chosen for the next step, 0 in neither; None without retrieval."""
+    ret = getattr(cache, "retrieval", None)
+    if ret is None:
+        return None
+    start = sum(map(len, rendered.rounds[:fact_round]))
+    end = start + len(rendered.rounds[fact_round])
+    lay = ret.layout
+    first, last = (max(start, lay.origin) - lay.origin) // lay.block, (end - 1 - lay.origin) // lay.block
+    out = []
+    for layer, chosen in enumerate(ret.chosen):
+        if end <= lay.origin or last >= ret.count[layer]:  # in the sinks, or not all out of the window
+            out.append(2)
+        else:
+            out.append(int(any(first <= b <= last for b in chosen)))
+    return out
+
+
 def run_chat(model: Any, tok: Any, configs: Configs, name: str, chat: Any, rendered: Any,
-             new_tokens: int, forced: bool = False) -> list[Any]:
+             new_tokens: int, forced: bool = False, covers: list[Any] | None = None) -> list[Any]:
     """Feed ``rendered`` round by round under configuration ``name``; families d and e
     resume or fork the session after round ``chat.break_after``; the answer to each question
     (``forced``: instead of generating, the prefix and the wanted answer are fed one token a
     step, and each question gives ``(log-probability of the answer's tokens, whether each
-    was the most likely)``: what greedy decoding would have written, and how close it was)."""
+    was the most likely)``: what greedy decoding would have written, and how close it was).
+    ``covers`` gains, per question, :func:`fact_cover` of the fact it asks about."""
     import torch
 
     cache, sid = configs.session(name)
@@ -73,6 +94,8 @@ def run_chat(model: Any, tok: Any, configs: Configs, name: str, chat: Any, rende
             for k, (q, prefix) in enumerate(rendered.questions):
                 if forced:  # the prefix as generate feeds it (one step), then the answer
                     feed((rendered.after_answer if k else []) + q)
+                    if covers is not None:
+                        covers.append(fact_cover(cache, rendered, chat.fact_rounds[k]))
                     logits = feed(prefix, end=False)
                     lp, ok = 0.0, True
                     for t in answer_ids(tok, chat.questions[k].prefix, chat.questions[k].want[0]):
@@ -85,6 +108,8 @@ def run_chat(model: Any, tok: Any, configs: Configs, name: str, chat: Any, rende
                         cache.end_round()
                     continue
                 feed((rendered.after_answer if k else []) + q)
+                if covers is not None:
+                    covers.append(fact_cover(cache, rendered, chat.fact_rounds[k]))
                 x = torch.tensor([ids + prefix])
                 out = model.generate(x, attention_mask=torch.ones_like(x), cache=cache,
                                      max_new_tokens=new_tokens, do_sample=False)
@@ -170,6 +195,44 @@ def twin_rows(records: list[dict[str, Any]], names: list[str]) -> list[dict[str,
     return rows
 
 
+def cover_rows(records: list[dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:
+    """Per configuration with retrieval, of the questions the full cache answers correctly
+    whose fact had left the window: for those it also answers (``hit``) and those it misses,
+    how many layers attended the fact's round when the answer began, and each layer's share
+    of those questions in which it did (:func:`fact_cover`)."""
+    ref = {(r["chat"], r["format"], r["question"]) for r in records
+           if r["config"] == "full" and r["verdict"] == "correct"}
+    rows = []
+    for name in names:
+        groups: dict[str, list[list[int]]] = {"hit": [], "miss": []}
+        for r in records:
+            cov = r.get("cover")
+            if r["config"] != name or not cov or (r["chat"], r["format"], r["question"]) not in ref:
+                continue
+            if all(c == 2 for c in cov):  # still in the window: nothing to choose
+                continue
+            groups["hit" if r["verdict"] == "correct" else "miss"].append(cov)
+        for g, covs in groups.items():
+            if covs:
+                layers = len(covs[0])
+                rows.append({"config": name, "group": g, "questions": len(covs),
+                             "layers_attending": sum(sum(c > 0 for c in cov) for cov in covs) / len(covs),
+                             "of_layers": layers,
+                             "per_layer": [sum(cov[i] > 0 for cov in covs) / len(covs) for i in range(layers)]})
+    return rows
+
+
+def print_covers(rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        return
+    print("\nlayers attending the fact's round as the answer begins (questions the full cache "
+          "answers, fact out of the window)")
+    for r in rows:
+        per = " ".join(f"{round(9 * s)}" for s in r["per_layer"])
+        print(f"  {r['config']:>20} {r['group']:>4}: {r['questions']:>3} questions, "
+              f"{r['layers_attending']:.1f} of {r['of_layers']} layers; per layer (0-9): {per}")
+
+
 def print_twins(rows: list[dict[str, Any]]) -> None:
     if not rows:
         return
@@ -226,7 +289,8 @@ def run_chats(model: Any, tok: Any, names: list[str], split: str, families: list
                 verdicts = []
                 for name in names:
                     t0 = time.perf_counter()
-                    answers = run_chat(model, tok, configs, name, chat, rendered, new_tokens, forced)
+                    covers: list[Any] = []
+                    answers = run_chat(model, tok, configs, name, chat, rendered, new_tokens, forced, covers)
                     for k, (q, a) in enumerate(zip(chat.questions, answers, strict=True)):
                         lp = None
                         if forced:
@@ -237,6 +301,7 @@ def run_chats(model: Any, tok: Any, names: list[str], split: str, families: list
                                         "format": fmt, "config": name, "question": k,
                                         "depth": chat.depths[k], "tokens": rendered.tokens,
                                         "answer": a, "want": q.want[0], "verdict": v, "logprob": lp,
+                                        "cover": covers[k] if k < len(covers) else None,
                                         "seconds": round(time.perf_counter() - t0, 1)})
                 log.info("chat %s %s (%d tokens): %s", chat.name, fmt, rendered.tokens, ", ".join(verdicts))
                 if jsonl:
@@ -293,6 +358,7 @@ def chats_report(model: Any, tok: Any, names: list[str], args: Any) -> dict[str,
                      f"{time.time() - t0:.0f} s")
     twins = twin_rows(records, names)
     print_twins(twins)
+    print_covers(cover_rows(records, names))
     if args.plot:
         chat_plot(records, names, args.plot)
         log.info("plot written to %s", args.plot)
@@ -314,6 +380,7 @@ def merge(paths: list[str], plot: str | None = None) -> list[dict[str, Any]]:
     rows = chat_rows(records, names)
     print_rows(rows, f"held-out chats, {len(paths)} runs merged")
     print_twins(twin_rows(records, names))
+    print_covers(cover_rows(records, names))
     if plot:
         chat_plot(records, names, plot)
     return rows
