@@ -4,10 +4,16 @@ them through ``kvfs.session.names`` (so a new session file is added there, once)
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+import pytest
+
 import kvfs
+from kvfs.mount_runner import HAVE_FUSE, Mount
 from kvfs.session import names
+from kvfs.warm import WarmTier
 
 PKG = Path(kvfs.__file__).resolve().parent
 FILE_NAMES = {names.META, names.ACKED, names.TOKENS, names.SUMMARIES, names.INCARNATION,
@@ -84,3 +90,42 @@ def test_the_check_finds_each_kind_of_spelling(tmp_path: Path) -> None:
     assert sorted(g.split(" ", 1)[1] for g in got) == sorted([
         "spells 'meta.json'", "builds layer_<n>", "spells 'tokens'", "spells 'key_centroids'",
         "matches 'layer_(0|[1-9][0-9]*)'"]), got
+
+
+@pytest.fixture(params=["dir", "mount"])
+def cold_root(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "dir":
+        (tmp_path / "cold" / "sessions").mkdir(parents=True)
+        yield str(tmp_path / "cold")
+        return
+    if not HAVE_FUSE:
+        pytest.skip("/dev/fuse is absent")
+    m = Mount(tmp_path / "vol.kvfs", tmp_path / "mnt", "64M").start()
+    yield str(m.mountpoint)
+    assert m.stop() == 0, m.log_text()
+
+
+def test_a_new_append_only_session_file_is_one_entry_of_the_names(cold_root, tmp_path, monkeypatch) -> None:
+    """Add a file to every session (here ``round_notes``) by one entry in
+    ``kvfs.session.names``: the RAM tier stores, checksums and writes it behind, the mount
+    holds it as a plain file, a fork and a new process read it back, a delete removes it.
+    Nothing outside kvfs/session names it (the producer calls ``side_append``)."""
+    new = "round_notes"
+    monkeypatch.setitem(names.SIDE_STREAMS, new, names.SIDE_BASE + 1)
+    monkeypatch.setitem(names._SIDE_NAMES, names.SIDE_BASE + 1, new)
+    notes = np.random.default_rng(3).integers(0, 256, 5000, dtype=np.uint8)
+    with WarmTier(cold_root, str(tmp_path / "warm"), shards=4, writebehind=False) as w:
+        w.append("s", 0, notes[:1000])
+        assert w.side_append("s", new, notes[:3000]) == 3000
+        assert w.side_append("s", new, notes[3000:]) == 5000
+        w.put_meta("s", {"tokens": 1, "rounds": [[0, 1]]})
+        w.sync("s")
+        assert (Path(cold_root) / "sessions" / "s" / new).read_bytes() == notes.tobytes()
+        w.fork("s", "t")
+        assert np.array_equal(w.side_read("t", new, 0, 5000), notes)
+    with WarmTier(cold_root, str(tmp_path / "warm2"), shards=4) as w:  # RAM empty: from the mount
+        assert w.side_size("s", new) == 5000
+        assert np.array_equal(w.side_read("s", new, 1000, 5000), notes[1000:])
+        w.delete("s")
+        assert not (Path(cold_root) / "sessions" / "s").exists()
+        assert (Path(cold_root) / "sessions" / "t" / new).read_bytes() == notes.tobytes()

@@ -261,7 +261,7 @@ async def checkpointer(ops: Operations, store: Store) -> None:
             log.exception("periodic checkpoint failed")
 
 
-async def alert_loop(engine: Any, interval_s: float) -> None:
+async def alert_loop(engine: alerts.AlertEngine, interval_s: float) -> None:
     sampler = alerts.MetricsSampler()
     while True:
         await trio.sleep(interval_s)
@@ -304,7 +304,7 @@ def _unescape(field: str) -> str:
 
 
 async def serve(ops: Operations, store: Store, profile: profiles.Profile,
-                alert_engine: Any, mountpoint: str | None = None,
+                alert_engine: alerts.AlertEngine | None, mountpoint: str | None = None,
                 read_ahead_kb: int = READ_AHEAD_KB) -> None:
     """The FUSE loop and its companions; returns after ``umount`` or a signal."""
     # what start-up built (the index, modules) is never garbage: keep the collector's full

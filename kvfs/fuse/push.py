@@ -18,12 +18,16 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvfs.engine import errors
 from kvfs.ops import metrics
 from kvfs.session.names import META, is_claim
 from kvfs.shared import NotAppend, NotFoundShared, Owner
+
+if TYPE_CHECKING:
+    from kvfs.engine.store import Store
+    from kvfs.shared.tier import SharedTier
 
 log = logging.getLogger("kvfs.shared.mount")
 
@@ -52,7 +56,7 @@ class Remove:
 class Pusher:
     """Pushes one session's changes at a time from the replicator thread."""
 
-    def __init__(self, tier: Any, store: Any, engine_lock: threading.Lock,
+    def __init__(self, tier: SharedTier, store: Store, engine_lock: threading.Lock,
                  versions: dict[tuple[str, ...], str | None] | None = None) -> None:
         self.tier, self.store, self._engine_lock = tier, store, engine_lock
         self.versions = {} if versions is None else versions

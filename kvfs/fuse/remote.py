@@ -41,10 +41,11 @@ import dataclasses
 import errno
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 from pyfuse3 import FUSEError
@@ -66,6 +67,10 @@ from .hooks import Local
 from .nodes import Key, Node, shown
 from .replica import META, Replicator
 
+if TYPE_CHECKING:
+    from kvfs.engine.store import Store
+    from kvfs.shared.tier import SharedTier
+
 log = logging.getLogger("kvfs.shared.mount")
 
 REFRESH_S = 1.0  # a session read here but written elsewhere is re-checked this often
@@ -79,7 +84,7 @@ class Remote(Local):
 
     enabled = True
 
-    def __init__(self, tier: Any, store: Any, call: Callable[..., Any], engine_lock: Any,
+    def __init__(self, tier: SharedTier, store: Store, call: Callable[..., Any], engine_lock: threading.Lock | None,
                  queue_max: int, fsync_wait_s: float, entry_max: int) -> None:
         self.tier, self.store, self.call = tier, store, call
         self.fsync_wait_s, self.entry_max = fsync_wait_s, entry_max

@@ -34,7 +34,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvfs.engine import errors
 from kvfs.shared import (
@@ -49,6 +49,10 @@ from kvfs.shared import (
 )
 
 from .push import META, Append, Pusher, Remove, Truncate
+
+if TYPE_CHECKING:
+    from kvfs.engine.store import Store
+    from kvfs.shared.tier import SharedTier
 
 log = logging.getLogger("kvfs.shared.mount")
 
@@ -75,7 +79,7 @@ class SessionQueue:
 class Replicator:
     """Pushes queued session changes to a ``SharedTier`` from one thread."""
 
-    def __init__(self, tier: Any, store: Any, engine_lock: threading.Lock | None,
+    def __init__(self, tier: SharedTier, store: Store, engine_lock: threading.Lock | None,
                  queue_max: int, versions: dict[tuple[str, ...], str | None] | None = None
                  ) -> None:
         self.tier, self.store, self.queue_max = tier, store, queue_max
