@@ -27,6 +27,17 @@ log = logging.getLogger("kvfs.session")
 MAX_ROUNDS = 1 << 20
 _INTS = ("num_layers", "num_kv_heads", "head_dim", "tokens")
 META_KEYS = ("format", "model", "num_layers", "num_kv_heads", "head_dim", "dtype", "tokens", "rounds")
+#: the ``format`` of the meta.json documents kvfs writes
+META_FORMAT = "kvfs-kv/1"
+
+
+def meta_doc(model: str, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str, tokens: int,
+             rounds: list[list[int]]) -> dict[str, Any]:
+    """The ``meta.json`` document (exactly ``META_KEYS``, docs/format.md): the model's
+    fingerprint and KV geometry, the tokens claimed, the rounds as ``[start, end)``."""
+    return {"format": META_FORMAT, "model": model, "num_layers": int(num_layers),
+            "num_kv_heads": int(num_kv_heads), "head_dim": int(head_dim), "dtype": dtype,
+            "tokens": int(tokens), "rounds": [[int(a), int(b)] for a, b in rounds]}
 
 
 def _is_int(v: object) -> bool:
@@ -113,7 +124,7 @@ def tokens_claimed(raw: bytes) -> int:
 def check_meta_doc(meta: object, fmt: str, sid: str = "?") -> dict[str, Any]:
     """``meta`` if it is a meta.json document kvfs writes in format ``fmt``, else
     SessionCorrupt naming the first bad field. Checks shape only: whether it is this
-    model's is the caller's (``kvfs.torch.fingerprint.check_meta``)."""
+    model's is the caller's (the hot tier compares the model and the KV geometry)."""
     where = f"session {sid!r}: {META}"
     if not isinstance(meta, dict):
         raise SessionCorrupt(f"{where} is not a JSON object")

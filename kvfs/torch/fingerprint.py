@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-FORMAT = "kvfs-kv/1"
+from kvfs.session import SessionCorrupt
+from kvfs.session.formats import META_FORMAT, check_meta_doc, meta_doc
 
 #: config keys that do not change what the KV bytes mean (bookkeeping, runtime switches)
 _VOLATILE_KEYS = frozenset({
@@ -207,27 +208,22 @@ def geometry(model_or_config: Any, dtype: torch.dtype | None = None) -> KVGeomet
 
 
 def build_meta(fp: str, geo: KVGeometry, tokens: int, rounds: list[list[int]]) -> dict:
-    """The ``meta.json`` document (exactly the keys docs/format.md lists)."""
-    return {
-        "format": FORMAT,
-        "model": fp,
-        "num_layers": geo.num_layers,
-        "num_kv_heads": geo.num_kv_heads,
-        "head_dim": geo.head_dim,
-        "dtype": dtype_name(geo.dtype),
-        "tokens": int(tokens),
-        "rounds": [[int(a), int(b)] for a, b in rounds],
-    }
+    """The ``meta.json`` document of a session of this model (:func:`kvfs.session.formats.meta_doc`)."""
+    return meta_doc(fp, geo.num_layers, geo.num_kv_heads, geo.head_dim, dtype_name(geo.dtype), tokens, rounds)
+
+
+def checked_meta(meta: Any, sid: str = "?") -> dict:
+    """``meta`` if it is a ``meta.json`` document kvfs writes (its shape: the session
+    package's check), else :class:`KVCorrupt` naming the first bad field."""
+    try:
+        return check_meta_doc(meta, META_FORMAT, sid)
+    except SessionCorrupt as e:
+        raise KVCorrupt(str(e)) from None
 
 
 def check_meta(meta: Any, fp: str, geo: KVGeometry, sid: str = "?") -> None:
     """Raise :class:`KVCorrupt` for a malformed document, :class:`KVMismatch` for another model."""
-    need = ("format", "model", "num_layers", "num_kv_heads", "head_dim", "dtype", "tokens", "rounds")
-    if not isinstance(meta, dict) or any(k not in meta for k in need):
-        missing = [k for k in need if not isinstance(meta, dict) or k not in meta]
-        raise KVCorrupt(f"session {sid!r}: meta.json lacks {missing}")
-    if meta["format"] != FORMAT:
-        raise KVCorrupt(f"session {sid!r}: meta.json format {meta['format']!r}, expected {FORMAT!r}")
+    checked_meta(meta, sid)
     if meta["model"] != fp:
         raise KVMismatch(
             f"session {sid!r} was written by model {meta['model']}, not by this model ({fp}); "
@@ -238,15 +234,6 @@ def check_meta(meta: Any, fp: str, geo: KVGeometry, sid: str = "?") -> None:
         raise KVMismatch(
             f"session {sid!r}: stored KV is (layers, kv_heads, head_dim, dtype)={tuple(stored)}, "
             f"this model needs {mine}")
-    tokens, rounds = meta["tokens"], meta["rounds"]
-    if not isinstance(tokens, int) or tokens < 0:
-        raise KVCorrupt(f"session {sid!r}: meta.json tokens={tokens!r}")
-    prev = 0
-    for r in rounds:
-        if (not isinstance(r, list | tuple) or len(r) != 2 or not all(isinstance(x, int) for x in r)
-                or not prev <= r[0] <= r[1] <= tokens):
-            raise KVCorrupt(f"session {sid!r}: meta.json round {r!r} is not inside [0, {tokens}]")
-        prev = r[1]
 
 
 # --- tensors <-> token-major bytes ---------------------------------------------------------

@@ -27,8 +27,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvfs.session import SessionCorrupt, files
-from kvfs.session.formats import check_claim, check_meta_doc
-from kvfs.torch.fingerprint import FORMAT, KVCorrupt, KVGeometry, check_meta
+from kvfs.session.formats import check_claim
+from kvfs.torch.fingerprint import KVCorrupt, KVGeometry, check_meta, checked_meta
 from kvfs.torch.seams import WarmStore
 
 log = logging.getLogger("kvfs.torch")
@@ -37,10 +37,7 @@ log = logging.getLogger("kvfs.torch")
 def check(meta: Any, sid: str = "?") -> dict:
     """``meta`` if it is a ``meta.json`` document kvfs writes, else KVCorrupt naming the
     first bad field. Checks shape only: ``check_meta`` compares it with a model."""
-    try:
-        return check_meta_doc(meta, FORMAT, sid)
-    except SessionCorrupt as e:
-        raise KVCorrupt(str(e)) from None
+    return checked_meta(meta, sid)
 
 
 def stored(warm: WarmStore, sid: str) -> dict | None:
