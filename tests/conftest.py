@@ -28,7 +28,7 @@ from kvfs.mount_runner import (  # noqa: F401 - re-exported for the test modules
     run_mount,
     wait_unmounted,
 )
-from kvfs.shared.testing import HAVE_REDIS, Cluster
+from kvfs.shared.local_cluster import HAVE_REDIS, Cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -29,9 +29,9 @@ pytest.importorskip("transformers")
 
 from kvfs.mount_runner import Mount
 from kvfs.shared.chunks import SessionKeys
-from kvfs.shared.testing import Cluster
+from kvfs.shared.local_cluster import Cluster
 from kvfs.torch import KVRouter, TieredCache
-from kvfs.torch.testing import (
+from kvfs.torch.reference import (
     continue_turns,
     conversation,
     generate_turns,
@@ -58,7 +58,7 @@ AGENT = r"""
 import json, os, sys, time
 import torch
 from kvfs.torch import KVRouter
-from kvfs.torch.testing import generate_turns, tiny_llama
+from kvfs.torch.reference import generate_turns, tiny_llama
 a = json.loads(sys.argv[1])
 r = KVRouter(mount=a["mount"], retrieval=False, warm_root=a["warm"], max_kv_len=a["window"],
              warm_options={"shards": 16})

@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 from kvfs.mount_runner import Mount
 from kvfs.ops.profiles import user_path
 from kvfs.torch import KVRouter, geometry
-from kvfs.torch.testing import generate_turns, prompt, tiny_llama
+from kvfs.torch.reference import generate_turns, prompt, tiny_llama
 from kvfs.warm import WarmError
 
 WINDOW, NEW = 8, 5
@@ -60,7 +60,7 @@ CHILD = r"""
 import json, sys, time
 import torch
 from kvfs.torch import KVRouter
-from kvfs.torch.testing import generate_turns, tiny_llama
+from kvfs.torch.reference import generate_turns, tiny_llama
 a = json.loads(sys.argv[1])
 r = KVRouter(mount=a["mount"], warm_root=a["warm"], max_kv_len=a["window"],
              warm_options={"shards": 16}, **a["retrieval"])
@@ -163,7 +163,7 @@ def test_two_volumes_on_one_host_never_mix(make_mount, tmp_path: Path) -> None:
 HOLDER = r"""
 import sys, time
 from kvfs.torch import KVRouter
-from kvfs.torch.testing import generate_turns, prompt, tiny_llama
+from kvfs.torch.reference import generate_turns, prompt, tiny_llama
 r = KVRouter(mount=sys.argv[1], warm_root=sys.argv[2], max_kv_len=8, warm_options={"shards": 16})
 m = tiny_llama(seed=0)
 generate_turns(m, r.cache("held", m), [prompt(1, 6)], 3)

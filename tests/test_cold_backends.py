@@ -30,7 +30,7 @@ from kvfs.session import (
 )
 from kvfs.session.formats import dump_meta
 from kvfs.session.names import MAX_SMALL, META, SUMMARIES, TOKENS, layer_name
-from kvfs.shared.testing import HAVE_REDIS, Cluster
+from kvfs.shared.local_cluster import HAVE_REDIS, Cluster
 from kvfs.warm.coldopen import open_cold
 
 KINDS = ["dir", "files", "channel", "shared"]

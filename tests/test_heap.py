@@ -52,7 +52,7 @@ def test_router_trims_after_releases_at_most_once_per_interval(tmp_path) -> None
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from kvfs.torch import KVRouter
-    from kvfs.torch.testing import tiny_llama
+    from kvfs.torch.reference import tiny_llama
 
     model = tiny_llama(seed=0)
     calls: list[int] = []

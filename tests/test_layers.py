@@ -132,7 +132,7 @@ def test_warm_tier_loads_no_torch_or_fuse() -> None:
 
 def test_vllm_package_root_is_light() -> None:
     """``kvfs.vllm`` (and its test helpers) load without vLLM: agents and tests import them."""
-    assert not _loaded_after("import kvfs.vllm, kvfs.vllm.testing") & {"vllm", "torch"}
+    assert not _loaded_after("import kvfs.vllm, kvfs.vllm.server_runner") & {"vllm", "torch"}
 
 
 def test_session_package_loads_no_torch_or_fuse() -> None:

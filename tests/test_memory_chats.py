@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 import memory_chats as mc  # noqa: E402
 
-from kvfs.torch.testing import smollm2_gguf  # noqa: E402
+from kvfs.torch.reference import smollm2_gguf  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     smollm2_gguf() is None or importlib.util.find_spec("gguf") is None,

@@ -20,7 +20,7 @@ import pytest
 from conftest import Mount, run_mount
 
 from kvfs.shared.chunks import SessionKeys
-from kvfs.shared.testing import Cluster, free_ports, secret_file
+from kvfs.shared.local_cluster import Cluster, free_ports, secret_file
 from kvfs.shared.tier import CHUNK_BYTES
 
 # short leases and fsync waits keep the takeover and outage cases quick

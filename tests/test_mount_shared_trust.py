@@ -31,8 +31,8 @@ import pytest
 
 from kvfs.mount_runner import HAVE_FUSE, As, Mount, run_mount
 from kvfs.shared.chunks import Codec, SessionKeys
+from kvfs.shared.local_cluster import HAVE_REDIS, Cluster
 from kvfs.shared.seal import Sealer
-from kvfs.shared.testing import HAVE_REDIS, Cluster
 
 PASSWORD = "kv-Pa55word-for-tests"
 FAST = ("-o", "shared_lease_s=3s", "-o", "shared_fsync_wait_s=2s")
@@ -261,7 +261,7 @@ def test_session_moves_across_nodes_over_tls(node: Callable[..., Mount], tls_clu
                                              tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     from kvfs.torch import KVRouter, TieredCache
-    from kvfs.torch.testing import generate_turns, profile_rope, prompt, tiny_llama
+    from kvfs.torch.reference import generate_turns, profile_rope, prompt, tiny_llama
 
     a = node("ta", "-o", "shared_encrypt=true", c=tls_cluster)
     b = node("tb", "-o", "shared_encrypt=true", c=tls_cluster)

@@ -17,7 +17,7 @@ import pytest
 
 from kvfs.mount_runner import Mount
 from kvfs.shared.chunks import SessionKeys
-from kvfs.shared.testing import Cluster
+from kvfs.shared.local_cluster import Cluster
 
 FAST = ("-o", "shared_lease_s=2s", "-o", "shared_fsync_wait_s=1s")
 OLD, NEW = b'{"tokens": 1139}', b'{"tokens": 1187}'  # the same size

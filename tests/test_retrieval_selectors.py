@@ -15,8 +15,8 @@ pytest.importorskip("kvfs.warm")
 import kvfs.torch.retrieval as retrieval  # noqa: E402
 from kvfs.torch import KVRouter, TieredCache, geometry  # noqa: E402
 from kvfs.torch.blocks import QuantizedKeys, scale_layout, scoring_layout, selector  # noqa: E402
+from kvfs.torch.reference import generate_turns, prompt, tiny_llama  # noqa: E402
 from kvfs.torch.retrieval import FRESH_BLOCKS  # noqa: E402
-from kvfs.torch.testing import generate_turns, prompt, tiny_llama  # noqa: E402
 from kvfs.warm import WarmTier  # noqa: E402
 
 WARM_OPTS = {"shards": 16}
@@ -110,7 +110,7 @@ def test_int8_scores_as_the_keys_it_stands_for():
 def test_the_default_follows_the_rule(tmp_path, model):
     """The default selector (exact scores over int8 keys, held over decode steps that add
     no block) chooses what the reference written from the rule chooses, token for token."""
-    from kvfs.torch.testing import RetrievalReference
+    from kvfs.torch.reference import RetrievalReference
 
     assert retrieval.DEFAULT_SELECTOR == "int8-sum" and not selector("int8-sum", 4).every_step
     warm = WarmTier(cold_root=None, root=str(tmp_path / "warm"), **WARM_OPTS)

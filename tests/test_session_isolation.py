@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from kvfs.torch import KVRouter, SpillError
-from kvfs.torch.testing import prompt, tiny_llama
+from kvfs.torch.reference import prompt, tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from kvfs.shared import (
     SharedUnavailable,
 )
 from kvfs.shared.chunks import HEADER_SIZE, SessionKeys
-from kvfs.shared.testing import Cluster, free_ports
+from kvfs.shared.local_cluster import Cluster, free_ports
 
 C = 4096   # small chunks: many boundaries with little data
 SECRET = b"test cluster secret, 32 bytes or more"
@@ -57,7 +57,7 @@ def _fill(t: SharedTier, session: str, file: str, data: bytes, steps: list[int])
 def test_imports_stay_light() -> None:
     """kvfs.shared uses only the engine's errors and the session's file names from kvfs,
     and loads no FUSE, trio or torch."""
-    code = "import sys, kvfs.shared, kvfs.shared.testing; print(' '.join(sys.modules))"
+    code = "import sys, kvfs.shared, kvfs.shared.local_cluster; print(' '.join(sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded = {m.split(".")[0] for m in out.stdout.split()}
     assert not loaded & {"pyfuse3", "trio", "torch", "transformers"}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvfs.shared import SharedTier
-from kvfs.shared.testing import HAVE_REDIS, Cluster
+from kvfs.shared.local_cluster import HAVE_REDIS, Cluster
 
 CONF = Path(__file__).resolve().parent.parent / "deploy" / "redis-cluster.conf"
 

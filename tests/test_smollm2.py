@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvfs.torch.testing import smollm2_gguf  # noqa: E402
+from kvfs.torch.reference import smollm2_gguf  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
@@ -29,7 +29,7 @@ NEW = 12
 
 @pytest.fixture(scope="module")
 def smol():
-    from kvfs.torch.testing import load_smollm2
+    from kvfs.torch.reference import load_smollm2
 
     torch.set_num_threads(2)
     return load_smollm2()

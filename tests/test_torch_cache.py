@@ -20,7 +20,7 @@ from transformers import DynamicCache
 
 from kvfs.torch import KVCorrupt, Spiller, SpillError, TieredCache
 from kvfs.torch.recall import summarize_keys
-from kvfs.torch.testing import WindowReference, generate_turns, prompt, tiny_llama, token_major
+from kvfs.torch.reference import WindowReference, generate_turns, prompt, tiny_llama, token_major
 
 REPO = Path(__file__).resolve().parents[1]
 

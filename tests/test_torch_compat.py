@@ -26,7 +26,7 @@ def test_unreadable_version_is_refused():
 
 def test_a_cache_is_not_built_over_an_older_transformers(monkeypatch):
     from kvfs.torch import TieredCache, compat
-    from kvfs.torch.testing import tiny_llama
+    from kvfs.torch.reference import tiny_llama
 
     model = tiny_llama(seed=0)
     monkeypatch.setattr(compat, "installed_transformers", lambda: "5.17.0")

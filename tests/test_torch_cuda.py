@@ -19,7 +19,7 @@ pytest.importorskip("kvfs.warm")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 from kvfs.torch import KVRouter, Spiller, TieredCache
-from kvfs.torch.testing import WindowReference, generate_turns, prompt, tiny_llama, token_major
+from kvfs.torch.reference import WindowReference, generate_turns, prompt, tiny_llama, token_major
 
 
 @pytest.fixture(scope="module")

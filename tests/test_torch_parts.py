@@ -18,9 +18,9 @@ pytest.importorskip("transformers")
 
 import kvfs.torch as kt
 from kvfs.torch.recall import summarize_keys
+from kvfs.torch.reference import prompt, tiny_llama
 from kvfs.torch.rotation import SinkRotation
 from kvfs.torch.rounds import Rounds
-from kvfs.torch.testing import prompt, tiny_llama
 
 TORCH = Path(kt.__file__).resolve().parent
 TINY = tiny_llama()

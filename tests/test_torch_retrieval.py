@@ -22,9 +22,9 @@ pytest.importorskip("kvfs.warm")
 
 from kvfs.torch import KVRouter, KVUnsupported, TieredCache, geometry
 from kvfs.torch.blocks import HEADER_BYTES, STREAM, BlockLayout, centroids_of_keys
+from kvfs.torch.reference import RetrievalReference, generate_turns, prompt, tiny_llama
 from kvfs.torch.retrieval import FRESH_BLOCKS
 from kvfs.torch.retrieval_store import chosen_from_meta
-from kvfs.torch.testing import RetrievalReference, generate_turns, prompt, tiny_llama
 from kvfs.warm import WarmTier
 
 REPO = Path(__file__).resolve().parents[1]
@@ -163,7 +163,7 @@ def test_resume_continues_like_a_run_that_never_stopped(tmp_path, model, where):
 CHILD = r"""
 import json, sys
 import torch
-from kvfs.torch.testing import tiny_llama
+from kvfs.torch.reference import tiny_llama
 from kvfs.torch import KVRouter, geometry
 a = json.loads(sys.argv[1])
 import kvfs.torch.retrieval

@@ -17,8 +17,7 @@ pytest.importorskip("transformers")
 from kvfs.torch import TieredCache
 from kvfs.torch.fingerprint import KVUnsupported
 from kvfs.torch.recall import read_tokens
-from kvfs.torch.rope import RopeShift
-from kvfs.torch.testing import (
+from kvfs.torch.reference import (
     WindowReference,
     generate_turns,
     prompt,
@@ -26,6 +25,7 @@ from kvfs.torch.testing import (
     tiny_llama,
     token_major,
 )
+from kvfs.torch.rope import RopeShift
 
 
 @pytest.fixture(scope="module")

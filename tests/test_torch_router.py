@@ -21,7 +21,7 @@ pytest.importorskip("kvfs.warm")
 from transformers import DynamicCache
 
 from kvfs.torch import KVCorrupt, KVMismatch, KVRouter, TieredCache
-from kvfs.torch.testing import WindowReference, generate_turns, profile_rope, prompt, tiny_llama
+from kvfs.torch.reference import WindowReference, generate_turns, profile_rope, prompt, tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
 WARM_OPTS = {"shards": 16}
@@ -159,7 +159,7 @@ def test_recall_and_window_come_back_after_budget_moves(tmp_path, model):
 CHILD = r"""
 import json, sys
 import torch
-from kvfs.torch.testing import tiny_llama
+from kvfs.torch.reference import tiny_llama
 from kvfs.torch import KVRouter
 a = json.loads(sys.argv[1])
 r = KVRouter(mount=a["cold"], warm_root=a["warm"], max_kv_len=a["window"], warm_options={"shards": 16},

@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 from transformers import DynamicCache
 
 from kvfs.torch import KVRouter, TieredCache
-from kvfs.torch.testing import generate_turns, prompt, tiny_llama
+from kvfs.torch.reference import generate_turns, prompt, tiny_llama
 from kvfs.warm import WarmTier
 
 

@@ -17,8 +17,9 @@ openai = pytest.importorskip("openai")
 torch = pytest.importorskip("torch")
 
 from kvfs.mount_runner import HAVE_FUSE, Mount
-from kvfs.torch.tokens import common_prefix, read_ids
-from kvfs.vllm.testing import VLLMServer, connector_config, have_vllm, model_dir
+from kvfs.session.files import read_ids
+from kvfs.session.tokens import common_prefix
+from kvfs.vllm.server_runner import VLLMServer, connector_config, have_vllm, model_dir
 from kvfs.warm.coldfiles import ColdStore
 
 pytestmark = [

@@ -28,8 +28,8 @@ openai = pytest.importorskip("openai")
 
 from kvfs.fuse.remote import REFRESH_S
 from kvfs.mount_runner import HAVE_FUSE, Mount
-from kvfs.shared.testing import Cluster
-from kvfs.vllm.testing import VLLMServer, have_vllm, model_dir
+from kvfs.shared.local_cluster import Cluster
+from kvfs.vllm.server_runner import VLLMServer, have_vllm, model_dir
 
 pytestmark = [
     pytest.mark.mount, pytest.mark.slow, pytest.mark.timeout(900),

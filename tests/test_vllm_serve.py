@@ -16,8 +16,8 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from kvfs.mount_runner import HAVE_FUSE, Mount
+from kvfs.vllm.server_runner import VLLMServer, have_vllm, model_dir
 from kvfs.vllm.store import server_key, session_dir
-from kvfs.vllm.testing import VLLMServer, have_vllm, model_dir
 
 pytestmark = [
     pytest.mark.mount, pytest.mark.slow, pytest.mark.timeout(900),

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+from kvfs.session.files import read_ids, record_ids
 from kvfs.session.names import TOKENS
+from kvfs.session.tokens import common_prefix, decode, encode
 from kvfs.torch.fingerprint import KVGeometry, KVUnsupported
-from kvfs.torch.tokens import common_prefix, decode, encode, read_ids, record_ids
 from kvfs.vllm.paged import probe_layout
 from kvfs.vllm.scheduler import SchedulerSide, parts_of, session_of
 from kvfs.vllm.store import SessionStore, agreed, prefix_keys, server_key
@@ -197,7 +198,7 @@ def test_block_layout_probe_gather_scatter() -> None:
 
 def test_kvrouter_records_its_token_ids(root) -> None:
     from kvfs.torch import KVRouter
-    from kvfs.torch.testing import prompt, tiny_llama
+    from kvfs.torch.reference import prompt, tiny_llama
 
     model = tiny_llama(0)
     ids = prompt(1, 12)

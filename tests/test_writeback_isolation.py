@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from kvfs.torch import KVRouter
-from kvfs.torch.testing import prompt, tiny_llama
+from kvfs.torch.reference import prompt, tiny_llama
 from kvfs.warm import WarmError
 
 EMPTY = torch.empty(1, 0, dtype=torch.long)

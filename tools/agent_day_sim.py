@@ -65,7 +65,7 @@ class Day(DayEvents, DaySamples):
 
         from kvfs.ops import alerts, profiles
         from kvfs.torch import geometry
-        from kvfs.torch.testing import tiny_llama
+        from kvfs.torch.reference import tiny_llama
 
         torch.set_num_threads(1)
         self.torch = torch

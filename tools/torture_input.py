@@ -132,7 +132,7 @@ def _torch_cases(m: Mount, work: Path, res: Result,
         import torch  # noqa: PLC0415
 
         from kvfs.torch import KVRouter  # noqa: PLC0415
-        from kvfs.torch.testing import generate_turns, prompt, tiny_llama  # noqa: PLC0415
+        from kvfs.torch.reference import generate_turns, prompt, tiny_llama  # noqa: PLC0415
     except ImportError as e:
         res.counts["torch_cases_skipped"] = 1
         print(f"badinput: hot-tier cases skipped: {e}", file=sys.stderr)

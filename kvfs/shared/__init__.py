@@ -3,7 +3,7 @@
 Each host keeps its own hot, warm and cold tiers; this tier holds recent sessions' files
 and meta.json in a Redis Cluster so that any host can continue a session another host
 served. ``SharedTier`` is the API (synchronous, thread-safe, every call bounded by a
-timeout, every value sealed with the cluster's secret); ``kvfs.shared.testing.Cluster``
+timeout, every value sealed with the cluster's secret); ``kvfs.shared.local_cluster.Cluster``
 starts a real local cluster for tests and benchmarks. Never imports pyfuse3, trio or torch; of kvfs it uses only the engine's
 exception types. Design and guarantees: docs/scale-out.md.
 """

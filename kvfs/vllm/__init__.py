@@ -7,7 +7,7 @@ OpenAI server with the connector; a request names its session with ``kv_transfer
 ``scheduler`` (what kvfs holds for a prompt, what to load and save), ``worker`` (loads layer
 by layer, saves on a thread), ``paged`` (vLLM's block layout <-> token-major bytes),
 ``store`` (the session files on the mount), ``identity`` (the model fingerprint of the
-served checkpoint), ``testing`` (``vllm serve`` for tests and benchmarks).
+served checkpoint), ``server_runner`` (``vllm serve`` for tests and benchmarks).
 
 Importing ``kvfs.vllm`` imports neither vLLM nor torch; ``kvfs.vllm.connector`` needs vLLM.
 """

@@ -49,7 +49,7 @@ def model_dir(path: Path, which: str = "tiny", dtype: str = "float32") -> Path:
     import torch  # noqa: PLC0415
     from transformers import AutoTokenizer  # noqa: PLC0415
 
-    from kvfs.torch.testing import load_smollm2, smollm2_gguf, tiny_llama  # noqa: PLC0415
+    from kvfs.torch.reference import load_smollm2, smollm2_gguf, tiny_llama  # noqa: PLC0415
 
     if (path / "config.json").exists():
         return path
