@@ -22,7 +22,7 @@ from kvfs.warm import WarmTier  # noqa: E402
 WARM_OPTS = {"shards": 16}
 TURNS = [prompt(200 + i, 9 + i % 3) for i in range(7)]
 NEW = 5
-SELECTORS = ["centroids", "quest", "int8-max", "int8-sum", "int4-max"]
+SELECTORS = ["centroids", "quest", "int8-max", "int8-sum", "int4-max", "int8-sum-every"]
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +103,8 @@ def test_int8_scores_as_the_keys_it_stands_for():
     want = s.reshape(2, 6, 4, 8).sum(-1).amax(1).sum(0)
     assert torch.allclose(got[0], want, atol=2e-3)
     assert codes.dtype == torch.int8 and selector("int8-sum", 8).name == "int8-sum"
+    every = selector("int8-sum-every", 8)
+    assert every.every_step and every.name == "int8-sum-every" and (every.bits, every.agg) == (8, "sum")
     with pytest.raises(ValueError):
         selector("nearest", 8)
 

@@ -304,12 +304,12 @@ class QuantizedKeys:
     the ``agg`` (sum: its attention mass; max: its best token) of its tokens'; the largest
     over the queries of a KV head, summed over the heads."""
 
-    def __init__(self, block: int, bits: int = 8, agg: str = "max") -> None:
+    def __init__(self, block: int, bits: int = 8, agg: str = "max", every_step: bool = False) -> None:
         if agg not in ("max", "sum") or not 2 <= bits <= 8:
             raise ValueError(f"quantized keys need 2-8 bits and agg max or sum, got {bits}, {agg!r}")
         self.block, self.bits, self.agg = block, bits, agg
-        self.every_step = False
-        self.name = f"int{bits}-{agg}"
+        self.every_step = every_step  # else a decode step keeps the choice unless a block left
+        self.name = f"int{bits}-{agg}" + ("-every" if every_step else "")
         self.qmax = float(2 ** (bits - 1) - 1)
 
     def columns(self, block: int) -> int:
@@ -342,11 +342,12 @@ SELECTORS: dict[str, Callable[[], Selector]] = {"centroids": Centroids, "quest":
 
 def selector(name: str, block: int) -> Selector:
     """The selector called ``name``: ``centroids``, ``quest``, ``int8-max``, ``int8-sum``,
-    ``int4-max``, ``int4-sum``."""
+    ``int4-max``, ``int4-sum``; a quantized one with ``-every`` chooses at every decode step."""
     if name in SELECTORS:
         return SELECTORS[name]()
     if name.startswith("int") and "-" in name:
-        bits, agg = name[3:].split("-", 1)
+        every = name.endswith("-every")
+        bits, agg = name[3:len(name) - 6 if every else None].split("-", 1)
         if bits.isdigit():
-            return QuantizedKeys(block, int(bits), agg)
+            return QuantizedKeys(block, int(bits), agg, every)
     raise ValueError(f"unknown retrieval selector {name!r}")
