@@ -22,7 +22,7 @@ from kvfs.warm import WarmTier  # noqa: E402
 WARM_OPTS = {"shards": 16}
 TURNS = [prompt(200 + i, 9 + i % 3) for i in range(7)]
 NEW = 5
-SELECTORS = ["centroids", "quest", "int8-max", "int8-sum", "int4-max", "int8-sum-every"]
+SELECTORS = ["centroids", "quest", "int8-max", "int8-sum", "int4-max", "int8-sum-every", "int8-sum-fresh3"]
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +105,11 @@ def test_int8_scores_as_the_keys_it_stands_for():
     assert codes.dtype == torch.int8 and selector("int8-sum", 8).name == "int8-sum"
     every = selector("int8-sum-every", 8)
     assert every.every_step and every.name == "int8-sum-every" and (every.bits, every.agg) == (8, "sum")
+    fresh = selector("int8-sum-fresh8", 8)
+    assert not fresh.every_step and fresh.fresh == 8 and fresh.name == "int8-sum-fresh8"
+    for bad in ("int8-sum-fresh", "int8-sum-freshx", "int8-sum-often", "int8"):
+        with pytest.raises(ValueError):
+            selector(bad, 8)
     with pytest.raises(ValueError):
         selector("nearest", 8)
 
@@ -147,3 +152,61 @@ def test_decode_steps_hold_the_choice_until_a_block_leaves(tmp_path, model):
     assert len(calls) == 1 + 3 and len(set(calls)) == len(calls)  # one scoring per new block
     c.close()
     warm.close()
+
+
+@pytest.mark.parametrize("name", ["int8-sum-fresh3", "int8-sum-every"])
+def test_fresh_answer_steps_follow_the_rule(tmp_path, model, name, monkeypatch):
+    """The first ``fresh`` decode steps after a turn choose from their own queries (every
+    step with ``-every``), as the reference written from the rule does, token for token."""
+    from kvfs.torch.reference import RetrievalReference
+
+    monkeypatch.setattr(retrieval, "DEFAULT_SELECTOR", name)
+    warm = WarmTier(cold_root=None, root=str(tmp_path / "warm"), **WARM_OPTS)
+    c = TieredCache(model, session_id="s", warm=warm, max_kv_len=8, sink_tokens=4, retrieval=True,
+                    retrieval_block=4, retrieval_bytes=budget(model, 3, 4))
+    got = generate_turns(model, c, TURNS, NEW)
+    ref = RetrievalReference(model, 8, 4, 4, 3)
+    try:
+        want = [ref.turn(t, NEW) for t in TURNS]
+    finally:
+        ref.close()
+    assert [g.tolist() for g in got] == [w.tolist() for w in want]
+    assert [list(ch) for ch in c.retrieval.chosen] == ref.chosen
+    c.close()
+    warm.close()
+
+
+def test_a_session_resumed_mid_answer_goes_on_with_its_fresh_steps(tmp_path, model, monkeypatch):
+    """Saved and resumed two steps into an answer, a session with fresh steps chooses the
+    rest of the answer as the one that never stopped (meta.json keeps the count)."""
+    monkeypatch.setattr(retrieval, "DEFAULT_SELECTOR", "int8-sum-fresh3")
+    kw = dict(warm_options=WARM_OPTS, max_kv_len=8, retrieval_block=4,
+              retrieval_bytes=budget(model, 3, 4), retrieval_share=0.0)
+
+    def steps(c, ids, n):
+        out = []
+        with torch.no_grad():
+            for _ in range(n):
+                logits = model(input_ids=ids, cache=c, use_cache=True).logits[0, -1]
+                ids = logits.argmax().view(1, 1)
+                out.append((int(ids), [list(ch) for ch in c.retrieval.chosen]))
+        return out, ids
+
+    runs = []
+    for stop in (False, True):
+        cold = tmp_path / f"cold{stop}"
+        (cold / "sessions").mkdir(parents=True)
+        r = KVRouter(mount=str(cold), warm_root=str(tmp_path / f"w{stop}"), **kw)
+        c = r.cache("s", model)
+        generate_turns(model, c, TURNS[:4], NEW)  # blocks have left the window
+        first, ids = steps(c, TURNS[4], 3)  # a turn, then two steps of its answer
+        if stop:
+            r.save("s")
+            r.close()
+            r = KVRouter(mount=str(cold), warm_root=str(tmp_path / "w-resumed"), **kw)
+            c = r.resume("s", model)
+            assert c.retrieval._decodes == 2
+        rest, _ = steps(c, ids, 4)
+        runs.append(first + rest)
+        r.close()
+    assert runs[0] == runs[1]

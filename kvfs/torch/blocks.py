@@ -228,9 +228,11 @@ class Selector(Protocol):
     same way on any device (a resumed session recomputes it from the stored keys)."""
 
     name: str
-    #: score at every step; else only at a step of several tokens (a turn arriving) or one
-    #: that adds a block to the candidates, the choice holding between (exact scores cost)
+    #: score at every step; else only at a step of several tokens (a turn arriving), at the
+    #: ``fresh`` decode steps after one, and at one that adds a block to the candidates, the
+    #: choice holding between (exact scores cost)
     every_step: bool
+    fresh: int
 
     def columns(self, block: int) -> int: ...
 
@@ -258,6 +260,7 @@ class Centroids:
 
     name = "centroids"
     every_step = True
+    fresh = 0
 
     def columns(self, block: int) -> int:
         return 2
@@ -275,6 +278,7 @@ class Bounds:
 
     name = "quest"
     every_step = True
+    fresh = 0
 
     def columns(self, block: int) -> int:
         return 2
@@ -304,12 +308,15 @@ class QuantizedKeys:
     the ``agg`` (sum: its attention mass; max: its best token) of its tokens'; the largest
     over the queries of a KV head, summed over the heads."""
 
-    def __init__(self, block: int, bits: int = 8, agg: str = "max", every_step: bool = False) -> None:
-        if agg not in ("max", "sum") or not 2 <= bits <= 8:
-            raise ValueError(f"quantized keys need 2-8 bits and agg max or sum, got {bits}, {agg!r}")
+    def __init__(self, block: int, bits: int = 8, agg: str = "max", every_step: bool = False,
+                 fresh: int = 0) -> None:
+        if agg not in ("max", "sum") or not 2 <= bits <= 8 or not 0 <= fresh <= 4096:
+            raise ValueError(f"quantized keys need 2-8 bits, agg max or sum and 0-4096 fresh steps, "
+                             f"got {bits}, {agg!r}, {fresh}")
         self.block, self.bits, self.agg = block, bits, agg
-        self.every_step = every_step  # else a decode step keeps the choice unless a block left
-        self.name = f"int{bits}-{agg}" + ("-every" if every_step else "")
+        self.every_step = every_step  # else a decode step keeps the choice unless a block left ...
+        self.fresh = fresh  # ... or it is one of the first ``fresh`` after a turn
+        self.name = f"int{bits}-{agg}" + ("-every" if every_step else f"-fresh{fresh}" if fresh else "")
         self.qmax = float(2 ** (bits - 1) - 1)
 
     def columns(self, block: int) -> int:
@@ -342,12 +349,14 @@ SELECTORS: dict[str, Callable[[], Selector]] = {"centroids": Centroids, "quest":
 
 def selector(name: str, block: int) -> Selector:
     """The selector called ``name``: ``centroids``, ``quest``, ``int8-max``, ``int8-sum``,
-    ``int4-max``, ``int4-sum``; a quantized one with ``-every`` chooses at every decode step."""
+    ``int4-max``, ``int4-sum``; a quantized one with ``-every`` chooses at every decode step,
+    with ``-fresh<N>`` at the first N decode steps after a turn (``int8-sum-fresh8``)."""
     if name in SELECTORS:
         return SELECTORS[name]()
     if name.startswith("int") and "-" in name:
-        every = name.endswith("-every")
-        bits, agg = name[3:len(name) - 6 if every else None].split("-", 1)
-        if bits.isdigit():
-            return QuantizedKeys(block, int(bits), agg, every)
+        parts = name[3:].split("-")
+        every = parts[2:] == ["every"]
+        fresh = parts[2][5:] if len(parts) == 3 and parts[2].startswith("fresh") else None
+        if parts[0].isdigit() and (len(parts) == 2 or every or (fresh or "").isdigit()):
+            return QuantizedKeys(block, int(parts[0]), parts[1], every, int(fresh or 0))
     raise ValueError(f"unknown retrieval selector {name!r}")

@@ -247,6 +247,7 @@ class RetrievalReference(WindowReference):
         self.chosen: list[list[int]] = [[] for _ in range(n)]
         self.queries: list[torch.Tensor | None] = [None] * n
         self.scored = 0  # blocks at the last scoring
+        self.decodes = 0  # single-token steps since the last step of several tokens
         self._live: tuple[Any, int, int, int, int] | None = None  # the step being run
         self._hooks = [lay.self_attn.register_forward_pre_hook(self._capture(i), with_kwargs=True)
                        for i, lay in enumerate(model.model.layers)]
@@ -328,8 +329,9 @@ class RetrievalReference(WindowReference):
         self.pos = n + q
         nb = max(0, (self.window_from(self.pos) - o) // b)
         sel = selector(DEFAULT_SELECTOR, b)
-        if not sel.every_step and q == 1 and nb == self.scored and self.chosen[0]:
-            nb = 0  # a decode step that adds no block: the choice holds
+        self.decodes = self.decodes + 1 if q == 1 else 0
+        if not sel.every_step and q == 1 and self.decodes > sel.fresh and nb == self.scored and self.chosen[0]:
+            nb = 0  # a decode step past the fresh ones that adds no block: the choice holds
         if nb:  # every layer's blocks scored at once, as the cache does, by its selector
             self.scored = nb
             reps = [sel.represent(self.history(i)[0][..., o:o + nb * b, :], b) for i in range(len(self.hist_k))]

@@ -132,6 +132,7 @@ class Retrieval:
         self._observed = -1  # layers that reported their queries this step (-1: no step yet)
         self._before = 0  # blocks that had left the window when this step began
         self._scored: tuple[int, tuple[int, ...]] = (0, ())  # blocks and recalled ones at the last scoring
+        self._decodes = 0  # single-token steps since the last step of several tokens
         self._ram: bool | None = None
         # statistics
         self.fetched_blocks = 0
@@ -372,13 +373,17 @@ class Retrieval:
     def _choose_all(self) -> None:
         got, self._queries = self._queries, [None] * self.c.num_layers
         qs = [q for q in got if q is not None]
+        if qs:
+            self._decodes = self._decodes + 1 if qs[0].shape[-2] == 1 else 0
         n = self.count[-1]
         if n == 0 or len(qs) < len(got):
             return
         excluded = [b for b in self.c.recalled_blocks(self.layout) if b < n] if self.c.recalling else []
         scored = (n, tuple(excluded))
-        if not self.selector.every_step and qs[0].shape[-2] == 1 and self.chosen[0] and scored == self._scored:
-            return  # a decode step, no new block, the same recall: the choice holds
+        sel = self.selector
+        if (not sel.every_step and qs[0].shape[-2] == 1 and self._decodes > sel.fresh and self.chosen[0]
+                and scored == self._scored):
+            return  # a decode step past the fresh ones, no new block, the same recall: the choice holds
         self._scored = scored
         scale = None if self._scale is None else self._scale[..., :self.cols * n]
         scores = self.selector.scores(torch.cat(qs), self.scoring(), scale)  # [layers, n]: one matmul
@@ -505,7 +510,7 @@ class Retrieval:
     def meta_state(self, tokens: int) -> dict[str, Any]:
         """The ``retrieval`` entry of meta.json: the blocks each layer attends next."""
         return {"block": self.block, "origin": self.layout.origin, "tokens": int(tokens),
-                "selector": self.selector.name,
+                "selector": self.selector.name, "decodes": self._decodes,
                 "chosen": [list(ch) for ch in self.chosen]}
 
     def load(self, meta: dict, tokens: int, window_start: int, device: torch.device | str) -> None:
@@ -529,6 +534,9 @@ class Retrieval:
             self.backfilled_blocks = need
         self.written = need
         self._scored = (need, ())  # a live session scores whenever a block leaves its window
+        saved = meta.get("retrieval")
+        dec = saved.get("decodes") if isinstance(saved, dict) and saved.get("tokens") == tokens else None
+        self._decodes = dec if isinstance(dec, int) and dec >= 0 else 0  # the fresh steps go on
         self.chosen = chosen_from_meta(meta.get("retrieval"), self.layout, tokens, need,
                                        self.attend_for(need), self.c.num_layers)
         for layer in range(self.c.num_layers):
@@ -551,5 +559,6 @@ class Retrieval:
         other.chosen = list(self.chosen)
         other.written = self.written
         other._scored = self._scored
+        other._decodes = self._decodes
         other._observed = self._observed
         other._before = self._before
