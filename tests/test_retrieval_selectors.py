@@ -115,11 +115,12 @@ def test_int8_scores_as_the_keys_it_stands_for():
 
 
 def test_the_default_follows_the_rule(tmp_path, model):
-    """The default selector (exact scores over int8 keys, held over decode steps that add
-    no block) chooses what the reference written from the rule chooses, token for token."""
+    """The default selector (exact scores over int8 keys, chosen again at the first 4 decode
+    steps of an answer, then held over decode steps that add no block) chooses what the
+    reference written from the rule chooses, token for token."""
     from kvfs.torch.reference import RetrievalReference
 
-    assert retrieval.DEFAULT_SELECTOR == "int8-sum" and not selector("int8-sum", 4).every_step
+    assert retrieval.DEFAULT_SELECTOR == "int8-sum-fresh4" and not selector("int8-sum-fresh4", 4).every_step
     warm = WarmTier(cold_root=None, root=str(tmp_path / "warm"), **WARM_OPTS)
     c = TieredCache(model, session_id="s", warm=warm, max_kv_len=8, sink_tokens=4, retrieval=True,
                     retrieval_block=4, retrieval_bytes=budget(model, 3, 4))
@@ -135,9 +136,12 @@ def test_the_default_follows_the_rule(tmp_path, model):
     warm.close()
 
 
-def test_decode_steps_hold_the_choice_until_a_block_leaves(tmp_path, model):
-    """Exact scores are computed for a turn's tokens and when a block joins the candidates;
-    single-token steps between keep the choice (the question's tokens choose for the answer)."""
+@pytest.mark.parametrize("name,scorings", [("int8-sum", 1 + 3), ("int8-sum-fresh4", 1 + 4 + 2)])
+def test_decode_steps_hold_the_choice_until_a_block_leaves(tmp_path, model, name, scorings, monkeypatch):
+    """Exact scores are computed for a turn's tokens, at the decode steps after it its
+    selector calls fresh, and when a block joins the candidates; single-token steps between
+    keep the choice."""
+    monkeypatch.setattr(retrieval, "DEFAULT_SELECTOR", name)
     warm = WarmTier(cold_root=None, root=str(tmp_path / "warm"), **WARM_OPTS)
     c = TieredCache(model, session_id="s", warm=warm, max_kv_len=8, sink_tokens=4, retrieval=True,
                     retrieval_block=4, retrieval_bytes=budget(model, 3, 4))
@@ -149,7 +153,8 @@ def test_decode_steps_hold_the_choice_until_a_block_leaves(tmp_path, model):
         assert len(calls) == 1
         for t in range(12):  # decode steps: a block leaves every 4th
             model(input_ids=torch.tensor([[5 + t]]), cache=c, use_cache=True)
-    assert len(calls) == 1 + 3 and len(set(calls)) == len(calls)  # one scoring per new block
+    # a block leaves every 4th step: one scoring per new block, and one per fresh step
+    assert len(calls) == scorings and len(set(calls)) == 1 + 3
     c.close()
     warm.close()
 

@@ -17,8 +17,8 @@ The rule (deterministic: a function of the tokens alone, never of timing):
 * Step ``t`` of layer ``l`` attends the sinks, the blocks chosen for it, the window and the
   step's input. After the attention of layer ``l`` at step ``t`` its queries rank every block
   that has left the window (the selector's ``scores``; the default's, exact logits over the
-  int8 keys, only at a step of several tokens or one that adds a block, the choice holding
-  over the decode steps between); the top
+  int8 keys, only at a step of several tokens, the 4 decode steps after it, and a step that
+  adds a block, the choice holding over the decode steps between); the top
   ``min(attend, blocks)`` are the blocks of step ``t + 1``, in stable slots
   (:func:`~kvfs.torch.blocks.next_slots`: the order of keys changes the rounding of
   attention, so it too is a function of the choices alone). The choice of a step runs ahead
@@ -30,7 +30,7 @@ The rule (deterministic: a function of the tokens alone, never of timing):
   chose: before the attention of layer ``l``, that step's own queries rank the blocks and the
   top ones (as many as the step was built with) are spliced in, read from where they are and
   waited for (:meth:`Retrieval.splice`). A question sees the fact it asks about while it is
-  read; a decode step keeps the choice that runs ahead.
+  read; a decode step attends the choice that runs ahead (made by the step before).
 * Every layer attends the same number of blocks, known before a step starts (its attention
   mask is built before any layer runs).
 * The choice for the step after the last one is saved in ``meta.json`` (``retrieval``) when
@@ -81,10 +81,13 @@ log = logging.getLogger("kvfs.torch.retrieval")
 FRESH_BLOCKS = 2
 
 #: How blocks are represented and scored (:func:`kvfs.torch.blocks.selector`): every key of a
-#: block in int8, a block's score its attention mass. Chosen on the dev split of
-#: tools/memory_chats.py over the centroids (the default before), Quest's bounds, int4 keys,
-#: the best token instead of the mass, and blocks of 8 (docs/quality.md, "Held-out chats").
-DEFAULT_SELECTOR = "int8-sum"
+#: block in int8, a block's score its attention mass; the first 4 decode steps after a turn
+#: choose from their own queries (an answer copying a value finds the block its last digits
+#: sit in), later ones hold the choice until a block leaves the window. Chosen on the dev
+#: split of tools/memory_chats.py over the centroids, Quest's bounds, int4 keys, the best
+#: token instead of the mass, blocks of 8, and holding from the first decode step or choosing
+#: at every one (docs/quality.md, "Held-out chats").
+DEFAULT_SELECTOR = "int8-sum-fresh4"
 
 #: A step of several tokens chooses its own blocks from its queries before it attends them
 #: (:meth:`Retrieval.splice`); chosen on the dev split of tools/memory_chats.py over the
