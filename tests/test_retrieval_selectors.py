@@ -114,13 +114,18 @@ def test_int8_scores_as_the_keys_it_stands_for():
         selector("nearest", 8)
 
 
-def test_the_default_follows_the_rule(tmp_path, model):
+@pytest.mark.parametrize("name", [None, "int8-sum-fresh3", "int8-sum-every"])
+def test_the_default_follows_the_rule(tmp_path, model, name, monkeypatch):
     """The default selector (exact scores over int8 keys, chosen again at the first 4 decode
-    steps of an answer, then held over decode steps that add no block) chooses what the
-    reference written from the rule chooses, token for token."""
+    steps of an answer, then held over decode steps that add no block), and the same keys
+    chosen at the first 3 decode steps or at every one, choose what the reference written
+    from the rule chooses, token for token."""
     from kvfs.torch.reference import RetrievalReference
 
-    assert retrieval.DEFAULT_SELECTOR == "int8-sum-fresh4" and not selector("int8-sum-fresh4", 4).every_step
+    if name is None:
+        assert retrieval.DEFAULT_SELECTOR == "int8-sum-fresh4" and not selector("int8-sum-fresh4", 4).every_step
+    else:
+        monkeypatch.setattr(retrieval, "DEFAULT_SELECTOR", name)
     warm = WarmTier(cold_root=None, root=str(tmp_path / "warm"), **WARM_OPTS)
     c = TieredCache(model, session_id="s", warm=warm, max_kv_len=8, sink_tokens=4, retrieval=True,
                     retrieval_block=4, retrieval_bytes=budget(model, 3, 4))
@@ -155,28 +160,6 @@ def test_decode_steps_hold_the_choice_until_a_block_leaves(tmp_path, model, name
             model(input_ids=torch.tensor([[5 + t]]), cache=c, use_cache=True)
     # a block leaves every 4th step: one scoring per new block, and one per fresh step
     assert len(calls) == scorings and len(set(calls)) == 1 + 3
-    c.close()
-    warm.close()
-
-
-@pytest.mark.parametrize("name", ["int8-sum-fresh3", "int8-sum-every"])
-def test_fresh_answer_steps_follow_the_rule(tmp_path, model, name, monkeypatch):
-    """The first ``fresh`` decode steps after a turn choose from their own queries (every
-    step with ``-every``), as the reference written from the rule does, token for token."""
-    from kvfs.torch.reference import RetrievalReference
-
-    monkeypatch.setattr(retrieval, "DEFAULT_SELECTOR", name)
-    warm = WarmTier(cold_root=None, root=str(tmp_path / "warm"), **WARM_OPTS)
-    c = TieredCache(model, session_id="s", warm=warm, max_kv_len=8, sink_tokens=4, retrieval=True,
-                    retrieval_block=4, retrieval_bytes=budget(model, 3, 4))
-    got = generate_turns(model, c, TURNS, NEW)
-    ref = RetrievalReference(model, 8, 4, 4, 3)
-    try:
-        want = [ref.turn(t, NEW) for t in TURNS]
-    finally:
-        ref.close()
-    assert [g.tolist() for g in got] == [w.tolist() for w in want]
-    assert [list(ch) for ch in c.retrieval.chosen] == ref.chosen
     c.close()
     warm.close()
 
