@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 
 from kvfs.session.names import ACKED
 from kvfs.torch import KVCorrupt, KVMismatch, KVRouter
-from kvfs.torch.meta import check
+from kvfs.torch.fingerprint import checked_meta as check
 from kvfs.torch.reference import generate_turns, prompt, tiny_llama
 
 SID = "m"

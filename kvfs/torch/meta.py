@@ -5,7 +5,7 @@ A session's ``meta.json`` says how many tokens its layer files hold. Resume used
 it and cut the layer files down to whatever it said -- for good, on the mount. Now:
 
 * it is read bounded (``kvfs.session``), parsed without recursion errors escaping, and
-  every field is checked (``check``: the session's format, ``kvfs.session.formats``):
+  every field is checked (``checked_meta``: the session's format, ``kvfs.session.formats``):
   :class:`KVCorrupt` for each bad one, :class:`KVMismatch` for another model;
 * every ``flush``/``save`` of the router records, durably, the tokens it acknowledged
   beside it on the mount (``kvfs.session.files.write_acked``, after the flush that made
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
 
 from kvfs.session import SessionCorrupt, files
 from kvfs.session.formats import check_claim
@@ -32,12 +31,6 @@ from kvfs.torch.fingerprint import KVCorrupt, KVGeometry, check_meta, checked_me
 from kvfs.torch.seams import WarmStore
 
 log = logging.getLogger("kvfs.torch")
-
-
-def check(meta: Any, sid: str = "?") -> dict:
-    """``meta`` if it is a ``meta.json`` document kvfs writes, else KVCorrupt naming the
-    first bad field. Checks shape only: ``check_meta`` compares it with a model."""
-    return checked_meta(meta, sid)
 
 
 def stored(warm: WarmStore, sid: str) -> dict | None:
@@ -51,7 +44,7 @@ def stored(warm: WarmStore, sid: str) -> dict | None:
         raise KVCorrupt(f"session {sid!r}: {e}") from None
     except RecursionError:
         raise KVCorrupt(f"session {sid!r}: meta.json nests too deep to be one") from None
-    return None if meta is None else check(meta, sid)
+    return None if meta is None else checked_meta(meta, sid)
 
 
 def acknowledged(warm: WarmStore, sid: str) -> int:
@@ -85,7 +78,7 @@ def reconcile(warm: WarmStore, sid: str, meta: dict, fp: str, geo: KVGeometry, l
     """Check ``meta`` against the model and the layer files; drop a crash tail. Returns
     the session's tokens. KVCorrupt (nothing changed) when the files hold fewer tokens than
     meta.json claims, or meta.json claims fewer than were acknowledged."""
-    check_meta(check(meta, sid), fp, geo, sid)
+    check_meta(meta, fp, geo, sid)  # its shape, then the model's
     tokens, tb = meta["tokens"], geo.token_bytes
     acked = acknowledged(warm, sid)
     if tokens < acked:
