@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import kvfs.torch.attention as attention
-from kvfs.torch.attended import AttendedBlocks
+from kvfs.torch.attended import KV, AttendedBlocks
 from kvfs.torch.blocks import (
     BlockLayout,
     Selector,
@@ -95,7 +95,6 @@ DEFAULT_SELECTOR = "int8-sum-fresh4"
 #: retrieval is built; off only to compare (bench_memory's ``+step=prev``).
 IN_STEP = True
 
-KV = tuple[torch.Tensor, torch.Tensor]  # one block of one layer: K, V [1, H, block, D]
 
 
 class Retrieval:
