@@ -96,7 +96,6 @@ DEFAULT_SELECTOR = "int8-sum-fresh4"
 IN_STEP = True
 
 
-
 class Retrieval:
     """One session's retrieval state (see the module docstring)."""
 
