@@ -142,9 +142,10 @@ def fact_trials(tok: Any, n: int, small_talk: int = 30, seed: int = 0) -> list[T
 
 
 def variant(name: str) -> tuple[str, dict[str, Any]]:
-    """``profile[-window][+sel=S][+block=N][+bytes=M][+share=F][+step=prev][+live]`` (M in
-    MiB): the profile and what differs from its defaults (a retrieval selector, block size,
-    device bytes, the share of old blocks the budget grows to, a turn attending the blocks the
+    """``profile[-window][+sel=S][+block=N][+bytes=M][+share=F][+most=M][+step=prev][+live]``
+    (M in MiB): the profile and what differs from its defaults (a retrieval selector, block
+    size, device bytes, the share of old blocks the budget grows to and the device bytes it
+    grows to at most, a turn attending the blocks the
     step before chose instead of its own; ``live``: the session is neither resumed nor forked
     where the chat's family would, the twin a resumed or forked session is compared with)."""
     base, *mods = name.split("+")
@@ -154,9 +155,10 @@ def variant(name: str) -> tuple[str, dict[str, Any]]:
             opts["live"] = True
             continue
         k, _, v = m.partition("=")
-        if k not in ("sel", "block", "bytes", "share", "step") or (k == "step" and v not in ("own", "prev")):
+        if k not in ("sel", "block", "bytes", "share", "most", "step") or (
+                k == "step" and v not in ("own", "prev")):
             raise ValueError(f"unknown configuration option {m!r} in {name!r}")
-        opts[k] = (v if k in ("sel", "step") else int(v) << 20 if k == "bytes"
+        opts[k] = (v if k in ("sel", "step") else int(v) << 20 if k in ("bytes", "most")
                    else float(v) if k == "share" else int(v))
     return base, opts
 
@@ -189,7 +191,7 @@ class Configs:
                 profile=profile, warm_root=str(self.tmp / f"{self._warm_n}"),
                 retrieval=False if kind == "window" else None,
                 retrieval_block=opts.get("block"), retrieval_bytes=opts.get("bytes"),
-                retrieval_share=opts.get("share"),
+                retrieval_share=opts.get("share"), retrieval_max_bytes=opts.get("most"),
                 warm_options={"shards": 16, "cap_bytes": 2 << 30})
         return self._routers[name]
 
