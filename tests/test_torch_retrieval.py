@@ -364,17 +364,17 @@ def test_budget_moves_take_retrieved_blocks_and_bring_them_back(tmp_path, model)
 
 
 def test_a_slow_fetch_changes_nothing_but_the_wait(tmp_path, model, monkeypatch):
-    from kvfs.torch.retrieval import Retrieval
+    from kvfs.torch.block_reads import BlockReads
 
     expected = uninterrupted(tmp_path, model, TURNS)
-    slow = Retrieval._read
+    slow = BlockReads.read
 
     def read(self, layer, blocks):
         time.sleep(0.05)
         return slow(self, layer, blocks)
 
-    monkeypatch.setattr(Retrieval, "_read", read)
-    monkeypatch.setattr(Retrieval, "_in_ram", lambda *a: False)  # as if on the mount: a thread
+    monkeypatch.setattr(BlockReads, "read", read)
+    monkeypatch.setattr(BlockReads, "_in_ram", lambda *a: False)  # as if on the mount: a thread
     monkeypatch.setattr("kvfs.torch.retrieval.FRESH_BLOCKS", 0)  # every new block is read
     r = make_router(tmp_path, model)
     c = r.cache("s", model)

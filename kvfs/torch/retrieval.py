@@ -5,8 +5,8 @@ has left the window (on the device, per layer: by default each key quantized to 
 centroids or Quest's bounds of :mod:`kvfs.torch.blocks`), the blocks each
 layer attends and their K/V on the device (in one buffer per layer with room for the sinks
 and the window, :mod:`kvfs.torch.attended`: a decode step attends a slice of it, no copy
-of the blocks), blocks kept for reuse, the fetches that bring
-newly chosen blocks up from the warm tier, the records of the ``key_centroids`` side stream and
+of the blocks), blocks kept for reuse (the reads that bring newly chosen blocks up from the
+tiers below: :mod:`kvfs.torch.block_reads`), the records of the ``key_centroids`` side stream and
 the ``retrieval`` entry of ``meta.json`` (:mod:`kvfs.torch.retrieval_store` reads them back).
 
 The rule (deterministic: a function of the tokens alone, never of timing):
@@ -41,15 +41,14 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections import OrderedDict
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 import kvfs.torch.attention as attention
 from kvfs.torch.attended import KV, AttendedBlocks
+from kvfs.torch.block_reads import BlockReads
 from kvfs.torch.blocks import (
     BlockLayout,
     Selector,
@@ -60,7 +59,6 @@ from kvfs.torch.blocks import (
     selector,
 )
 from kvfs.torch.fingerprint import KVUnsupported
-from kvfs.torch.recall import layer_pool, read_tokens
 from kvfs.torch.retrieval_store import (
     chosen_from_meta,
     load_centroids,
@@ -128,18 +126,12 @@ class Retrieval:
         self._tail = (cache.max_kv_len or 0) + self.block
         self._on = [AttendedBlocks(self.block, cache.sink_tokens, self._tail) for _ in range(n)]
         self._kept: list[OrderedDict[int, KV]] = [OrderedDict() for _ in range(n)]
-        self._pending: list[Future | None] = [None] * n  # a read of chosen blocks from the mount
+        self.reads = BlockReads(cache, self.layout)
         self.written = 0  # blocks whose record is queued to the side stream
         self._observed = -1  # layers that reported their queries this step (-1: no step yet)
         self._before = 0  # blocks that had left the window when this step began
         self._scored: tuple[int, tuple[int, ...]] = (0, ())  # blocks and recalled ones at the last scoring
         self._decodes = 0  # single-token steps since the last step of several tokens
-        self._ram: bool | None = None
-        # statistics
-        self.fetched_blocks = 0
-        self.background_reads = 0  # fetches that went to a reader thread (the mount, in flight)
-        self.fetch_waits = 0  # layer steps that had to wait for a read still running
-        self.fetch_wait_s = 0.0
         self.backfilled_blocks = 0
 
     # --- views ------------------------------------------------------------------------------
@@ -204,9 +196,7 @@ class Retrieval:
         return {"blocks": self.count[0], "attend": self.attend, "attend_most": self.most,
                 "attend_share": self.share, "block": self.block,
                 "selector": self.selector.name,
-                "attended_blocks": len(self.chosen[0]), "fetched_blocks": self.fetched_blocks,
-                "background_reads": self.background_reads, "fetch_waits": self.fetch_waits,
-                "fetch_wait_ms": round(self.fetch_wait_s * 1e3, 3),
+                "attended_blocks": len(self.chosen[0]), **self.reads.stats(),
                 "backfilled_blocks": self.backfilled_blocks}
 
     # --- blocks leaving the window -----------------------------------------------------------
@@ -220,7 +210,7 @@ class Retrieval:
                 "kvfs.torch.attention), or pass retrieval=False")
         self._observed = 0
         self._before = self.count[0]  # the blocks a step's own choice picks from
-        self._ram = None  # whether the session's blocks are in the RAM tier: asked once a step
+        self.reads.step_begin()
 
     def left_window(self, layer: int, first: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Tokens ``[first, first + T)`` of ``layer`` (whole blocks, K/V ``[1, H, T, D]``) left
@@ -302,30 +292,16 @@ class Retrieval:
     def _ready(self, layer: int) -> None:
         """Every chosen block of ``layer`` on the device: wait for its read, read back what
         the budget took."""
-        fut = self._pending[layer]
-        if fut is not None:
-            if not fut.done():
-                t0 = time.perf_counter()
-                self._settle(layer)
-                self.fetch_wait_s += time.perf_counter() - t0
-                self.fetch_waits += 1
-                self.c.step_waited()
-            else:
-                self._settle(layer)
+        self._land(layer, self.reads.wait(layer))
         on = self._on[layer]
         if not on.complete:  # the budget took them: read back (a refill)
-            self._land(layer, self._read(layer, [b for b in self.chosen[layer] if b not in on]))
+            self._land(layer, self.reads.read(layer, [b for b in self.chosen[layer] if b not in on]))
 
-    def _land(self, layer: int, blocks: dict[int, KV]) -> None:
+    def _land(self, layer: int, blocks: dict[int, KV] | None) -> None:
+        """``blocks`` read for ``layer`` join its chosen ones."""
         on = self._on[layer]
-        for b, kv in blocks.items():
+        for b, kv in (blocks or {}).items():
             on.put(b, kv)
-
-    def _settle(self, layer: int) -> None:
-        """Wait for ``layer``'s read from the mount; its blocks join the chosen ones."""
-        fut, self._pending[layer] = self._pending[layer], None
-        if fut is not None:
-            self._land(layer, fut.result())
 
     def expect(self, layer: int, at: int | None = None) -> None:
         """Have this step's attention of ``layer`` hand its queries to :meth:`observe`; with
@@ -401,8 +377,7 @@ class Retrieval:
         """Make ``top`` the blocks of ``layer``'s next step: a block that leaves the choice is
         kept for reuse; a new one comes from the kept ones, else from RAM now, else (the
         mount, or still on its way to the warm tier) on a reader thread."""
-        if self._pending[layer] is not None:
-            self._settle(layer)
+        self._land(layer, self.reads.settle(layer))
         old, on, kept = self.chosen[layer], self._on[layer], self._kept[layer]
         self.chosen[layer] = next_slots(old, top)
         leaving = [(b, on.pop(b)) for b in old if b not in top and b in on]
@@ -417,72 +392,27 @@ class Retrieval:
                 missing.append(b)
         for b, kv in leaving:  # after taking from the kept ones: these go to their end
             self._keep_block(layer, b, kv)
-        if not missing:
-            return
-        if self._in_ram(layer, missing):  # a copy from RAM: now, no thread
-            self._land(layer, self._read(layer, missing))
-        else:
-            self._pending[layer] = layer_pool().submit(self._read, layer, missing)
-            self.background_reads += 1
-
-    def _in_ram(self, layer: int, blocks: list[int]) -> bool:
-        """Whether ``blocks`` can be copied from the RAM tier: the session's blocks are there
-        (asked of layer 0 once a step: the warm tier moves sessions whole) and written."""
-        c, tb = self.c, self.c.geo.token_bytes
-        if self._ram is None:  # nothing of the blocks' range only on the mount
-            in_ram = getattr(c.warm, "in_ram", None)
-            at = self.layout.origin * tb
-            self._ram = bool(in_ram and in_ram(c.session_id, 0, at, at))
-        warm = c.warm
-        assert warm is not None  # retrieval is built only over a warm tier
-        return self._ram and warm.size(c.session_id, layer) >= self.layout.span(max(blocks))[1] * tb
-
-    def _read(self, layer: int, blocks: list[int]) -> dict[int, KV]:
-        """Read ``blocks`` of ``layer`` from the warm tier (or the mount through it): exact bytes."""
-        c = self.c
-        warm = c.warm
-        assert warm is not None  # retrieval is built only over a warm tier
-        dev = c.device or torch.device("cpu")
-        tb = c.geo.token_bytes
-        if c.spiller is not None and warm.size(c.session_id, layer) < self.layout.span(max(blocks))[1] * tb:
-            c.spiller.wait()  # still on its way to the warm tier
-        runs: list[list[int]] = []  # neighbouring blocks are read as one span
-        for b in sorted(blocks):
-            if runs and runs[-1][1] == b - 1:
-                runs[-1][1] = b
-            else:
-                runs.append([b, b])
-        out = {}
-        for i, (first, last) in enumerate(reversed(runs)):  # the last first: it checks the size
-            a, e = self.layout.span(first)[0], self.layout.span(last)[1]
-            k, v = read_tokens(warm, c.session_id, layer, c.geo, a, e, dev, promote=False, checked=i > 0)
-            for b in range(first, last + 1):
-                s = slice((b - first) * self.block, (b - first + 1) * self.block)
-                out[b] = (k[..., s, :], v[..., s, :])
-        self.fetched_blocks += len(blocks)
-        return out
+        if missing:
+            self._land(layer, self.reads.fetch(layer, missing))
 
     # --- device budget ------------------------------------------------------------------------
     def missing(self) -> bool:
         """Chosen blocks neither on the device nor being read (budget moves took them)."""
-        return any(len(on) < len(ch) and p is None
-                   for ch, on, p in zip(self.chosen, self._on, self._pending, strict=True))
+        return any(len(on) < len(ch) and not self.reads.in_flight(layer)
+                   for layer, (ch, on) in enumerate(zip(self.chosen, self._on, strict=True)))
 
     def refill(self) -> None:
         """Read back the chosen blocks the budget took (before a step)."""
         for layer, ch in enumerate(self.chosen):
             on = self._on[layer]
-            if not on.complete and self._pending[layer] is None:
-                self._land(layer, self._read(layer, [b for b in ch if b not in on]))
+            if not on.complete and not self.reads.in_flight(layer):
+                self._land(layer, self.reads.read(layer, [b for b in ch if b not in on]))
 
     def release_device(self) -> int:
         """Free the chosen and kept blocks (read back before the next step); blocks freed."""
         freed = sum(map(len, self._on)) + sum(map(len, self._kept))
+        self.reads.drop()  # nothing may land in what is being dropped
         for i in range(len(self._on)):
-            fut = self._pending[i]
-            if fut is not None:
-                fut.result()  # nothing may land in what is being dropped
-                self._pending[i] = None
             self._on[i].clear()
             self._kept[i].clear()
         return freed
@@ -544,13 +474,12 @@ class Retrieval:
             self._on[layer] = AttendedBlocks(self.block, self.c.sink_tokens, self._tail)
             self._on[layer].arrange(self.chosen[layer])
             if self.chosen[layer]:
-                self._land(layer, self._read(layer, list(self.chosen[layer])))
+                self._land(layer, self.reads.read(layer, list(self.chosen[layer])))
 
     def copy_to(self, other: Retrieval) -> None:
         """Give ``other`` (a fork's, empty) this state: centroids, chosen and kept blocks."""
         for layer in range(self.c.num_layers):
-            if self._pending[layer] is not None:
-                self._settle(layer)
+            self._land(layer, self.reads.settle(layer))
             other._on[layer] = self._on[layer].copy()
             other._kept[layer] = OrderedDict((b, (k.clone(), v.clone()))
                                              for b, (k, v) in self._kept[layer].items())
