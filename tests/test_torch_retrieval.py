@@ -169,8 +169,10 @@ a = json.loads(sys.argv[1])
 import kvfs.torch.retrieval
 kvfs.torch.retrieval.DEFAULT_SELECTOR = a["selector"]
 m = tiny_llama(seed=0)
+tb = geometry(m).session_token_bytes  # the parent's settings: the same rule, the same blocks
 r = KVRouter(mount=a["cold"], warm_root=a["warm"], max_kv_len=8, warm_options={"shards": 16},
-             retrieval_block=4, retrieval_bytes=(3 + 2) * 4 * geometry(m).session_token_bytes)
+             retrieval_block=4, retrieval_bytes=(3 + 2) * 4 * tb, retrieval_share=a["share"],
+             retrieval_max_bytes=(a["most"] + 2) * 4 * tb)
 c = r.resume("s", m)
 ids, out = torch.tensor([a["conv"]]), []
 for t in a["turns"]:
@@ -188,7 +190,7 @@ def test_resume_in_a_new_process_attends_the_same_blocks(tmp_path, model):
     outs = generate_turns(model, r.cache("s", model), BEFORE, NEW)
     r.close()  # flushes: every token, the centroids and the next step's blocks on the mount
     args = {"cold": str(tmp_path / "cold"), "warm": str(tmp_path / "warm-child"), "new": NEW,
-            "selector": "centroids",
+            "selector": "centroids", "share": GROW_SHARE, "most": GROW_MOST,
             "conv": conversation(BEFORE, outs)[0].tolist(), "turns": [t[0].tolist() for t in AFTER]}
     p = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], capture_output=True,
                        text=True, cwd=REPO, timeout=180, env={**os.environ, "PYTHONPATH": str(REPO)})
