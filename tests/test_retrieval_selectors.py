@@ -107,10 +107,7 @@ def test_int8_scores_as_the_keys_it_stands_for():
     assert every.every_step and every.name == "int8-sum-every" and (every.bits, every.agg) == (8, "sum")
     fresh = selector("int8-sum-fresh8", 8)
     assert not fresh.every_step and fresh.fresh == 8 and fresh.name == "int8-sum-fresh8"
-    tail = selector("int8-sum-fresh4-tail2", 8)
-    assert (tail.fresh, tail.tail, tail.name) == (4, 2, "int8-sum-fresh4-tail2")
-    assert selector("int8-sum-tail1", 8).tail == 1 and selector("centroids", 8).tail == 0
-    for bad in ("int8-sum-fresh", "int8-sum-freshx", "int8-sum-often", "int8", "int8-sum-tail",
+    for bad in ("int8-sum-fresh", "int8-sum-freshx", "int8-sum-often", "int8",
                 "int8-sum-every-fresh4", "int8-sum-fresh4-fresh8", "int8-sum-every3"):
         with pytest.raises(ValueError):
             selector(bad, 8)
@@ -118,12 +115,11 @@ def test_int8_scores_as_the_keys_it_stands_for():
         selector("nearest", 8)
 
 
-@pytest.mark.parametrize("name", [None, "int8-sum-fresh3", "int8-sum-every", "int8-sum-fresh3-tail1"])
+@pytest.mark.parametrize("name", [None, "int8-sum-fresh3", "int8-sum-every"])
 def test_the_default_follows_the_rule(tmp_path, model, name, monkeypatch):
     """The default selector (exact scores over int8 keys, chosen again at the first 4 decode
     steps of an answer, then held over decode steps that add no block), and the same keys
-    chosen at the first 3 decode steps or at every one, or a turn's next choice made from its
-    last query alone, choose what the reference written
+    chosen at the first 3 decode steps or at every one, choose what the reference written
     from the rule chooses, token for token."""
     from kvfs.torch.reference import RetrievalReference
 

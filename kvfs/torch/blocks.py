@@ -233,10 +233,6 @@ class Selector(Protocol):
     #: choice holding between (exact scores cost)
     every_step: bool
     fresh: int
-    #: a step of several tokens chooses the next step's blocks from its last ``tail`` queries
-    #: (0: all of them); its own blocks (:meth:`~kvfs.torch.retrieval.Retrieval.splice`)
-    #: always from all of them
-    tail: int
 
     def columns(self, block: int) -> int: ...
 
@@ -265,7 +261,6 @@ class Centroids:
     name = "centroids"
     every_step = True
     fresh = 0
-    tail = 0
 
     def columns(self, block: int) -> int:
         return 2
@@ -284,7 +279,6 @@ class Bounds:
     name = "quest"
     every_step = True
     fresh = 0
-    tail = 0
 
     def columns(self, block: int) -> int:
         return 2
@@ -315,18 +309,14 @@ class QuantizedKeys:
     over the queries of a KV head, summed over the heads."""
 
     def __init__(self, block: int, bits: int = 8, agg: str = "max", every_step: bool = False,
-                 fresh: int = 0, tail: int = 0) -> None:
-        if (agg not in ("max", "sum") or not 2 <= bits <= 8 or not 0 <= fresh <= 4096
-                or not 0 <= tail <= 1 << 20 or (every_step and fresh)):
-            raise ValueError(f"quantized keys need 2-8 bits, agg max or sum, 0-4096 fresh steps (not "
-                             f"with every step) and a tail of 0 or more queries, got {bits}, {agg!r}, "
-                             f"fresh={fresh}, every={every_step}, tail={tail}")
+                 fresh: int = 0) -> None:
+        if agg not in ("max", "sum") or not 2 <= bits <= 8 or not 0 <= fresh <= 4096:
+            raise ValueError(f"quantized keys need 2-8 bits, agg max or sum and 0-4096 fresh steps, "
+                             f"got {bits}, {agg!r}, {fresh}")
         self.block, self.bits, self.agg = block, bits, agg
         self.every_step = every_step  # else a decode step keeps the choice unless a block left ...
         self.fresh = fresh  # ... or it is one of the first ``fresh`` after a turn
-        self.tail = tail
-        self.name = (f"int{bits}-{agg}" + ("-every" if every_step else f"-fresh{fresh}" if fresh else "")
-                     + (f"-tail{tail}" if tail else ""))
+        self.name = f"int{bits}-{agg}" + ("-every" if every_step else f"-fresh{fresh}" if fresh else "")
         self.qmax = float(2 ** (bits - 1) - 1)
 
     def columns(self, block: int) -> int:
@@ -360,20 +350,13 @@ SELECTORS: dict[str, Callable[[], Selector]] = {"centroids": Centroids, "quest":
 def selector(name: str, block: int) -> Selector:
     """The selector called ``name``: ``centroids``, ``quest``, ``int8-max``, ``int8-sum``,
     ``int4-max``, ``int4-sum``; a quantized one with ``-every`` chooses at every decode step,
-    with ``-fresh<N>`` at the first N decode steps after a turn, with ``-tail<M>`` from the
-    last M queries of a turn for its first decode step (``int8-sum-fresh8-tail1``)."""
+    with ``-fresh<N>`` at the first N decode steps after a turn (``int8-sum-fresh8``)."""
     if name in SELECTORS:
         return SELECTORS[name]()
-    parts = name[3:].split("-") if name.startswith("int") else []
-    if len(parts) >= 2 and parts[0].isdigit():
-        opts: dict[str, int] = {}
-        for p in parts[2:]:
-            key = "every" if p == "every" else p.rstrip("0123456789")
-            num = p[len(key):]
-            if key in opts or key not in ("every", "fresh", "tail") or (key != "every") != num.isdigit():
-                break
-            opts[key] = int(num) if num else 1
-        else:
-            return QuantizedKeys(block, int(parts[0]), parts[1], bool(opts.get("every")),
-                                 opts.get("fresh", 0), opts.get("tail", 0))
+    if name.startswith("int") and "-" in name:
+        parts = name[3:].split("-")
+        every = parts[2:] == ["every"]
+        fresh = parts[2][5:] if len(parts) == 3 and parts[2].startswith("fresh") else None
+        if parts[0].isdigit() and (len(parts) == 2 or every or (fresh or "").isdigit()):
+            return QuantizedKeys(block, int(parts[0]), parts[1], every, int(fresh or 0))
     raise ValueError(f"unknown retrieval selector {name!r}")

@@ -339,8 +339,6 @@ class RetrievalReference(WindowReference):
             scales = [s for _, s in reps if s is not None]
             scale = torch.stack([scale_layout(s) for s in scales]) if scales else None
             queries = [qs for qs in self.queries if qs is not None]  # every layer's, from its hook
-            if sel.tail and q > sel.tail:  # a turn's next choice: from its last queries only
-                queries = [qs[..., -sel.tail:, :] for qs in queries]
             all_scores = sel.scores(torch.cat(queries), cents, scale)
         for i in range(len(self.hist_k)):
             if nb:

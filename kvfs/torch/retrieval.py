@@ -362,8 +362,6 @@ class Retrieval:
                 and scored == self._scored):
             return  # a decode step past the fresh ones, no new block, the same recall: the choice holds
         self._scored = scored
-        if sel.tail and qs[0].shape[-2] > sel.tail:  # the queries nearest the next token's
-            qs = [q[..., -sel.tail:, :] for q in qs]
         scale = None if self._scale is None else self._scale[..., :self.cols * n]
         scores = self.selector.scores(torch.cat(qs), self.scoring(), scale)  # [layers, n]: one matmul
         if excluded:
