@@ -68,8 +68,9 @@ FIGURES: dict[str, tuple[str, str, list[tuple[str, str]]]] = {
           [("warm", "memmap_read|bench_memmap_vs_torch_load")]),
     "10": ("Perplexity of a real model (SmolLM2-135M) with a hot window", "the full cache",
            [("quality", "quality")]),
-    "11": ("Read a 1 KiB piece of a random session's layer among 2,000 sessions, every cache dropped",
-           "open + pread + close of the per-layer ext4 file by path", [("native", "piece_read")]),
+    "11": ("Read a 1 KiB piece of a random session's layer, or a whole session, among 2,000 "
+           "sessions, every cache dropped", "open + pread + close of the per-layer ext4 file by path",
+           [("native", "piece_read"), ("native", "fresh_read")]),
 }
 # what a figure's bound rows mean, under its title (the numbers are the run's own)
 FIGURE_TEXT: dict[str, str] = {
@@ -96,7 +97,12 @@ FIGURE_TEXT: dict[str, str] = {
            "root: pages, dentries and inodes), so the ext4 peer walks the path from the disk. The "
            "native row's client holds the extents of the sessions it wrote (an agent's "
            "sessions); the second row asks the mount for them on every read, whose index may "
-           "need B+ tree pages from the disk; the third reads through the FUSE face."),
+           "need B+ tree pages from the disk; the third reads through the FUSE face. The *new "
+           "client* rows are a new process reading sessions it never saw, each found in the "
+           "mount's catalog (the page cache dropped once before they start); their *I/O floor* "
+           "is the direct read alone, the *checked-read floor* the same read with a CRC-32C of "
+           "every 32 KiB block read and one copy out, no Python around either: no read that "
+           "checks what it returns goes below it."),
 }
 # "a|b": the first of these names the module has. Functions returning a flat dict of numbers
 # instead of results: how to read one call as subject / peer samples.

@@ -1,5 +1,6 @@
 """Where a chat's fact sits when gov answers it: the blocks holding the wanted value's tokens
-and how many layers choose each for the first answer step.
+(family c: the corrected value's, and the stale value's where it was first said) and how
+many layers choose each for the first answer step.
 
 ``python tools/memory_misses.py --split test a-500-21:0 b-500-2:2`` (family-length-trial, then
 the question): each chat of tools/memory_chats.py is fed round by round to a fresh gov session
@@ -54,10 +55,12 @@ def main(argv: list[str] | None = None) -> int:
             qk = int(q or 0)
             chat = next(iter(mc.chats(tok, args.split, [fam], [int(length)], 1, int(trial))))
             r = mc.render(tok, chat, "chatml")
-            want = chat.questions[qk].want[0]
-            fr = chat.fact_rounds[qk]
-            start = sum(map(len, r.rounds[:fr]))
-            a, e = value_span(tok, r.rounds[fr], want)
+            # the wanted value where it was said (family c: in the correction), and the
+            # stale value where it was first said
+            wanted = [("value", chat.questions[qk].want[0], chat.fact_rounds[qk])]
+            if chat.family == "c" and qk == 0:
+                wanted = [("new value", chat.questions[0].want[0], chat.info["correction_round"]),
+                          ("stale value", chat.questions[0].stale[0], chat.fact_rounds[0])]
             cache, sid = configs.session(args.config)
             with torch.no_grad():
                 for x in r.rounds:
@@ -70,11 +73,16 @@ def main(argv: list[str] | None = None) -> int:
                         cache.end_round()
             ret = cache.retrieval
             lay = ret.layout
-            blocks = sorted({(t - lay.origin) // lay.block for t in range(start + a, start + e)})
-            chose = {b: sum(b in ch for ch in ret.chosen) for b in blocks}
-            log.info("%s question %d: %r in tokens [%d, %d), blocks %s; layers choosing each (of %d): %s; "
-                     "%d blocks left the window, %d attended", chat.name, qk, want, start + a, start + e,
-                     blocks, len(ret.chosen), chose, ret.count[0], len(ret.chosen[0]))
+            for what, want, fr in wanted:
+                start = sum(map(len, r.rounds[:fr]))
+                a, e = value_span(tok, r.rounds[fr], want)
+                blocks = sorted({(t - lay.origin) // lay.block for t in range(start + a, start + e)})
+                near = range(max(blocks[0] - 2, 0), min(blocks[-1] + 2, ret.count[0]))
+                chose = {b: sum(b in ch for ch in ret.chosen) for b in near}
+                log.info("%s question %d: %s %r in tokens [%d, %d), blocks %s; layers choosing it "
+                         "and the blocks around it (of %d): %s; %d blocks left the window, %d "
+                         "attended", chat.name, qk, what, want, start + a, start + e, blocks,
+                         len(ret.chosen), chose, ret.count[0], len(ret.chosen[0]))
             configs.delete(args.config, sid)
     finally:
         configs.close()
