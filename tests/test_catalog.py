@@ -16,7 +16,7 @@ import pytest
 
 from kvfs.channel import APPEND, TRUNCATE, Channel, Item
 from kvfs.engine import catalog as C
-from kvfs.engine.catalog import Catalog, CatalogView, decode, encode
+from kvfs.engine.catalog import Catalog, CatalogView, decode, decode_files, encode
 
 
 def blob(name: str, n: int, nfiles: int = 2, tag: int = 0) -> bytes:
@@ -37,6 +37,12 @@ def test_a_record_reads_back_as_it_was_written():
         assert fe.off == [0, 10, 20] and fe.ext == [(0, 0, 10, 512), (1, 0, 10, 512), (2, 0, 10, 512)]
         assert (fe.lo, fe.hi) == (0, 30)
         assert v.lookup("sess", "layer_9") == ((0o700, 5, 6), None)  # the session, no such file
+        attrs, many = v.lookup_files("sess", ["layer_1", "layer_9", "layer_0"])
+        assert attrs == (0o700, 5, 6) and set(many) == {"layer_0", "layer_1", "layer_9"}
+        assert many["layer_9"] is None
+        for name, fno in (("layer_0", 1), ("layer_1", 2)):
+            assert many[name].fno == fno and many[name].ext == v.lookup("sess", name)[1].ext
+        assert v.lookup_files("other", ["layer_0"]) is None
         assert v.lookup("other", "layer_0") is None
         c.withdraw("sess")
         assert v.lookup("sess", "layer_1") is None
@@ -128,6 +134,9 @@ def test_damaged_blobs_and_blocks_are_refused():
         got = decode(bytes(junk), "s", "layer_0")
         if got is not None and got[1] is not None:  # parsed: whole, one offset per extent
             assert len(got[1].off) == len(got[1].ext) and all(len(e) == 4 for e in got[1].ext)
+        many = decode_files(bytes(junk), "s", ["layer_0", "layer_1", "layer_7"])
+        for fe in (many[1].values() if many is not None else ()):
+            assert fe is None or len(fe.off) == len(fe.ext)
     fd = os.memfd_create("not-a-catalog")
     try:
         os.ftruncate(fd, 1 << 16)
@@ -177,6 +186,13 @@ def test_a_new_client_reads_published_sessions_without_asking(make_mount):
         assert [bytes(b) for b in bufs] == [want[("s3", f"layer_{k}")] for k in range(3)]
         assert _requests(m) == before  # not one extents request
         assert ch.locator.catalog_hits >= len(want)
+        # several files of a session nothing is kept for: one catalog lookup finds them all
+        ch.cache.drop("s4")
+        hits = ch.locator.catalog_hits
+        bufs = [bytearray(len(want[("s4", f"layer_{k}")])) for k in (2, 0, 1)]
+        ch.read("s4", [(f"layer_{k}", 0, memoryview(b)) for k, b in zip((2, 0, 1), bufs)])
+        assert [bytes(b) for b in bufs] == [want[("s4", f"layer_{k}")] for k in (2, 0, 1)]
+        assert ch.locator.catalog_hits == hits + 3 and _requests(m) == before
         # what the catalog does not show goes to the mount: past the published end, a
         # missing file, a missing session (its errors are the mount's)
         with open(m.sessions / "s0" / "layer_0", "ab") as f:

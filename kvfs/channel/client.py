@@ -388,9 +388,9 @@ class Channel:
         todo = list(jobs)
         while todo:
             need: list[tuple[str, int, memoryview]] = []
-            for name, off, out in todo:
-                fe = None if fresh else self.locator.find(sid, name, off, off + len(out),
-                                                          check or self.check)
+            found = ([None] * len(todo) if fresh else self.locator.find_many(
+                sid, [(name, off, off + len(out)) for name, off, out in todo], check or self.check))
+            for (name, off, out), fe in zip(todo, found, strict=True):
                 if fe is None:
                     need.append((name, off, out))
                 else:

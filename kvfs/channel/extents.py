@@ -84,20 +84,37 @@ class Locator:
     def find(self, sid: str, name: str, a: int, b: int, check: Check | None
              ) -> FileExtents | None:
         """Extents of ``sid``/``name`` covering ``[a, b)``, kept or published; None: ask."""
-        return self.cache.get(sid, name, a, b) or self._published(sid, name, a, b, check)
+        return self.find_many(sid, [(name, a, b)], check)[0]
 
-    def _published(self, sid: str, name: str, a: int, b: int, check: Check | None
-                   ) -> FileExtents | None:
+    def find_many(self, sid: str, ranges: list[tuple[str, int, int]], check: Check | None
+                  ) -> list[FileExtents | None]:
+        """``find`` for several ranges of one session: what is not kept is looked up in
+        the catalog together (the session's record read once)."""
+        out = [self.cache.get(sid, name, a, b) for name, a, b in ranges]
+        missing = {name for (name, _, _), fe in zip(ranges, out, strict=True) if fe is None}
         cat = self.catalog
-        got = cat.lookup(sid, name) if cat is not None else None
+        if not missing or cat is None:
+            return out
+        got = cat.lookup_files(sid, missing)
         if got is None:
-            return None
-        attrs, fe = got
+            return out
+        attrs, published = got
+        uid, gid, groups = self.me
+        if not P.permits(uid, gid, groups, *attrs, P.X, is_dir=True):
+            return out
+        for k, (name, a, b) in enumerate(ranges):
+            if out[k] is None:
+                out[k] = self._usable(sid, attrs, name, published[name], a, b, check)
+        return out
+
+    def _usable(self, sid: str, attrs: tuple[int, int, int], name: str, fe: FileExtents | None,
+                a: int, b: int, check: Check | None) -> FileExtents | None:
+        """A published record of a file, if it covers ``[a, b)``, is current and this
+        process may read it (kept for the next reads); else None."""
         if fe is None or not fe.covers(a, b) or self.view.cuts(fe.sno) != fe.cuts:
             return None
         uid, gid, groups = self.me
-        if not (P.permits(uid, gid, groups, *attrs, P.X, is_dir=True)
-                and P.permits(uid, gid, groups, fe.mode, fe.uid, fe.gid, P.R)):
+        if not P.permits(uid, gid, groups, fe.mode, fe.uid, fe.gid, P.R):
             return None
         if check is not None:
             try:

@@ -51,7 +51,7 @@ import os
 import platform
 import struct
 from array import array
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from .direct import FileExtents
 from .published import sealed_block
@@ -104,6 +104,14 @@ def decode(blob: bytes, session: str, file: str) -> tuple[
         tuple[int, int, int], FileExtents | None] | None:
     """From a blob: the session's (mode, uid, gid) and ``file``'s extents (None: the session
     has no such file); None when the blob is not ``session``'s or does not parse."""
+    got = decode_files(blob, session, (file,))
+    return None if got is None else (got[0], got[1][file])
+
+
+def decode_files(blob: bytes, session: str, files: Collection[str]) -> tuple[
+        tuple[int, int, int], dict[str, FileExtents | None]] | None:
+    """``decode`` of several files in one pass over the blob: each of ``files`` -> its
+    extents, or None where the session has no such file."""
     size = len(blob)
     try:
         magic, words, sno, cuts, mode, uid, gid, nfiles, nlen = _BLOB.unpack_from(blob, 0)
@@ -111,14 +119,19 @@ def decode(blob: bytes, session: str, file: str) -> tuple[
         if magic != BLOB_MAGIC or words * 8 != size or nlen != len(sb) or not blob.startswith(sb, 72):
             return None
         attrs = (mode, uid, gid)
-        want = file.encode("utf-8", "surrogateescape")
+        want = {f.encode("utf-8", "surrogateescape"): f for f in files}
+        out: dict[str, FileExtents | None] = dict.fromkeys(files)
+        left = len(want)
         i = 72 + -(-nlen // 8) * 8
         for _ in range(nfiles):
+            if not left:
+                break
             flen, fno, fmode, fuid, fgid, n = _FILE.unpack_from(blob, i)
             j = i + 48 + -(-flen // 8) * 8
             if not (0 <= flen and 0 <= n and j + 40 * n <= size):
                 return None
-            if flen == len(want) and blob.startswith(want, i + 48):
+            name = want.get(blob[i + 48:i + 48 + flen])
+            if name is not None:
                 off = list(struct.unpack_from(f"={n}q", blob, j))
                 flat = iter(struct.unpack_from(f"={4 * n}q", blob, j + 8 * n))
                 ext = list(zip(flat, flat, flat, flat, strict=True))
@@ -126,9 +139,10 @@ def decode(blob: bytes, session: str, file: str) -> tuple[
                 if n:
                     fe.lo, fe.hi = off[0], off[-1] + ext[-1][2]
                     fe.size = fe.hi
-                return attrs, fe
+                out[name] = fe
+                left -= 1
             i = j + 40 * n
-        return attrs, None
+        return attrs, out
     except struct.error:
         return None
 
@@ -304,6 +318,13 @@ class CatalogView:
         """``session``'s (mode, uid, gid) and ``file``'s extents as published (None for the
         extents: no such file in the record); None when the catalog does not hold the
         session now (ask the mount)."""
+        got = self.lookup_files(session, (file,))
+        return None if got is None else (got[0], got[1][file])
+
+    def lookup_files(self, session: str, files: Collection[str]) -> tuple[
+            tuple[int, int, int], dict[str, FileExtents | None]] | None:
+        """``lookup`` of several files of a session: its record found, copied and decoded
+        once."""
         w = self.words
         if not w[_H_OPEN]:
             return None
@@ -321,7 +342,7 @@ class CatalogView:
             blob = bytes(self.bytes[off:off + n])
             if w[b] != seq:
                 return None
-            got = decode(blob, session, file)
+            got = decode_files(blob, session, files)
             if got is not None:
                 return got
         return None
