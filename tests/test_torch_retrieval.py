@@ -365,6 +365,38 @@ def test_budget_moves_take_retrieved_blocks_and_bring_them_back(tmp_path, model)
     r.close()
 
 
+@pytest.mark.parametrize("select", ["centroids", "int8-sum-fresh4"])
+def test_many_idle_sessions_give_up_their_representatives_and_choose_alike(tmp_path, model,
+                                                                          monkeypatch, select):
+    """Six sessions under a budget that holds one and a half: once no window token is
+    left to move, the idle sessions' representatives go too (rebuilt from the stored keys
+    before their next step). The budget holds, and every session writes the tokens of a
+    run without a budget."""
+    monkeypatch.setattr("kvfs.torch.retrieval.DEFAULT_SELECTOR", select)
+    probe = make_router(tmp_path / "probe", model)
+    generate_turns(model, probe.cache("p", model), TURNS, NEW)
+    one = probe.stats()["peak_hot_bytes"]
+    probe.close()
+    expected = uninterrupted(tmp_path, model, TURNS)
+    r = make_router(tmp_path, model, device_budget_bytes=int(1.5 * one / 0.9))
+    sids = [f"s{i}" for i in range(6)]
+    got: dict[str, list] = {sid: [] for sid in sids}
+    convs = {sid: torch.empty(1, 0, dtype=torch.long) for sid in sids}
+    for t in TURNS:
+        for sid in sids:
+            c = r.cache(sid, model)
+            out = model.generate(torch.cat([convs[sid], t], 1), cache=c, max_new_tokens=NEW,
+                                 do_sample=False)
+            convs[sid] = out
+            got[sid].append(out[0, -NEW:].tolist())
+            c.end_round()
+    assert all(got[sid] == expected for sid in sids)
+    st = r.stats()
+    assert st["peak_hot_bytes"] <= r.limit
+    assert sum(s["retrieval"]["reps_rebuilt"] for s in st["per_session"].values()) > 0
+    r.close()
+
+
 def test_a_slow_fetch_changes_nothing_but_the_wait(tmp_path, model, monkeypatch):
     from kvfs.torch.block_reads import BlockReads
 

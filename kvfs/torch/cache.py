@@ -367,6 +367,11 @@ class TieredCache(Cache):
         the bytes freed on the device. Between steps only."""
         return self.moves.evict_oldest_round(min_tokens)
 
+    def evict_reps(self) -> int:
+        """Free the retrieval's representatives, rebuilt before the next step
+        (:meth:`Moves.evict_reps`)."""
+        return self.moves.evict_reps()
+
     def evict_sinks(self) -> int:
         """Move the sinks to the warm tier, the budget's last resort (:meth:`Moves.evict_sinks`)."""
         return self.moves.evict_sinks()

@@ -1,7 +1,7 @@
 """Budget moves, refill and resume: what the device holds of a session, changed between steps.
 
-Three ways: the router moves the oldest rounds of an idle session (and, last, its sinks) to
-the warm tier to stay under the device budget; before the session's next step the missing
+Three ways: the router moves the oldest rounds of an idle session (and, last, its retrieval
+representatives and its sinks) out of the device to stay under the device budget; before the session's next step the missing
 window and recalled copies are read back (refill); and a stored session is rebuilt from its
 meta.json and layer files (resume). Semantics in :mod:`kvfs.torch.cache`. :class:`Moves`
 owns whether the sinks were moved and whether the next step must check for a refill;
@@ -39,9 +39,12 @@ class MovableRetrieval(Protocol):
 
     @property
     def refill_tokens(self) -> int: ...
+    @property
+    def refill_rep_bytes(self) -> int: ...
     def missing(self) -> bool: ...
-    def refill(self) -> None: ...
+    def refill(self, device: torch.device | str) -> None: ...
     def release_device(self) -> int: ...
+    def release_reps(self) -> int: ...
     def load(self, meta: dict, tokens: int, window_start: int, device: torch.device | str) -> None: ...
 
 
@@ -96,7 +99,8 @@ class Moves:
             return
         n_rec = sum(b - a for a, b in rec) + (ret.refill_tokens if ret is not None else 0)
         if h.router is not None:
-            h.router.reserve(h, (missing + n_rec) * h.geo.session_token_bytes)
+            h.router.reserve(h, (missing + n_rec) * h.geo.session_token_bytes
+                             + (ret.refill_rep_bytes if ret is not None else 0))
         if h.spiller is not None:
             h.spiller.wait()
         dev = lay0.device
@@ -109,7 +113,7 @@ class Moves:
         if rec:
             h.recalled.materialize(rec, dev)
         if ret is not None:
-            ret.refill()
+            ret.refill(dev)
         self.check = False
         h.miss_next()
         if h.router is not None:
@@ -144,6 +148,21 @@ class Moves:
             h.spiller.wait()
         self.evicted_rounds += 1
         return before - h.hot_bytes
+
+    def evict_reps(self) -> int:
+        """Free the retrieval's representatives of the old blocks (rebuilt from the stored
+        keys before the session's next step): a last resort of the budget, before the sinks,
+        once no window token of any session is left to move. Returns the bytes freed."""
+        h = self.host
+        if h.retrieval is None:
+            return 0
+        if h.spiller is not None:
+            h.spiller.wait()  # the keys they are rebuilt from are stored
+        freed = h.retrieval.release_reps()
+        if freed:
+            self.check = True
+            self.evicted_rounds += 1
+        return freed
 
     def evict_sinks(self) -> int:
         """Move the sinks to the warm tier: the budget's last resort once no window token of

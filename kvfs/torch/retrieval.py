@@ -94,6 +94,12 @@ DEFAULT_SELECTOR = "int8-sum-fresh4"
 IN_STEP = True
 
 
+def _capacity(blocks: int) -> int:
+    """Blocks the representatives' tensor has room for once it holds ``blocks``: it grows by
+    a quarter (at least 8) at a time, so appends rarely copy it."""
+    return blocks + max(8, blocks // 4)
+
+
 class Retrieval:
     """One session's retrieval state (see the module docstring)."""
 
@@ -133,6 +139,8 @@ class Retrieval:
         self._scored: tuple[int, tuple[int, ...]] = (0, ())  # blocks and recalled ones at the last scoring
         self._decodes = 0  # single-token steps since the last step of several tokens
         self.backfilled_blocks = 0
+        self._reps_out = False  # the budget took the representatives: rebuilt before a step
+        self.reps_rebuilt = 0  # ... how often
 
     # --- views ------------------------------------------------------------------------------
     @property
@@ -180,7 +188,7 @@ class Retrieval:
         kept = max(0, min(self.keep, len(self._kept[0]) + leaving + chosen) - len(self._kept[0]))
         cap = 0 if self._cents is None else self._cents.shape[-1] // self.cols
         need = self.count[0] + leaving
-        grown = need + max(8, need // 4) - cap if need > cap else 0
+        grown = _capacity(need) - cap if need > cap else 0
         room = c.sink_tokens + self._tail if chosen and not self._on[0].nbytes else 0  # a new buffer's
         return (room + (chosen + kept) * blk) * stb + grown * self.rep_bytes
 
@@ -197,7 +205,7 @@ class Retrieval:
                 "attend_share": self.share, "block": self.block,
                 "selector": self.selector.name,
                 "attended_blocks": len(self.chosen[0]), **self.reads.stats(),
-                "backfilled_blocks": self.backfilled_blocks}
+                "backfilled_blocks": self.backfilled_blocks, "reps_rebuilt": self.reps_rebuilt}
 
     # --- blocks leaving the window -----------------------------------------------------------
     def step_begin(self) -> None:
@@ -237,7 +245,7 @@ class Retrieval:
         n, cur, m, r = self.count[layer], self._cents, new.shape[0], self.cols
         lay = scoring_layout(new)
         if cur is None or cur.shape[-1] < r * (n + m):
-            cap = n + m + max(8, (n + m) // 4)
+            cap = _capacity(n + m)
             grown = lay.new_empty((self.c.num_layers, *lay.shape[:2], r * cap))
             if cur is not None:
                 grown[..., :cur.shape[-1]] = cur
@@ -397,12 +405,22 @@ class Retrieval:
 
     # --- device budget ------------------------------------------------------------------------
     def missing(self) -> bool:
-        """Chosen blocks neither on the device nor being read (budget moves took them)."""
-        return any(len(on) < len(ch) and not self.reads.in_flight(layer)
-                   for layer, (ch, on) in enumerate(zip(self.chosen, self._on, strict=True)))
+        """Chosen blocks neither on the device nor being read, or the representatives (budget
+        moves took them)."""
+        return self._reps_out or any(len(on) < len(ch) and not self.reads.in_flight(layer)
+                                     for layer, (ch, on) in enumerate(zip(self.chosen, self._on, strict=True)))
 
-    def refill(self) -> None:
-        """Read back the chosen blocks the budget took (before a step)."""
+    @property
+    def refill_rep_bytes(self) -> int:
+        """Device bytes the representatives take when rebuilt (0 unless the budget took them)."""
+        return _capacity(self.count[0]) * self.rep_bytes if self._reps_out else 0
+
+    def refill(self, device: torch.device | str) -> None:
+        """Rebuild the representatives and read back the chosen blocks the budget took
+        (before a step)."""
+        if self._reps_out:
+            self._build_reps(self.count[0], device)
+            self.reps_rebuilt += 1
         for layer, ch in enumerate(self.chosen):
             on = self._on[layer]
             if not on.complete and not self.reads.in_flight(layer):
@@ -415,6 +433,19 @@ class Retrieval:
         for i in range(len(self._on)):
             self._on[i].clear()
             self._kept[i].clear()
+        return freed
+
+    def release_reps(self) -> int:
+        """Free the representatives of the blocks that left the window (the budget's last
+        resort before the sinks: rebuilding them reads the old keys back); bytes freed. They
+        are a function of the stored keys alone, so the rebuilt ones choose exactly as these
+        would have."""
+        if self._cents is None or not self.count[0]:
+            return 0
+        freed = sum(t.numel() * t.element_size() for t in (self._cents, self._scale) if t is not None)
+        self.queue_records()  # centroids not yet in the side stream go there first
+        self._cents = self._scale = None
+        self._reps_out = True
         return freed
 
     def release(self) -> None:
@@ -449,7 +480,24 @@ class Retrieval:
         completed from the stored keys: :func:`~kvfs.torch.retrieval_store.load_centroids`)
         and the chosen blocks from ``meta.json`` when it saved them for exactly ``tokens``."""
         need = self.layout.blocks_before(window_start)
+        self._build_reps(need, device)
+        self._scored = (need, ())  # a live session scores whenever a block leaves its window
+        saved = meta.get("retrieval")
+        dec = saved.get("decodes") if isinstance(saved, dict) and saved.get("tokens") == tokens else None
+        self._decodes = dec if isinstance(dec, int) and dec >= 0 else 0  # the fresh steps go on
+        self.chosen = chosen_from_meta(meta.get("retrieval"), self.layout, tokens, need,
+                                       self.attend_for(need), self.c.num_layers)
+        for layer in range(self.c.num_layers):
+            self._on[layer] = AttendedBlocks(self.block, self.c.sink_tokens, self._tail)
+            self._on[layer].arrange(self.chosen[layer])
+            if self.chosen[layer]:
+                self._land(layer, self.reads.read(layer, list(self.chosen[layer])))
+
+    def _build_reps(self, need: int, device: torch.device | str) -> None:
+        """The representatives of blocks ``[0, need)`` of every layer: the centroids from the
+        side stream (completed from the stored keys), others from the stored keys."""
         self._cents = self._scale = None
+        self._reps_out = False
         for layer in range(self.c.num_layers):
             self.count[layer] = 0
         if self.streamed:
@@ -464,17 +512,6 @@ class Retrieval:
                                                                   layer, need, device))
             self.backfilled_blocks = need
         self.written = need
-        self._scored = (need, ())  # a live session scores whenever a block leaves its window
-        saved = meta.get("retrieval")
-        dec = saved.get("decodes") if isinstance(saved, dict) and saved.get("tokens") == tokens else None
-        self._decodes = dec if isinstance(dec, int) and dec >= 0 else 0  # the fresh steps go on
-        self.chosen = chosen_from_meta(meta.get("retrieval"), self.layout, tokens, need,
-                                       self.attend_for(need), self.c.num_layers)
-        for layer in range(self.c.num_layers):
-            self._on[layer] = AttendedBlocks(self.block, self.c.sink_tokens, self._tail)
-            self._on[layer].arrange(self.chosen[layer])
-            if self.chosen[layer]:
-                self._land(layer, self.reads.read(layer, list(self.chosen[layer])))
 
     def copy_to(self, other: Retrieval) -> None:
         """Give ``other`` (a fork's, empty) this state: centroids, chosen and kept blocks."""
@@ -485,6 +522,7 @@ class Retrieval:
                                              for b, (k, v) in self._kept[layer].items())
         other._cents = None if self._cents is None else self._cents.clone()
         other._scale = None if self._scale is None else self._scale.clone()
+        other._reps_out = self._reps_out
         other.count = list(self.count)
         other.chosen = list(self.chosen)
         other.written = self.written

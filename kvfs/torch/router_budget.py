@@ -24,15 +24,17 @@ from this session, see "refill" in :mod:`kvfs.torch.cache`) is made by moving ro
 After the step the budget is enforced over all sessions, the stepping one last (it is the
 most recent). Moves are synchronous: they return once the bytes are in the warm tier.
 Moves change what is on the device, never what a step attends. Moves take window tokens
-(and recalled copies); a session's sinks stay on the device unless no window token of any
-session is left to move, and are then read back, like the window, before its next step.
+(and recalled copies, and retrieved blocks); once no window token of any session is left to
+move, the representatives retrieval scores old blocks by (rebuilt from the stored keys) and
+then the sinks of idle sessions go too, and are read back, like the window, before their
+session's next step.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -156,9 +158,15 @@ class HotBudget:
                     metrics.hot_watermark_moves.inc()
                 if not self._pressure(extra):
                     break
-        if self._pressure(extra):  # last resort: the sinks of idle sessions (LRU first)
+        # last resorts, LRU first: the retrieval representatives of idle sessions (rebuilt
+        # from the stored keys before their next step), then their sinks
+        last: tuple[Callable[[BudgetedCache], int], ...] = (lambda c: c.evict_reps(),
+                                                           lambda c: c.evict_sinks())
+        for evict in last:
+            if not self._pressure(extra):
+                break
             for c in list(self.sessions.values()):
-                if c is not exclude and c.evict_sinks() > 0:
+                if c is not exclude and evict(c) > 0:
                     moved += 1
                     self.account(c)
                     metrics.hot_watermark_moves.inc()
