@@ -374,7 +374,10 @@ def render(doc: dict, img_rel: str) -> str:
            "## How it was run", "", f"```\n{doc['command']}\n```", "",
            f"Run {doc['started']} → {doc['finished']} at commit `{doc['git']}`"
            + (" (**--quick**: tiny sizes, few repetitions — smoke numbers, not results)" if doc["quick"] else "")
-           + ".", "", describe_machine_md(doc["machine"]), "", "## Summary", "",
+           + "." + (" Figures this run did not select keep their results from an earlier run in the "
+                    "same directory; each such figure names that run, its command and its commit."
+                    if any(p.get("from_run") for f in figs.values() for p in f["providers"]) else ""),
+           "", describe_machine_md(doc["machine"]), "", "## Summary", "",
            "| # | measurement | subject | peer | ratio | goal | met? |", "|---|---|---|---|---|---|---|"]
     for fid, f in figs.items():
         for r in f["results"]:
@@ -441,7 +444,8 @@ def merge_previous(doc: dict, prev_path: Path) -> None:
         keep = {p["provider"] for p in old}
         cur = doc["figures"].setdefault(fid, {**f, "results": [], "series": {}, "providers": []})
         for p in old:
-            p.setdefault("from_run", f"{prev.get('started')}: `{prev.get('command')}`")
+            p.setdefault("from_run", f"{prev.get('started')} at commit `{prev.get('git')}`: "
+                                     f"`{prev.get('command')}`")
         cur["providers"] += old
         cur["results"] += [r for r in f.get("results", []) if r.get("provider") in keep]
         cur["series"].update({k: v for k, v in f.get("series", {}).items() if k in keep})
