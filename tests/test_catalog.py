@@ -190,7 +190,7 @@ def test_a_new_client_reads_published_sessions_without_asking(make_mount):
         ch.cache.drop("s4")
         hits = ch.locator.catalog_hits
         bufs = [bytearray(len(want[("s4", f"layer_{k}")])) for k in (2, 0, 1)]
-        ch.read("s4", [(f"layer_{k}", 0, memoryview(b)) for k, b in zip((2, 0, 1), bufs)])
+        ch.read("s4", [(f"layer_{k}", 0, memoryview(b)) for k, b in zip((2, 0, 1), bufs, strict=True)])
         assert [bytes(b) for b in bufs] == [want[("s4", f"layer_{k}")] for k in (2, 0, 1)]
         assert ch.locator.catalog_hits == hits + 3 and _requests(m) == before
         # what the catalog does not show goes to the mount: past the published end, a
