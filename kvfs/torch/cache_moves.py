@@ -1,9 +1,10 @@
 """Budget moves, refill and resume: what the device holds of a session, changed between steps.
 
 Three ways: the router moves the oldest rounds of an idle session (and, last, its retrieval
-representatives and its sinks) out of the device to stay under the device budget; before the session's next step the missing
-window and recalled copies are read back (refill); and a stored session is rebuilt from its
-meta.json and layer files (resume). Semantics in :mod:`kvfs.torch.cache`. :class:`Moves`
+representatives and its sinks) out of the device to stay under the device budget; before
+the session's next step the missing window and recalled copies are read back and the
+representatives rebuilt (refill); and a stored session is rebuilt from its meta.json and
+layer files (resume). Semantics in :mod:`kvfs.torch.cache`. :class:`Moves`
 owns whether the sinks were moved and whether the next step must check for a refill;
 what it needs of the cache is :class:`MovesHost` (it never imports the cache). These run
 between steps and wait on the spill thread.
