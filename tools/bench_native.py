@@ -369,6 +369,7 @@ def fresh_read(quick: bool = False, workdir: str | None = None) -> dict[str, Any
 def _fresh_child(job: dict[str, Any]) -> dict[str, Any]:
     """The timed part of ``fresh_read``, in a process that never used the mount."""
     from kvfs.channel import kept
+    from kvfs.engine.format import BLOCK, BLOCK_ENTRY, HDR_SIZE
 
     mnt, peer, layers, per_layer = job["mount"], Path(job["peer"]), job["layers"], job["per_layer"]
     how = drop_caches([job["volume"]])  # (a user without root drops only the volume's pages)
@@ -442,14 +443,15 @@ def _fresh_child(job: dict[str, Any]) -> dict[str, Any]:
     # any checked read adds: a CRC-32C of every 32 KiB block read, and one copy out
     c = ch.channel()
     fd = os.open(job["volume"], os.O_RDONLY | os.O_DIRECT)
-    buf = mmap.mmap(-1, 36 * KiB)
+    buf = mmap.mmap(-1, 36 * KiB)  # an entry's header, table and first block, from its page
     whole_buf = mmap.mmap(-1, 2 * layers * (per_layer + 64 * KiB))
     floors: dict[str, list[float]] = {"piece": [], "piece_checked": [], "whole": [], "whole_checked": []}
+    first = HDR_SIZE + BLOCK_ENTRY.size * -(-per_layer // BLOCK)  # an entry's first block, its offset
 
     def check_and_copy(m: mmap.mmap, start: int, n: int, out: bytearray, at: int) -> None:
         mv = memoryview(m)
-        for o in range(start, start + n, 32 * KiB):
-            crc32c.crc32c(mv[o:min(o + 32 * KiB, start + n)])
+        for o in range(start, start + n, BLOCK):
+            crc32c.crc32c(mv[o:min(o + BLOCK, start + n)])
         out[:] = mv[at:at + len(out)]
 
     try:
@@ -464,7 +466,7 @@ def _fresh_child(job: dict[str, Any]) -> dict[str, Any]:
                 t = time.perf_counter()
                 os.preadv(fd, [buf], phys - phys % 4096)
                 t1 = time.perf_counter()
-                check_and_copy(buf, phys % 4096 + 104, 32 * KiB, piece, phys % 4096 + 104)
+                check_and_copy(buf, phys % 4096 + first, BLOCK, piece, phys % 4096 + first)
                 t2 = time.perf_counter()
                 floors["piece"].append((t1 - t) * 1e3)
                 floors["piece_checked"].append((t2 - t) * 1e3)

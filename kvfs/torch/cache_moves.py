@@ -157,9 +157,7 @@ class Moves:
         h = self.host
         if h.retrieval is None:
             return 0
-        if h.spiller is not None:
-            h.spiller.wait()  # the keys they are rebuilt from are stored
-        freed = h.retrieval.release_reps()
+        freed = h.retrieval.release_reps()  # the refill waits for the spill before rebuilding
         if freed:
             self.check = True
             self.evicted_rounds += 1

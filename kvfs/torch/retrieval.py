@@ -156,10 +156,14 @@ class Retrieval:
 
     @property
     def device_bytes(self) -> int:
-        n = sum(t.numel() * t.element_size() for t in (self._cents, self._scale) if t is not None)
-        n += sum(on.nbytes for on in self._on)
+        n = self.rep_device_bytes + sum(on.nbytes for on in self._on)
         g = self.c.geo  # a kept block: K and V of block tokens
         return n + sum(map(len, self._kept)) * 2 * g.num_kv_heads * self.block * g.head_dim * g.itemsize
+
+    @property
+    def rep_device_bytes(self) -> int:
+        """Device bytes the representatives' tensors hold now (their whole capacity)."""
+        return sum(t.numel() * t.element_size() for t in (self._cents, self._scale) if t is not None)
 
     @property
     def rep_bytes(self) -> int:
@@ -440,9 +444,9 @@ class Retrieval:
         resort before the sinks: rebuilding them reads the old keys back); bytes freed. They
         are a function of the stored keys alone, so the rebuilt ones choose exactly as these
         would have."""
-        if self._cents is None or not self.count[0]:
+        freed = self.rep_device_bytes
+        if not freed:
             return 0
-        freed = sum(t.numel() * t.element_size() for t in (self._cents, self._scale) if t is not None)
         self.queue_records()  # centroids not yet in the side stream go there first
         self._cents = self._scale = None
         self._reps_out = True
