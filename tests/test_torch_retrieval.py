@@ -235,7 +235,7 @@ def test_key_centroids_stream_holds_the_centroids_of_every_block_that_left(tmp_p
     keys = stored_history(r.warm, "s", model, c.seen)
     for layer, k in enumerate(keys):
         assert torch.equal(got[:, layer], centroids_of_keys(k[..., 4:4 + n * 4, :], 4))
-        assert torch.equal(got[:, layer], c.retrieval.centroids(layer).cpu())
+        assert torch.equal(got[:, layer], c.retrieval.reps.centroids(layer).cpu())
     r.close()
     assert (tmp_path / "cold" / "sessions" / "s" / STREAM).stat().st_size == lay.offset(n)
 

@@ -1,8 +1,9 @@
-"""Retrieval of old KV by relevance: one session's blocks, their centroids and the attended set.
+"""Retrieval of old KV by relevance: one session's blocks, their representatives and the attended set.
 
 Owns, for one :class:`~kvfs.torch.cache.TieredCache`: the representatives of every block that
-has left the window (on the device, per layer: by default each key quantized to int8, else the
-centroids or Quest's bounds of :mod:`kvfs.torch.blocks`), the blocks each
+has left the window (on the device, per layer, :mod:`kvfs.torch.representatives`: by default
+each key quantized to int8, else the centroids or Quest's bounds of
+:mod:`kvfs.torch.blocks`), the blocks each
 layer attends and their K/V on the device (in one buffer per layer with room for the sinks
 and the window, :mod:`kvfs.torch.attended`: a decode step attends a slice of it, no copy
 of the blocks), blocks kept for reuse (the reads that bring newly chosen blocks up from the
@@ -49,16 +50,9 @@ import torch
 import kvfs.torch.attention as attention
 from kvfs.torch.attended import KV, AttendedBlocks
 from kvfs.torch.block_reads import BlockReads
-from kvfs.torch.blocks import (
-    BlockLayout,
-    Selector,
-    centroids_layout,
-    next_slots,
-    scale_layout,
-    scoring_layout,
-    selector,
-)
+from kvfs.torch.blocks import BlockLayout, Selector, next_slots, selector
 from kvfs.torch.fingerprint import KVUnsupported
+from kvfs.torch.representatives import Representatives
 from kvfs.torch.retrieval_store import (
     chosen_from_meta,
     load_centroids,
@@ -94,12 +88,6 @@ DEFAULT_SELECTOR = "int8-sum-fresh4"
 IN_STEP = True
 
 
-def _capacity(blocks: int) -> int:
-    """Blocks the representatives' tensor has room for once it holds ``blocks``: it grows by
-    a quarter (at least 8) at a time, so appends rarely copy it."""
-    return blocks + max(8, blocks // 4)
-
-
 class Retrieval:
     """One session's retrieval state (see the module docstring)."""
 
@@ -120,11 +108,8 @@ class Retrieval:
         self.in_step = IN_STEP  # a step of several tokens chooses its own blocks
         self.keep = FRESH_BLOCKS  # blocks kept for reuse per layer, besides the chosen ones
         self.selector: Selector = selector(select or DEFAULT_SELECTOR, self.block)
-        self.cols = self.selector.columns(self.block)  # representatives per block and KV head
         n = cache.geo.num_layers
-        self.count = [0] * n  # blocks with centroids (left the window), per layer
-        self._cents: torch.Tensor | None = None  # [layers, H, D, cols * capacity]: scoring_layout
-        self._scale: torch.Tensor | None = None  # [layers, H, cols * capacity] (quantized keys)
+        self.reps = Representatives(n, self.selector.columns(self.block), self._rep_block_bytes())
         self._queries: list[torch.Tensor | None] = [None] * n  # this step's, until the last layer
         self.chosen: list[tuple[int, ...]] = [()] * n  # blocks of the next step, in slot order
         # chosen blocks on the device, in one buffer per layer with room for the sinks and for
@@ -139,8 +124,15 @@ class Retrieval:
         self._scored: tuple[int, tuple[int, ...]] = (0, ())  # blocks and recalled ones at the last scoring
         self._decodes = 0  # single-token steps since the last step of several tokens
         self.backfilled_blocks = 0
-        self._reps_out = False  # the budget took the representatives: rebuilt before a step
-        self.reps_rebuilt = 0  # ... how often
+        self.reps_rebuilt = 0  # representatives rebuilt after the budget took them
+
+    def _rep_block_bytes(self) -> int:
+        """Device bytes of one block's representatives, all layers."""
+        g, name = self.c.geo, self.selector.name
+        one = g.head_dim * (g.itemsize if name in ("centroids", "quest") else 1)
+        if name not in ("centroids", "quest"):
+            one += 4  # the scale
+        return g.num_layers * g.num_kv_heads * self.selector.columns(self.block) * one
 
     # --- views ------------------------------------------------------------------------------
     @property
@@ -155,24 +147,15 @@ class Retrieval:
         return self.attended_tokens + self.c.sink_tokens + self._tail if self.attended_tokens else 0
 
     @property
+    def count(self) -> list[int]:
+        """Blocks that have left the window (and have representatives), per layer."""
+        return self.reps.count
+
+    @property
     def device_bytes(self) -> int:
-        n = self.rep_device_bytes + sum(on.nbytes for on in self._on)
+        n = self.reps.device_bytes + sum(on.nbytes for on in self._on)
         g = self.c.geo  # a kept block: K and V of block tokens
         return n + sum(map(len, self._kept)) * 2 * g.num_kv_heads * self.block * g.head_dim * g.itemsize
-
-    @property
-    def rep_device_bytes(self) -> int:
-        """Device bytes the representatives' tensors hold now (their whole capacity)."""
-        return sum(t.numel() * t.element_size() for t in (self._cents, self._scale) if t is not None)
-
-    @property
-    def rep_bytes(self) -> int:
-        """Device bytes of one block's representatives, all layers."""
-        g = self.c.geo
-        one = g.head_dim * (g.itemsize if self.selector.name in ("centroids", "quest") else 1)
-        if self.selector.name not in ("centroids", "quest"):
-            one += 4  # the scale
-        return g.num_layers * g.num_kv_heads * self.cols * one
 
     def attend_for(self, blocks: int) -> int:
         """Blocks each layer attends when ``blocks`` have left the window: ``attend``, or
@@ -190,11 +173,8 @@ class Retrieval:
         stb = c.geo.session_token_bytes
         chosen = max(0, self.attend_for(self.count[0] + leaving) - len(self._on[0]))
         kept = max(0, min(self.keep, len(self._kept[0]) + leaving + chosen) - len(self._kept[0]))
-        cap = 0 if self._cents is None else self._cents.shape[-1] // self.cols
-        need = self.count[0] + leaving
-        grown = _capacity(need) - cap if need > cap else 0
         room = c.sink_tokens + self._tail if chosen and not self._on[0].nbytes else 0  # a new buffer's
-        return (room + (chosen + kept) * blk) * stb + grown * self.rep_bytes
+        return (room + (chosen + kept) * blk) * stb + self.reps.growth_bytes(self.count[0] + leaving)
 
     def window_from(self, seen: int, base: int) -> int:
         """Start of the window for ``seen`` tokens, ``base`` the start without blocks:
@@ -231,7 +211,7 @@ class Retrieval:
         if b0 != self.count[layer]:
             raise AssertionError(f"layer {layer}: block {b0} left the window, expected {self.count[layer]}")
         nb = k.shape[-2] // self.block
-        self._append_centroids(layer, *self.selector.represent(k, self.block))
+        self.reps.append(layer, *self.selector.represent(k, self.block))
         for j in range(max(0, nb - FRESH_BLOCKS), nb):
             s = slice(j * self.block, (j + 1) * self.block)
             self._keep_block(layer, b0 + j, (k[..., s, :].clone(), v[..., s, :].clone()))
@@ -243,45 +223,11 @@ class Retrieval:
         while len(kept) > self.keep:
             kept.popitem(last=False)
 
-    def _append_centroids(self, layer: int, new: torch.Tensor, scale: torch.Tensor | None = None) -> None:
-        """Add ``[m, H, cols, D]`` representatives (and ``[m, H, cols]`` scales) to ``layer``
-        (all layers grow by a quarter when the first one is full: few copies)."""
-        n, cur, m, r = self.count[layer], self._cents, new.shape[0], self.cols
-        lay = scoring_layout(new)
-        if cur is None or cur.shape[-1] < r * (n + m):
-            cap = _capacity(n + m)
-            grown = lay.new_empty((self.c.num_layers, *lay.shape[:2], r * cap))
-            if cur is not None:
-                grown[..., :cur.shape[-1]] = cur
-            self._cents = cur = grown
-            if scale is not None:
-                gs = torch.empty((self.c.num_layers, lay.shape[0], r * cap), dtype=scale.dtype, device=lay.device)
-                if self._scale is not None:
-                    gs[..., :self._scale.shape[-1]] = self._scale
-                self._scale = gs
-        cur[layer, ..., r * n:r * (n + m)] = lay
-        if scale is not None and self._scale is not None:
-            self._scale[layer, :, r * n:r * (n + m)] = scale_layout(scale)
-        self.count[layer] = n + m
-
     @property
     def streamed(self) -> bool:
         """Whether the representatives go to the ``key_centroids`` side stream (centroids);
         others are recomputed from the stored keys on resume."""
         return self.selector.name == "centroids"
-
-    def scoring(self, layer: int | None = None) -> torch.Tensor:
-        """The centroids of the blocks that left the window, as :func:`block_scores` reads
-        them (``[layers, H, D, 2n]``, or one layer's)."""
-        if self._cents is None:
-            raise RuntimeError("no block has left the window")
-        if layer is None:
-            return self._cents[..., :self.cols * self.count[-1]]
-        return self._cents[layer, ..., :self.cols * self.count[layer]]
-
-    def centroids(self, layer: int) -> torch.Tensor:
-        """``[n, H, 2, D]`` centroids of the blocks that left the window."""
-        return centroids_layout(self.scoring(layer))
 
     # --- the attended blocks ------------------------------------------------------------------
     def step_kv(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -333,14 +279,12 @@ class Retrieval:
         about while it is read, or its tokens carry on without it. As many blocks as the
         step was built with; the reads wait (a turn's prefill, not a decode step)."""
         k, n = len(self.chosen[layer]), self._before  # blocks that left before this step
-        if k == 0 or n == 0 or self._cents is None:
+        if k == 0 or n == 0 or not self.reps.held:
             return key, value
         excluded = [b for b in self.c.recalled_blocks(self.layout) if b < n] if self.c.recalling else []
         if n - len(excluded) < k:  # recalled rounds took the candidates: keep the choice
             return key, value
-        reps = self._cents[layer:layer + 1, ..., :self.cols * n]
-        scale = None if self._scale is None else self._scale[layer:layer + 1, :, :self.cols * n]
-        scores = self.selector.scores(query.detach(), reps, scale)[0]
+        scores = self.selector.scores(query.detach(), *self.reps.first(n, layer))[0]
         if excluded:
             scores[excluded] = float("-inf")
         top = set(torch.topk(scores, k).indices.tolist())
@@ -374,8 +318,7 @@ class Retrieval:
                 and scored == self._scored):
             return  # a decode step past the fresh ones, no new block, the same recall: the choice holds
         self._scored = scored
-        scale = None if self._scale is None else self._scale[..., :self.cols * n]
-        scores = self.selector.scores(torch.cat(qs), self.scoring(), scale)  # [layers, n]: one matmul
+        scores = self.selector.scores(torch.cat(qs), *self.reps.first(n))  # [layers, n]: one matmul
         if excluded:
             scores[:, excluded] = float("-inf")
         k = min(self.attend_for(n), n - len(excluded))
@@ -411,18 +354,18 @@ class Retrieval:
     def missing(self) -> bool:
         """Chosen blocks neither on the device nor being read, or the representatives (budget
         moves took them)."""
-        return self._reps_out or any(len(on) < len(ch) and not self.reads.in_flight(layer)
+        return self.reps.out or any(len(on) < len(ch) and not self.reads.in_flight(layer)
                                      for layer, (ch, on) in enumerate(zip(self.chosen, self._on, strict=True)))
 
     @property
     def refill_rep_bytes(self) -> int:
         """Device bytes the representatives take when rebuilt (0 unless the budget took them)."""
-        return _capacity(self.count[0]) * self.rep_bytes if self._reps_out else 0
+        return self.reps.refill_bytes
 
     def refill(self, device: torch.device | str) -> None:
         """Rebuild the representatives and read back the chosen blocks the budget took
         (before a step)."""
-        if self._reps_out:
+        if self.reps.out:
             self._build_reps(self.count[0], device)
             self.reps_rebuilt += 1
         for layer, ch in enumerate(self.chosen):
@@ -444,20 +387,17 @@ class Retrieval:
         resort before the sinks: rebuilding them reads the old keys back); bytes freed. They
         are a function of the stored keys alone, so the rebuilt ones choose exactly as these
         would have."""
-        freed = self.rep_device_bytes
-        if not freed:
+        if not self.reps.held:
             return 0
         self.queue_records()  # centroids not yet in the side stream go there first
-        self._cents = self._scale = None
-        self._reps_out = True
-        return freed
+        return self.reps.release()
 
     def release(self) -> None:
         """Forget every device tensor: the router dropped the session. The cache and its
         parts refer to each other, so whatever they still hold would wait for Python's
         cyclic collector, outside the budget (device memory on CUDA, heap on CPU)."""
         self.release_device()
-        self._cents = self._scale = None
+        self.reps.drop()
         self._queries = [None] * len(self._queries)
 
     # --- storage ------------------------------------------------------------------------------
@@ -465,10 +405,10 @@ class Retrieval:
         """Queue the records of the blocks that left the window since the last call (all
         layers have their centroids: called at the end of a step and before a flush)."""
         n, spiller = min(self.count), self.c.spiller
-        if n <= self.written or spiller is None or self._cents is None or not self.streamed:
+        if n <= self.written or spiller is None or not self.reps.held or not self.streamed:
             return
         first = self.written
-        new = centroids_layout(self._cents[..., 2 * first:2 * n].flatten(0, 1)).unflatten(1, (len(self.count), -1))
+        new = self.reps.centroid_span(first, n)
         c = self.c
         spiller.submit_call(write_records, c.warm, c.session_id, self.layout, first, new)
         self.written = n
@@ -500,19 +440,16 @@ class Retrieval:
     def _build_reps(self, need: int, device: torch.device | str) -> None:
         """The representatives of blocks ``[0, need)`` of every layer: the centroids from the
         side stream (completed from the stored keys), others from the stored keys."""
-        self._cents = self._scale = None
-        self._reps_out = False
-        for layer in range(self.c.num_layers):
-            self.count[layer] = 0
+        self.reps.reset()
         if self.streamed:
             cents, self.backfilled_blocks = load_centroids(self.c, self.layout, need)
             for layer in range(self.c.num_layers):
                 if need:
-                    self._append_centroids(layer, cents[:, layer].to(device))
+                    self.reps.append(layer, cents[:, layer].to(device))
         else:
             for layer in range(self.c.num_layers):
                 if need:
-                    self._append_centroids(layer, *recompute_reps(self.c, self.layout, self.selector,
+                    self.reps.append(layer, *recompute_reps(self.c, self.layout, self.selector,
                                                                   layer, need, device))
             self.backfilled_blocks = need
         self.written = need
@@ -524,10 +461,7 @@ class Retrieval:
             other._on[layer] = self._on[layer].copy()
             other._kept[layer] = OrderedDict((b, (k.clone(), v.clone()))
                                              for b, (k, v) in self._kept[layer].items())
-        other._cents = None if self._cents is None else self._cents.clone()
-        other._scale = None if self._scale is None else self._scale.clone()
-        other._reps_out = self._reps_out
-        other.count = list(self.count)
+        other.reps = self.reps.copy()
         other.chosen = list(self.chosen)
         other.written = self.written
         other._scored = self._scored
