@@ -63,7 +63,8 @@ def run_chat(model: Any, tok: Any, configs: Configs, name: str, chat: Any, rende
     (``forced``: instead of generating, the prefix and the wanted answer are fed one token a
     step, and each question gives ``(log-probability of the answer's tokens, whether each
     was the most likely)``: what greedy decoding would have written, and how close it was).
-    ``covers`` gains, per question, :func:`fact_cover` of the fact it asks about."""
+    ``covers`` gains, per question, :func:`fact_cover` of the fact it asks about and of its
+    correction (family c; else None)."""
     import torch
 
     cache, sid = configs.session(name)
@@ -71,6 +72,12 @@ def run_chat(model: Any, tok: Any, configs: Configs, name: str, chat: Any, rende
     live = variant(name)[1].get("live", False) if name != "full" else True
     ids: list[int] = []
     answers: list[Any] = []
+
+    def cover(k: int) -> None:
+        if covers is not None:
+            fix = chat.info.get("correction_round") if k == 0 else None
+            covers.append((fact_cover(cache, rendered, chat.fact_rounds[k]),
+                           None if fix is None else fact_cover(cache, rendered, fix)))
 
     def feed(x: list[int], end: bool = True) -> torch.Tensor:
         out = model(input_ids=torch.tensor([x]), cache=cache, use_cache=True)
@@ -94,8 +101,7 @@ def run_chat(model: Any, tok: Any, configs: Configs, name: str, chat: Any, rende
             for k, (q, prefix) in enumerate(rendered.questions):
                 if forced:  # the prefix as generate feeds it (one step), then the answer
                     feed((rendered.after_answer if k else []) + q)
-                    if covers is not None:
-                        covers.append(fact_cover(cache, rendered, chat.fact_rounds[k]))
+                    cover(k)
                     logits = feed(prefix, end=False)
                     lp, ok = 0.0, True
                     for t in answer_ids(tok, chat.questions[k].prefix, chat.questions[k].want[0]):
@@ -108,8 +114,7 @@ def run_chat(model: Any, tok: Any, configs: Configs, name: str, chat: Any, rende
                         cache.end_round()
                     continue
                 feed((rendered.after_answer if k else []) + q)
-                if covers is not None:
-                    covers.append(fact_cover(cache, rendered, chat.fact_rounds[k]))
+                cover(k)
                 x = torch.tensor([ids + prefix])
                 out = model.generate(x, attention_mask=torch.ones_like(x), cache=cache,
                                      max_new_tokens=new_tokens, do_sample=False)
@@ -233,6 +238,51 @@ def print_covers(rows: list[dict[str, Any]]) -> None:
               f"{r['layers_attending']:.1f} of {r['of_layers']} layers; per layer (0-9): {per}")
 
 
+def miss_rows(records: list[dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:
+    """Per cell and configuration other than the full cache: each question the full cache
+    answers correctly and it does not, with the fact's depth, the answer's verdict and the
+    layers attending the fact's round (and, family c, the correction's) as the answer began."""
+    ref = {(r["chat"], r["format"], r["question"]) for r in records
+           if r["config"] == "full" and r["verdict"] == "correct"}
+    cells: dict[tuple, list[dict[str, Any]]] = {}
+    for r in records:
+        if r["config"] in names and r["config"] != "full" and r["verdict"] != "correct" \
+                and (r["chat"], r["format"], r["question"]) in ref:
+            cells.setdefault((r["family"], r["length"], r["format"], r["config"]), []).append(r)
+    rows = []
+    for (fam, n, fmt, name), rs in sorted(cells.items()):
+        rows.append({"family": fam, "length": n, "format": fmt, "config": name, "misses": [
+            {"chat": r["chat"], "question": r["question"], "depth": r["depth"], "verdict": r["verdict"],
+             "answer": r["answer"], "want": r["want"], "layers": _attending(r.get("cover")),
+             "correction_depth": r.get("correction_depth"),
+             "correction_layers": _attending(r.get("correction_cover"))} for r in rs]})
+    return rows
+
+
+def _attending(cover: list[int] | None) -> str | None:
+    """``k/L`` layers attending a round (chosen or in the window), ``window`` when all hold
+    it in the window; None without a record of it."""
+    if not cover:
+        return None
+    if all(c == 2 for c in cover):
+        return "window"
+    return f"{sum(c > 0 for c in cover)}/{len(cover)}"
+
+
+def print_misses(rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        return
+    print("\nwhere the full cache's correct answers are missed (the fact's depth, the answer, the "
+          "layers attending the fact's round as the answer began; c: the correction's too)")
+    for r in rows:
+        print(f"  {r['family']} {r['length']} {r['format']} {r['config']}: {len(r['misses'])} missed")
+        for m in sorted(r["misses"], key=lambda m: m["depth"]):
+            fix = "" if m["correction_depth"] is None else \
+                f"; correction at {m['correction_depth']:.2f}, {m['correction_layers'] or '?'} layers"
+            print(f"    {m['chat']}:{m['question']} depth {m['depth']:.2f} {m['verdict']:>5} "
+                  f"{m['layers'] or '?'} layers{fix}: {m['answer'].strip()[:24]!r} for {m['want']!r}")
+
+
 def print_twins(rows: list[dict[str, Any]]) -> None:
     if not rows:
         return
@@ -301,7 +351,9 @@ def run_chats(model: Any, tok: Any, names: list[str], split: str, families: list
                                         "format": fmt, "config": name, "question": k,
                                         "depth": chat.depths[k], "tokens": rendered.tokens,
                                         "answer": a, "want": q.want[0], "verdict": v, "logprob": lp,
-                                        "cover": covers[k] if k < len(covers) else None,
+                                        "cover": covers[k][0] if k < len(covers) else None,
+                                        "correction_cover": covers[k][1] if k < len(covers) else None,
+                                        "correction_depth": chat.info.get("correction_depth") if k == 0 else None,
                                         "seconds": round(time.perf_counter() - t0, 1)})
                 log.info("chat %s %s (%d tokens): %s", chat.name, fmt, rendered.tokens, ", ".join(verdicts))
                 if jsonl:
@@ -359,6 +411,7 @@ def chats_report(model: Any, tok: Any, names: list[str], args: Any) -> dict[str,
     twins = twin_rows(records, names)
     print_twins(twins)
     print_covers(cover_rows(records, names))
+    print_misses(miss_rows(records, names))
     if args.plot:
         chat_plot(records, names, args.plot)
         log.info("plot written to %s", args.plot)
@@ -381,6 +434,7 @@ def merge(paths: list[str], plot: str | None = None) -> list[dict[str, Any]]:
     print_rows(rows, f"held-out chats, {len(paths)} runs merged")
     print_twins(twin_rows(records, names))
     print_covers(cover_rows(records, names))
+    print_misses(miss_rows(records, names))
     if plot:
         chat_plot(records, names, plot)
     return rows
