@@ -294,28 +294,34 @@ def print_twins(rows: list[dict[str, Any]]) -> None:
 
 
 def chat_plot(records: list[dict[str, Any]], names: list[str], path: str) -> None:
-    """Accuracy by the fact's depth, a line per length, a panel per configuration."""
+    """Accuracy by the fact's depth, a line per length, a panel per configuration and a row
+    per format."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     lengths = sorted({r["length"] for r in records})
-    fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 3), sharey=True, squeeze=False)
-    for ax, name in zip(axes[0], names, strict=True):
-        for n in lengths:
-            pts: dict[float, list[bool]] = {}
-            for r in records:
-                if r["config"] == name and r["length"] == n:
-                    pts.setdefault(round(r["depth"], 1), []).append(r["verdict"] == "correct")
-            xs = sorted(pts)
-            ax.plot(xs, [sum(pts[x]) / len(pts[x]) for x in xs], marker="o", label=f"{n} tokens")
-        ax.set_title(name)
-        ax.set_xlabel("depth of the fact")
-        ax.set_xlim(0, 1)
-        ax.set_ylim(-0.05, 1.05)
-    axes[0][0].set_ylabel("correct")
-    axes[0][0].legend(fontsize=7)
+    formats = sorted({r["format"] for r in records})
+    fig, axes = plt.subplots(len(formats), len(names), figsize=(3.2 * len(names), 3 * len(formats)),
+                             sharey=True, squeeze=False)
+    for row, fmt in zip(axes, formats, strict=True):
+        for ax, name in zip(row, names, strict=True):
+            for i, n in enumerate(lengths):
+                pts: dict[float, list[bool]] = {}
+                for r in records:
+                    if r["config"] == name and r["length"] == n and r["format"] == fmt:
+                        pts.setdefault(round(r["depth"], 1), []).append(r["verdict"] == "correct")
+                xs = sorted(pts)
+                if xs:
+                    ax.plot(xs, [sum(pts[x]) / len(pts[x]) for x in xs], marker="o", color=f"C{i}",
+                            label=f"{n} tokens")
+            ax.set_title(f"{name}, {fmt}")
+            ax.set_xlabel("depth of the fact")
+            ax.set_xlim(0, 1)
+            ax.set_ylim(-0.05, 1.05)
+        row[0].set_ylabel("correct")
+        row[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -4,7 +4,7 @@ many layers choose each for the first answer step.
 
 ``python tools/memory_misses.py --split test a-500-21:0 b-500-2:2`` (family-length-trial, then
 the question): each chat of tools/memory_chats.py is fed round by round to a fresh gov session
-(ChatML) up to that question, and the choice the question's step made for the answer is
+(ChatML, or ``--format plain``) up to that question, and the choice the question's step made for the answer is
 read from the session's retrieval.
 """
 
@@ -35,6 +35,7 @@ def value_span(tok: Any, ids: list[int], want: str) -> tuple[int, int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--split", default="test", choices=("dev", "test"))
+    p.add_argument("--format", default="chatml", choices=("chatml", "plain"))
     p.add_argument("--config", default="gov", help="a configuration of bench_memory (gov, gov+sel=...)")
     p.add_argument("chats", nargs="+", help="family-length-trial:question, e.g. a-500-21:0")
     args = p.parse_args(argv)
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             fam, length, trial = name.split("-")
             qk = int(q or 0)
             chat = next(iter(mc.chats(tok, args.split, [fam], [int(length)], 1, int(trial))))
-            r = mc.render(tok, chat, "chatml")
+            r = mc.render(tok, chat, args.format)
             # the wanted value where it was said (family c: in the correction), and the
             # stale value where it was first said
             wanted = [("value", chat.questions[qk].want[0], chat.fact_rounds[qk])]
