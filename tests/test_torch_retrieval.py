@@ -222,6 +222,28 @@ def stored_history(warm, sid, model, seen):
     return [read_tokens(warm, sid, layer, geo, 0, seen, "cpu")[0] for layer in range(geo.num_layers)]
 
 
+def test_runs_of_blocks_are_read_in_one_call_with_the_stored_bytes(tmp_path, model):
+    """The reads of chosen blocks: several runs of one layer in one call of the warm tier
+    give each run's stored K/V, in order; a run past the layer's end is a clear error."""
+    from kvfs.torch.fingerprint import KVCorrupt
+    from kvfs.torch.recall import read_runs, read_tokens
+
+    r = make_router(tmp_path, model)
+    c = r.cache("s", model)
+    generate_turns(model, c, BEFORE, NEW)
+    r.save("s")
+    geo = geometry(model)
+    runs = [(20, 28), (4, 8), (40, 41)]
+    for layer in (0, geo.num_layers - 1):
+        k, v = read_runs(r.warm, "s", layer, geo, runs, "cpu")
+        parts = [read_tokens(r.warm, "s", layer, geo, a, e, "cpu") for a, e in runs]
+        assert torch.equal(k, torch.cat([p[0] for p in parts], dim=-2))
+        assert torch.equal(v, torch.cat([p[1] for p in parts], dim=-2))
+    with pytest.raises(KVCorrupt, match="cannot read tokens"):
+        read_runs(r.warm, "s", 0, geo, [(4, 8), (c.seen, c.seen + 1)], "cpu")
+    r.close()
+
+
 def test_key_centroids_stream_holds_the_centroids_of_every_block_that_left(tmp_path, model):
     r = make_router(tmp_path, model)
     c = r.cache("s", model)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvfs.torch.recall import layer_pool, read_tokens
+from kvfs.torch.recall import layer_pool, read_runs
 
 if TYPE_CHECKING:
     from kvfs.torch.attended import KV
@@ -106,13 +106,13 @@ class BlockReads:
                 runs[-1][1] = b
             else:
                 runs.append([b, b])
-        out = {}
-        for i, (first, last) in enumerate(reversed(runs)):  # the last first: it checks the size
-            a, e = self.layout.span(first)[0], self.layout.span(last)[1]
-            k, v = read_tokens(warm, c.session_id, layer, c.geo, a, e, dev, promote=False, checked=i > 0)
+        spans = [(self.layout.span(first)[0], self.layout.span(last)[1]) for first, last in runs]
+        k, v = read_runs(warm, c.session_id, layer, c.geo, spans, dev)  # one call of the warm tier
+        out, at = {}, 0
+        for first, last in runs:
             for b in range(first, last + 1):
-                s = slice((b - first) * block, (b - first + 1) * block)
-                out[b] = (k[..., s, :], v[..., s, :])
+                out[b] = (k[..., at:at + block, :], v[..., at:at + block, :])
+                at += block
         self.fetched_blocks += len(blocks)
         return out
 

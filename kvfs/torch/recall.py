@@ -90,12 +90,17 @@ def _read(warm: WarmStore, sid: str, layer: int, a: int, b: int, promote: bool |
     n = b - a
     if n > SCRATCH_MAX:
         return warm.read(sid, layer, a, b, **kw)
+    out = _scratch_bytes(n)
+    warm.read_into(sid, layer, a, b, out, **kw)
+    return out
+
+
+def _scratch_bytes(n: int) -> np.ndarray:
+    """``n`` bytes of this thread's reused read buffer (valid until its next read)."""
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.size < n:
         buf = _scratch.buf = np.empty(max(n, 1 << 20), np.uint8)
-    out = buf[:n]
-    warm.read_into(sid, layer, a, b, out, **kw)
-    return out
+    return buf[:n]
 
 
 def read_tokens(warm: WarmStore, sid: str, layer: int, geo: KVGeometry, start: int, end: int,
@@ -119,6 +124,28 @@ def read_tokens(warm: WarmStore, sid: str, layer: int, geo: KVGeometry, start: i
     except ValueError as e:
         raise KVCorrupt(f"session {sid!r} layer_{layer}: cannot read tokens [{start}, {end}): {e}") from e
     return kv_from_bytes(buf, geo, end - start, device)
+
+
+def read_runs(warm: WarmStore, sid: str, layer: int, geo: KVGeometry, runs: list[tuple[int, int]],
+              device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens of ``runs`` (``[start, end)`` pairs, in the order given) of (sid, layer), one
+    after another, as one K/V ``[1,H,T,D]`` on ``device`` (exact bytes): one call of the warm
+    tier for all of them (its lookup and lock once, not once a run), never promoting the
+    session (the reads of old blocks that retrieval chose). The layer must hold the last
+    run's end (a read past it raises :class:`KVCorrupt`)."""
+    tb = geo.token_bytes
+    n = sum(e - a for a, e in runs) * tb
+    buf = _scratch_bytes(n) if n <= SCRATCH_MAX else np.empty(n, np.uint8)
+    jobs, o = [], 0
+    for a, e in runs:
+        m = (e - a) * tb
+        jobs.append((layer, a * tb, e * tb, buf[o:o + m]))
+        o += m
+    try:
+        warm.read_many(sid, jobs, promote=False)
+    except ValueError as e:
+        raise KVCorrupt(f"session {sid!r} layer_{layer}: cannot read tokens {runs}: {e}") from e
+    return kv_from_bytes(buf, geo, n // tb, device)
 
 
 def read_spans(warm: WarmStore, sid: str, geo: KVGeometry, spans: list[tuple[int, int]],
