@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvfs.torch.recall import layer_pool, read_runs
+from kvfs.torch.recall import layer_pool, read_runs, read_tokens
 
 if TYPE_CHECKING:
     from kvfs.torch.attended import KV
@@ -50,7 +50,7 @@ class BlockReads:
         if self._pending[layer] is not None:
             raise AssertionError(f"layer {layer} already has a read in flight")
         if self._in_ram(layer, blocks):
-            return self.read(layer, blocks)
+            return self.read(layer, blocks, in_ram=True)
         self._pending[layer] = layer_pool().submit(self.read, layer, blocks)
         self.background_reads += 1
         return None
@@ -91,8 +91,11 @@ class BlockReads:
             self._ram = bool(in_ram and in_ram(c.session_id, 0, at, at))
         return self._ram and warm.size(c.session_id, layer) >= self.layout.span(max(blocks))[1] * tb
 
-    def read(self, layer: int, blocks: list[int]) -> dict[int, KV]:
-        """Read ``blocks`` of ``layer`` from the warm tier (or the mount through it), now."""
+    def read(self, layer: int, blocks: list[int], in_ram: bool = False) -> dict[int, KV]:
+        """Read ``blocks`` of ``layer`` from the warm tier (or the mount through it), now.
+        ``in_ram`` (the caller checked): every run of neighbouring blocks in one call of the
+        warm tier; else one call a run, so that a read from the mount stays one request of
+        its own size."""
         c = self.c
         warm = c.warm
         assert warm is not None  # retrieval is built only over a warm tier
@@ -107,12 +110,24 @@ class BlockReads:
             else:
                 runs.append([b, b])
         spans = [(self.layout.span(first)[0], self.layout.span(last)[1]) for first, last in runs]
-        k, v = read_runs(warm, c.session_id, layer, c.geo, spans, dev)  # one call of the warm tier
-        out, at = {}, 0
-        for first, last in runs:
+        pieces = []  # (first block, last block, K, V) of each run
+        if in_ram:  # one call of the warm tier, the runs one after another
+            k, v = read_runs(warm, c.session_id, layer, c.geo, spans, dev)
+            at = 0
+            for (first, last), (a, e) in zip(runs, spans, strict=True):
+                pieces.append((first, last, k[..., at:at + e - a, :], v[..., at:at + e - a, :]))
+                at += e - a
+        else:  # the last run first: its read checks the layer's size
+            for i in reversed(range(len(runs))):
+                (first, last), (a, e) = runs[i], spans[i]
+                k, v = read_tokens(warm, c.session_id, layer, c.geo, a, e, dev, promote=False,
+                                   checked=i < len(runs) - 1)
+                pieces.append((first, last, k, v))
+        out = {}
+        for first, last, k, v in pieces:
             for b in range(first, last + 1):
-                out[b] = (k[..., at:at + block, :], v[..., at:at + block, :])
-                at += block
+                s = slice((b - first) * block, (b - first + 1) * block)
+                out[b] = (k[..., s, :], v[..., s, :])
         self.fetched_blocks += len(blocks)
         return out
 
