@@ -136,13 +136,8 @@ def read_runs(warm: WarmStore, sid: str, layer: int, geo: KVGeometry, runs: list
     tb = geo.token_bytes
     n = sum(e - a for a, e in runs) * tb
     buf = _scratch_bytes(n) if n <= SCRATCH_MAX else np.empty(n, np.uint8)
-    jobs, o = [], 0
-    for a, e in runs:
-        m = (e - a) * tb
-        jobs.append((layer, a * tb, e * tb, buf[o:o + m]))
-        o += m
     try:
-        warm.read_many(sid, jobs, promote=False)
+        warm.read_many(sid, _read_jobs([layer], runs, tb, buf), promote=False)
     except ValueError as e:
         raise KVCorrupt(f"session {sid!r} layer_{layer}: cannot read tokens {runs}: {e}") from e
     return kv_from_bytes(buf, geo, n // tb, device)
@@ -178,14 +173,8 @@ def read_spans(warm: WarmStore, sid: str, geo: KVGeometry, spans: list[tuple[int
 
     def fetch(k: int) -> np.ndarray:
         buf = _buffer(k % 2, len(groups[k]) * per_layer)
-        jobs, o = [], 0
-        for layer in groups[k]:
-            for a, b in spans:
-                n = (b - a) * tb
-                jobs.append((layer, a * tb, b * tb, buf[o:o + n]))
-                o += n
         try:
-            warm.read_many(sid, jobs, promote=promote)
+            warm.read_many(sid, _read_jobs(groups[k], spans, tb, buf), promote=promote)
         except ValueError as e:
             raise KVCorrupt(f"session {sid!r}: cannot read layers {groups[k].start}.."
                             f"{groups[k].stop - 1} tokens {spans}: {e}") from e
@@ -201,6 +190,19 @@ def read_spans(warm: WarmStore, sid: str, geo: KVGeometry, spans: list[tuple[int
         for j in range(len(group)):
             out.append(kv_from_bytes(buf[j * per_layer:(j + 1) * per_layer], geo, tokens, device))
     return out
+
+
+def _read_jobs(layers: list[int] | range, spans: list[tuple[int, int]], tb: int,
+               buf: np.ndarray) -> list[tuple[int, int, int, np.ndarray]]:
+    """The warm tier's read jobs (layer, start, end, out) of token ``spans`` of each of
+    ``layers``, their bytes one after another in ``buf``."""
+    jobs, o = [], 0
+    for layer in layers:
+        for a, b in spans:
+            n = (b - a) * tb
+            jobs.append((layer, a * tb, b * tb, buf[o:o + n]))
+            o += n
+    return jobs
 
 
 def _buffer(which: int, n: int) -> np.ndarray:
