@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvfs.torch.recall import layer_pool, read_runs, read_tokens
+from kvfs.torch.recall import layer_pool, read_runs
 
 if TYPE_CHECKING:
     from kvfs.torch.attended import KV
@@ -110,24 +110,12 @@ class BlockReads:
             else:
                 runs.append([b, b])
         spans = [(self.layout.span(first)[0], self.layout.span(last)[1]) for first, last in runs]
-        pieces = []  # (first block, last block, K, V) of each run
-        if in_ram:  # one call of the warm tier, the runs one after another
-            k, v = read_runs(warm, c.session_id, layer, c.geo, spans, dev)
-            at = 0
-            for (first, last), (a, e) in zip(runs, spans, strict=True):
-                pieces.append((first, last, k[..., at:at + e - a, :], v[..., at:at + e - a, :]))
-                at += e - a
-        else:  # the last run first: its read checks the layer's size
-            for i in reversed(range(len(runs))):
-                (first, last), (a, e) = runs[i], spans[i]
-                k, v = read_tokens(warm, c.session_id, layer, c.geo, a, e, dev, promote=False,
-                                   checked=i < len(runs) - 1)
-                pieces.append((first, last, k, v))
-        out = {}
-        for first, last, k, v in pieces:
-            for b in range(first, last + 1):
-                s = slice((b - first) * block, (b - first + 1) * block)
-                out[b] = (k[..., s, :], v[..., s, :])
+        calls = [spans] if in_ram else [[span] for span in spans]  # one call, or one a run
+        out, blocks_in_order = {}, (b for first, last in runs for b in range(first, last + 1))
+        for call in calls:
+            k, v = read_runs(warm, c.session_id, layer, c.geo, call, dev)
+            for at in range(0, k.shape[-2], block):
+                out[next(blocks_in_order)] = (k[..., at:at + block, :], v[..., at:at + block, :])
         self.fetched_blocks += len(blocks)
         return out
 
