@@ -384,6 +384,8 @@ def _fresh_child(job: dict[str, Any]) -> dict[str, Any]:
     t3 = time.perf_counter()
     (Path(mnt) / ".kvfs" / "stats").read_bytes()
     t4 = time.perf_counter()
+    opens = {"first_open_ms": (t1 - t0) * 1e3, "second_open_us": (t2 - t1) * 1e6,
+             "xattr_ms": (t3 - t2) * 1e3, "stats_ms": (t4 - t3) * 1e3}
     rng = random.Random(17)
     vals: dict[str, dict[str, list[float]]] = {w: {"native": [], "ext4": []} for w in ("piece", "whole")}
 
@@ -463,33 +465,32 @@ def _fresh_child(job: dict[str, Any]) -> dict[str, Any]:
                     continue
                 phys = c.view.ring_offset + fe.ext[0][0] % c.view.ring_size
                 piece = bytearray(PIECE)
-                t = time.perf_counter()
+                r0 = time.perf_counter()
                 os.preadv(fd, [buf], phys - phys % 4096)
-                t1 = time.perf_counter()
+                r1 = time.perf_counter()
                 check_and_copy(buf, phys % 4096 + first, BLOCK, piece, phys % 4096 + first)
-                t2 = time.perf_counter()
-                floors["piece"].append((t1 - t) * 1e3)
-                floors["piece_checked"].append((t2 - t) * 1e3)
+                r2 = time.perf_counter()
+                floors["piece"].append((r1 - r0) * 1e3)
+                floors["piece_checked"].append((r2 - r0) * 1e3)
                 continue
             runs = _entry_runs(c, sid, [f"layer_{x}" for x in range(layers)], per_layer)
             if runs is None or sum(b - a for a, b in runs) > len(whole_buf):
                 continue
             whole = bytearray(layers * per_layer)
-            t = time.perf_counter()
+            r0 = time.perf_counter()
             o = 0
             for a, b in runs:
                 os.preadv(fd, [memoryview(whole_buf)[o:o + b - a]], a)
                 o += b - a
-            t1 = time.perf_counter()
+            r1 = time.perf_counter()
             check_and_copy(whole_buf, 0, len(whole), whole, 0)
-            t2 = time.perf_counter()
-            floors["whole"].append((t1 - t) * 1e3)
-            floors["whole_checked"].append((t2 - t) * 1e3)
+            r2 = time.perf_counter()
+            floors["whole"].append((r1 - r0) * 1e3)
+            floors["whole_checked"].append((r2 - r0) * 1e3)
     finally:
         os.close(fd)
     reader._pread = pread  # type: ignore[method-assign]
-    return {**vals, "floors": floors, "split": split, "drop": how, "catalog_hits": ch.channel().locator.catalog_hits, "first_open_ms": (t1 - t0) * 1e3, "second_open_us": (t2 - t1) * 1e6,
-            "xattr_ms": (t3 - t2) * 1e3, "stats_ms": (t4 - t3) * 1e3}
+    return {**vals, "floors": floors, "split": split, "drop": how, "catalog_hits": ch.channel().locator.catalog_hits, **opens}
 
 
 def _entry_runs(c: Any, sid: str, names: list[str], size: int) -> list[tuple[int, int]] | None:
