@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                 start = sum(map(len, r.rounds[:fr]))
                 a, e = value_span(tok, r.rounds[fr], want)
                 blocks = sorted({(t - lay.origin) // lay.block for t in range(start + a, start + e)})
-                near = range(max(blocks[0] - 2, 0), min(blocks[-1] + 2, ret.count[0]))
+                near = range(max(blocks[0] - 1, 0), min(blocks[-1] + 2, ret.count[0]))  # one either side
                 chose = {b: sum(b in ch for ch in ret.chosen) for b in near}
                 log.info("%s question %d: %s %r in tokens [%d, %d), blocks %s; layers choosing it "
                          "and the blocks around it (of %d): %s; %d blocks left the window, %d "
