@@ -204,7 +204,8 @@ def cover_rows(records: list[dict[str, Any]], names: list[str]) -> list[dict[str
     """Per configuration with retrieval, of the questions the full cache answers correctly
     whose fact had left the window: for those it also answers (``hit``) and those it misses,
     how many layers attended the fact's round when the answer began, and each layer's share
-    of those questions in which it did (:func:`fact_cover`)."""
+    of those questions in which it did (:func:`fact_cover`). Family c is left out: its fact's
+    round is the statement the correction made stale."""
     ref = {(r["chat"], r["format"], r["question"]) for r in records
            if r["config"] == "full" and r["verdict"] == "correct"}
     rows = []
@@ -212,7 +213,8 @@ def cover_rows(records: list[dict[str, Any]], names: list[str]) -> list[dict[str
         groups: dict[str, list[list[int]]] = {"hit": [], "miss": []}
         for r in records:
             cov = r.get("cover")
-            if r["config"] != name or not cov or (r["chat"], r["format"], r["question"]) not in ref:
+            if (r["config"] != name or not cov or r["family"] == "c"
+                    or (r["chat"], r["format"], r["question"]) not in ref):
                 continue
             if all(c == 2 for c in cov):  # still in the window: nothing to choose
                 continue
@@ -231,11 +233,11 @@ def print_covers(rows: list[dict[str, Any]]) -> None:
     if not rows:
         return
     print("\nlayers attending the fact's round as the answer begins (questions the full cache "
-          "answers, fact out of the window)")
+          "answers, fact out of the window; family c left out)")
     for r in rows:
-        per = " ".join(f"{round(9 * s)}" for s in r["per_layer"])
+        per = " ".join(f"{i}:{100 * s:.0f}" for i, s in enumerate(r["per_layer"]))
         print(f"  {r['config']:>20} {r['group']:>4}: {r['questions']:>3} questions, "
-              f"{r['layers_attending']:.1f} of {r['of_layers']} layers; per layer (0-9): {per}")
+              f"{r['layers_attending']:.1f} of {r['of_layers']} layers; % of them per layer: {per}")
 
 
 def miss_rows(records: list[dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:
@@ -424,8 +426,10 @@ def chats_report(model: Any, tok: Any, names: list[str], args: Any) -> dict[str,
     return {"split": args.split, "rows": rows, "twins": twins, "records": records}
 
 
-def merge(paths: list[str], plot: str | None = None) -> list[dict[str, Any]]:
-    """The rows of the records of several runs' JSON files (``--json``), printed."""
+def merge(paths: list[str], plot: str | None = None, configs: list[str] | None = None
+          ) -> list[dict[str, Any]]:
+    """The rows of the records of several runs' JSON files (``--json``), printed; only
+    ``configs`` when given (the full cache's records are kept: the shares are of its)."""
     import json
 
     records: list[dict[str, Any]] = []
@@ -434,6 +438,8 @@ def merge(paths: list[str], plot: str | None = None) -> list[dict[str, Any]]:
         text = open(p).read()
         got = [json.loads(x) for x in text.splitlines() if x] if p.endswith(".jsonl") else \
             json.loads(text)["chats"]["records"]
+        if configs is not None:
+            got = [r for r in got if r["config"] in configs or r["config"] == "full"]
         records += got
         names += [n for n in dict.fromkeys(r["config"] for r in got) if n not in names]
     rows = chat_rows(records, names)
@@ -447,15 +453,12 @@ def merge(paths: list[str], plot: str | None = None) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    import sys
+    import argparse
 
-    args = sys.argv[1:]
-    if not args or args[0] != "--merge":
-        raise SystemExit("usage: bench_memory_chats.py --merge A.json [B.json ...] [--plot OUT.png]"
-                         " (runs: bench_memory.py --chats)")
-    out = None
-    if "--plot" in args:
-        i = args.index("--plot")
-        out = args[i + 1]
-        args = args[:i] + args[i + 2:]
-    merge(args[1:], out)
+    ap = argparse.ArgumentParser(description="the table of earlier runs of bench_memory.py --chats")
+    ap.add_argument("--merge", nargs="+", required=True, metavar="RECORDS",
+                    help="--json files or --records JSONL files of runs of the same chats")
+    ap.add_argument("--plot", help="write the accuracy plot here (PNG)")
+    ap.add_argument("--configs", help="only these configurations (the full cache is always kept)")
+    a = ap.parse_args()
+    merge(a.merge, a.plot, a.configs.split(",") if a.configs else None)
